@@ -1,0 +1,13 @@
+"""kiln's graph IR: types, ops as data, graphs, a builder, a printer/parser, a verifier, JSON form."""
+
+from .builder import GraphBuilder
+from .graph import FrozenAttrs, Graph, Node, Param, make_node
+from .ops import AttrSpec, IRTypeError, OpDef, all_ops, get_op, register_op
+from .printer import parse_graph, print_graph
+from .types import Dim, DType, TensorType
+from .verify import VerifyError, verify
+
+__all__ = [
+    "AttrSpec", "Dim", "DType", "FrozenAttrs", "Graph", "GraphBuilder", "IRTypeError", "Node", "OpDef", "Param",
+    "TensorType", "VerifyError", "all_ops", "get_op", "make_node", "parse_graph", "print_graph", "register_op", "verify",
+]

@@ -1,0 +1,83 @@
+"""The kernel registry: which function runs each op, chosen by backend, checker and priority.
+
+``register_impl(op, backend, fn, checker, priority)`` adds an implementation. Selection walks the
+implementations of the op for the wanted backend from the highest priority down and takes the
+first whose checker accepts the node's types and attributes; the plain-torch reference matches
+last, so every graph runs on the CPU.
+
+Calling convention (what generated programs call): ``fn(*inputs, out=..., **attrs)`` writes into
+``out`` (a tensor, or a tuple for several outputs) for ops that make fresh values; ops whose
+outputs alias their inputs (views, in-place stores) take no ``out`` and return their outputs.
+Implementations registered with ``wants_sizes=True`` also receive ``sizes``: the step's symbol
+sizes and host-side facts such as ``max_q_len``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from kiln.ir.types import TensorType
+
+Checker = Callable[[Sequence[TensorType], Mapping[str, Any]], bool]
+BACKENDS = ("torch", "triton")
+
+
+def always(types: Sequence[TensorType], attrs: Mapping[str, Any]) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class KernelImpl:
+    name: str
+    op: str
+    backend: str
+    fn: Callable[..., Any]
+    checker: Checker
+    priority: int
+    wants_sizes: bool
+
+
+_IMPLS: dict[str, list[KernelImpl]] = {}
+_BY_NAME: dict[str, KernelImpl] = {}
+
+
+def register_impl(op: str, backend: str, fn: Callable[..., Any], checker: Checker = always, priority: int = 0,
+                  name: str | None = None, wants_sizes: bool = False) -> KernelImpl:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; known: {BACKENDS}")
+    impl = KernelImpl(name or f"{backend}.{op}", op, backend, fn, checker, priority, wants_sizes)
+    if impl.name in _BY_NAME:
+        raise ValueError(f"kernel {impl.name!r} is registered twice")
+    _IMPLS.setdefault(op, []).append(impl)
+    _IMPLS[op].sort(key=lambda i: -i.priority)
+    _BY_NAME[impl.name] = impl
+    return impl
+
+
+def select_impl(op: str, types: Sequence[TensorType], attrs: Mapping[str, Any], backend: str) -> KernelImpl:
+    """The best implementation of ``op`` for ``backend``, falling back to the torch reference."""
+    _load_families()
+    candidates = _IMPLS.get(op, [])
+    for wanted in (backend, "torch"):
+        for impl in candidates:
+            if impl.backend == wanted and impl.checker(types, attrs):
+                return impl
+    raise LookupError(f"no kernel implements op {op!r} for {[str(t) for t in types]} {dict(attrs)}")
+
+
+def get_impl(name: str) -> KernelImpl:
+    _load_families()
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise LookupError(f"no kernel named {name!r}; known: {sorted(_BY_NAME)}") from None
+
+
+def impls_of(op: str) -> list[KernelImpl]:
+    _load_families()
+    return list(_IMPLS.get(op, []))
+
+
+def _load_families() -> None:
+    from . import families  # noqa: F401  (registers every kernel family on import)
