@@ -1,0 +1,84 @@
+"""The ``kiln`` command line: compile, fetch (and, as they land, generate, chat, serve, bench).
+
+Expected failures (a bad path, an unsupported architecture, an invalid option) print one line
+``kiln: error: ...`` and exit with status 2; only unexpected ones show a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+EXPECTED_ERRORS = (ValueError, FileNotFoundError, FileExistsError, LookupError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kiln", description="Compile, serve and benchmark LLMs.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_compile(commands)
+    _add_fetch(commands)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args) or 0
+    except EXPECTED_ERRORS as exc:
+        print(f"kiln: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _add_compile(commands) -> None:
+    p = commands.add_parser("compile", help="compile a model (HF dir, GGUF file or alias) into an artifact")
+    p.add_argument("model", help="HF model directory, .gguf file, or alias such as smollm2-135m-instruct")
+    p.add_argument("-o", "--output", required=True, type=Path, help="artifact directory to write (NAME.kiln)")
+    add_compile_options(p)
+    p.add_argument("--dump-ir", type=Path, default=None, help="write the IR after each pass into this directory")
+    p.set_defaults(run=_run_compile)
+
+
+def add_compile_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--backend", default=None, choices=["torch", "triton"],
+                   help="kernel backend (default: triton when a GPU is present, else torch)")
+    p.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens in one step (default 2048)")
+    p.add_argument("--max-batch-size", type=int, default=256, help="sequences in one step (default 256)")
+    p.add_argument("--max-seq-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens (default 16)")
+
+
+def compile_options_from(args: argparse.Namespace):
+    from kiln.compiler.options import CompileOptions
+
+    backend = args.backend
+    if backend is None:
+        import torch
+
+        backend = "triton" if torch.cuda.is_available() else "torch"
+    return CompileOptions(dtype=args.dtype, backend=backend, max_batch_tokens=args.max_batch_tokens,
+                          max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, page_size=args.page_size)
+
+
+def _run_compile(args: argparse.Namespace) -> int:
+    from kiln.compiler.compile import compile_model
+
+    out = compile_model(args.model, args.output, compile_options_from(args), dump_ir=args.dump_ir)
+    print(f"wrote {out}")
+    return 0
+
+
+def _add_fetch(commands) -> None:
+    p = commands.add_parser("fetch", help="obtain a model by alias into the cache (KILN_HOME)")
+    p.add_argument("alias", help="e.g. smollm2-135m-instruct")
+    p.set_defaults(run=_run_fetch)
+
+
+def _run_fetch(args: argparse.Namespace) -> int:
+    from kiln.compiler.sources.aliases import fetch
+
+    print(fetch(args.alias))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""``compile_model``: source -> graph -> passes -> codegen -> an artifact directory.
+
+The artifact is written into a temporary directory beside the target and renamed into place at
+the end, so a failed compile never leaves a half-written artifact where a good one is expected.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from kiln import __version__
+from kiln.artifact_format import (FORMAT_VERSION, GRAPH_JSON, GRAPH_TEXT, KERNELS_DIR, MANIFEST, PROGRAM,
+                                  TOKENIZER_DIR, weights_file)
+from kiln.ir import print_graph
+from kiln.ir.serialize import dumps
+from kiln.models import BuildOptions, family_for
+from kiln.tensors import parse_float_dtype
+
+from .codegen.program import generate_program
+from .options import CompileOptions
+from .passes.base import PassContext
+from .pipeline import run_pipeline
+from .sources.hf import ModelSource, load_hf_dir
+from .weights import WeightStore
+
+
+def load_source(model: str | Path) -> ModelSource:
+    """An HF directory, a GGUF file or an alias, as a model source."""
+    path = Path(model)
+    if path.is_dir():
+        return load_hf_dir(path)
+    from .sources.aliases import resolve_model
+
+    return load_hf_dir(resolve_model(model))
+
+
+def compile_model(model: str | Path, out: str | Path, options: CompileOptions | None = None,
+                  dump_ir: Path | None = None) -> Path:
+    options = options or CompileOptions()
+    options.validate()
+    started = time.perf_counter()
+    source = load_source(model)
+    family = family_for(source.config)
+    dtype = parse_float_dtype(options.dtype)
+    built = family.build(source.config, BuildOptions(dtype, options.page_size, options.max_seq_len))
+    max_seq_len = built.max_seq_len
+    bounds = {
+        "T": options.max_batch_tokens,
+        "B": options.max_batch_size,
+        "N": options.max_logit_rows or options.max_batch_size,
+        "P": -(-max_seq_len // options.page_size),
+    }
+    ctx = PassContext(backend=options.backend, symbol_bounds=bounds)
+    graph, pass_log = run_pipeline(built.graph, ctx, dump_dir=dump_ir)
+
+    store = WeightStore(source.tensors, built.computed, ctx.recipes, str(source.path))
+    store.check_available(graph)
+
+    out = Path(out)
+    if out.exists() and not (out / MANIFEST).is_file():
+        raise FileExistsError(f"{out}: exists and is not a kiln artifact; not overwriting it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        (staging / KERNELS_DIR).mkdir()
+        weights_path = staging / weights_file(0)
+        weights_path.parent.mkdir()
+        save_file(dict(store.materialize(graph)), str(weights_path))
+        (staging / GRAPH_TEXT).write_text(print_graph(graph))
+        (staging / GRAPH_JSON).write_text(dumps(graph))
+        (staging / PROGRAM).write_text(generate_program(graph, ctx.kernel_choice, ctx.memory_plan))
+        tokenizer = _copy_tokenizer(source, staging / TOKENIZER_DIR)
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "kiln_version": __version__,
+            "model": {
+                "source": str(model),
+                "fingerprint": source.fingerprint,
+                "architecture": built.graph.name,
+                "config": source.config,
+            },
+            "options": options.to_json(),
+            "runtime": {
+                "num_layers": built.num_layers,
+                "num_kv_heads": built.num_kv_heads,
+                "head_dim": built.head_dim,
+                "vocab_size": built.vocab_size,
+                "max_seq_len": max_seq_len,
+                "page_size": options.page_size,
+                "dtype": str(dtype),
+                "symbol_bounds": bounds,
+            },
+            "memory_plan": ctx.memory_plan.to_json(),
+            "kernels": sorted(set(ctx.kernel_choice)),
+            "passes": pass_log,
+            "weights": [weights_file(0)],
+            "tokenizer": TOKENIZER_DIR if tokenizer else None,
+            "compile_seconds": round(time.perf_counter() - started, 3),
+        }
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def _copy_tokenizer(source: ModelSource, target: Path) -> bool:
+    if not source.tokenizer_files:
+        return False
+    target.mkdir()
+    for file in source.tokenizer_files:
+        shutil.copy2(file, target / file.name)
+    return True

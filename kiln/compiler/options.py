@@ -1,0 +1,32 @@
+"""Compile options: what ``kiln compile`` takes, with defaults and validation."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from kiln.kernels.registry import BACKENDS
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    dtype: str = "bf16"
+    backend: str = "torch"
+    max_batch_tokens: int = 2048      # T: tokens in one step (prefill chunks + decodes)
+    max_batch_size: int = 256         # B: sequences in one step
+    max_seq_len: int | None = None    # context length; default: the model's max positions
+    max_logit_rows: int | None = None  # N: rows of logits one step returns; default max_batch_size
+    page_size: int = 16
+
+    def validate(self) -> None:
+        for name in ("max_batch_tokens", "max_batch_size", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_seq_len is not None and self.max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
+        if self.max_logit_rows is not None and self.max_logit_rows < 1:
+            raise ValueError(f"max_logit_rows must be >= 1, got {self.max_logit_rows}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+
+    def to_json(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,44 @@
+"""What passes share: the context they run in and the weight recipes they leave for the artifact writer.
+
+A pass is ``fn(graph, ctx) -> graph``. When it changes what a parameter holds (fusing q/k/v
+concatenates three weights), it records a ``WeightRecipe`` for the new parameter in ``ctx``; the
+weight store applies recipes when the artifact is written, so passes never touch tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kiln.ir import Graph
+
+
+@dataclass(frozen=True)
+class WeightRecipe:
+    """How to make a parameter from others: ``concat`` along ``dim`` (more kinds come with sharding
+    and quantization)."""
+
+    kind: str
+    sources: tuple[str, ...]
+    args: tuple[tuple[str, Any], ...] = ()
+
+    def arg(self, name: str) -> Any:
+        return dict(self.args)[name]
+
+
+@dataclass
+class PassContext:
+    backend: str = "torch"
+    symbol_bounds: dict[str, int] = field(default_factory=dict)
+    recipes: dict[str, WeightRecipe] = field(default_factory=dict)
+    # Results of the analysis passes, read by codegen and the manifest.
+    kernel_choice: list[str] = field(default_factory=list)
+    memory_plan: Any = None
+
+    def derive_weight(self, name: str, recipe: WeightRecipe) -> None:
+        if name in self.recipes:
+            raise ValueError(f"weight {name} is derived twice")
+        self.recipes[name] = recipe
+
+
+Pass = Callable[[Graph, PassContext], Graph]

@@ -1,0 +1,57 @@
+"""The ordered pass list, and the loop that runs it, timing and optionally dumping the IR after each.
+
+Transforms rewrite the graph; analyses (kernel selection, memory planning) leave their results in
+the context for codegen. The order matters: the linear fusions must see the unfused projections,
+silu·mul must see the split the gate/up fusion made, and planning runs last on the final graph.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from kiln.ir import Graph, print_graph, verify
+
+from .passes.base import Pass, PassContext
+from .passes.dce import eliminate_dead_code
+from .passes.fuse_add_rmsnorm import fuse_add_rmsnorm
+from .passes.fuse_linears import fuse_gate_up, fuse_qkv
+from .passes.fuse_silu_mul import fuse_silu_mul
+from .passes.plan_memory import plan_memory
+from .passes.select_kernels import select_kernels
+
+
+def _verify(graph: Graph, ctx: PassContext) -> Graph:
+    verify(graph)
+    return graph
+
+
+PIPELINE: list[tuple[str, Pass]] = [
+    ("verify", _verify),
+    ("fuse_qkv", fuse_qkv),
+    ("fuse_gate_up", fuse_gate_up),
+    ("fuse_silu_mul", fuse_silu_mul),
+    ("fuse_add_rmsnorm", fuse_add_rmsnorm),
+    ("dce", eliminate_dead_code),
+    ("select_kernels", select_kernels),
+    ("plan_memory", plan_memory),
+]
+
+
+def run_pipeline(graph: Graph, ctx: PassContext, dump_dir: Path | None = None,
+                 verify_each: bool = True) -> tuple[Graph, list[dict]]:
+    """Runs every pass in order; returns the final graph and the pass log (name, seconds, node count)."""
+    log = []
+    if dump_dir is not None:
+        dump_dir.mkdir(parents=True, exist_ok=True)
+        (dump_dir / "00_input.txt").write_text(print_graph(graph))
+    for index, (name, fn) in enumerate(PIPELINE, start=1):
+        start = time.perf_counter()
+        graph = fn(graph, ctx)
+        seconds = time.perf_counter() - start
+        if verify_each:
+            verify(graph)
+        log.append({"pass": name, "seconds": round(seconds, 6), "nodes": len(graph.nodes)})
+        if dump_dir is not None:
+            (dump_dir / f"{index:02d}_{name}.txt").write_text(print_graph(graph))
+    return graph, log

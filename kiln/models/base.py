@@ -1,0 +1,35 @@
+"""What every model file gives the compiler: ``build(hf_config, BuildOptions) -> BuiltModel``.
+
+Contract: graph parameters carry the names the HF checkpoint uses, so the compiler loads each one
+by its own name; parameters the model computes (rope tables) come in ``BuiltModel.computed``.
+The graph's inputs are the step inputs every model shares (see ``kiln.ir.ops_core``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kiln.ir import DType, Graph
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    dtype: DType
+    page_size: int
+    max_seq_len: int | None = None
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    """The graph, the parameters the model computes itself, and the facts the runtime sizes its KV
+    pool and requests by."""
+
+    graph: Graph
+    computed: dict[str, torch.Tensor]
+    max_seq_len: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int

@@ -1,0 +1,144 @@
+"""The Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm), SmolLM2.
+
+``LlamaConfig.from_hf`` reads an HF ``config.json``; ``build`` writes the model as primitive ops
+(no fusion, no sharding: passes do that) with parameters named exactly as in HF checkpoints, so
+the weight-name map is the identity except for the tied ``lm_head``. The one computed parameter is
+the rope table, returned beside the graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from kiln.ir import DType, Graph, GraphBuilder, TensorType
+
+from .base import BuildOptions, BuiltModel
+from .rope import RopeConfig, cos_sin_table
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ROPE_TABLE = "rope.cos_sin"
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_window: int
+
+    @staticmethod
+    def from_hf(config: Mapping[str, Any]) -> "LlamaConfig":
+        arch = (config.get("architectures") or ["LlamaForCausalLM"])[0]
+        act = config.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {act!r} is not supported for {arch}; supported: silu")
+        heads = int(config["num_attention_heads"])
+        head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+        attention_bias = bool(config.get("attention_bias", False))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        window = config.get("sliding_window") or 0
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not config.get("use_sliding_window", False):
+            window = 0
+        return LlamaConfig(
+            architecture=arch,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=int(config["hidden_size"]),
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_hf(config, head_dim),
+            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=True if is_qwen2 else attention_bias,
+            o_bias=False if is_qwen2 else attention_bias,
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=int(window),
+        )
+
+
+def build(config: Mapping[str, Any], options: BuildOptions) -> BuiltModel:
+    cfg = LlamaConfig.from_hf(config)
+    max_positions = min(options.max_seq_len, cfg.max_position_embeddings) if options.max_seq_len else \
+        cfg.max_position_embeddings
+    graph = _build_graph(cfg, options, max_positions)
+    return BuiltModel(graph, {ROPE_TABLE: cos_sin_table(cfg.rope, max_positions)}, max_positions, cfg.num_layers,
+                      cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)
+
+
+def _build_graph(cfg: LlamaConfig, options: BuildOptions, max_positions: int) -> Graph:
+    dt, H, D = options.dtype, cfg.hidden_size, cfg.head_dim
+    b = GraphBuilder(cfg.architecture)
+    ids = b.input("token_ids", TensorType(("T",), DType.i32))
+    positions = b.input("positions", TensorType(("T",), DType.i32))
+    slots = b.input("slots", TensorType(("T",), DType.i32))
+    seq_inputs = [b.input(name, TensorType(("B",), DType.i32)) for name in ("q_start", "q_len", "kv_len")]
+    page_table = b.input("page_table", TensorType(("B", "P"), DType.i32))
+    logits_index = b.input("logits_index", TensorType(("N",), DType.i32))
+    cache_type = TensorType(("NS", cfg.num_kv_heads, D), dt)
+    caches = [(b.input(f"k_cache.{i}", cache_type), b.input(f"v_cache.{i}", cache_type)) for i in range(cfg.num_layers)]
+    rope_table = b.param(ROPE_TABLE, TensorType((max_positions, cfg.rope.rot_dim), DType.f32))
+
+    def weight(name: str, *shape: int) -> str:
+        return b.param(name, TensorType(shape, dt))
+
+    def linear(x: str, prefix: str, out_features: int, in_features: int, bias: bool, name: str) -> str:
+        w = weight(f"{prefix}.weight", out_features, in_features)
+        if bias:
+            return b.op("linear", x, w, weight(f"{prefix}.bias", out_features), name=name)
+        return b.op("linear", x, w, name=name)
+
+    embed = weight("model.embed_tokens.weight", cfg.vocab_size, H)
+    hidden = b.op("embedding", ids, embed, name="embed")
+    q_width, kv_width = cfg.num_heads * D, cfg.num_kv_heads * D
+    for i in range(cfg.num_layers):
+        p, n = f"model.layers.{i}", f"l{i}"
+        x = b.op("rmsnorm", hidden, weight(f"{p}.input_layernorm.weight", H), eps=cfg.rms_norm_eps, name=f"{n}.attn_in")
+        q = linear(x, f"{p}.self_attn.q_proj", q_width, H, cfg.qkv_bias, f"{n}.q")
+        k = linear(x, f"{p}.self_attn.k_proj", kv_width, H, cfg.qkv_bias, f"{n}.k")
+        v = linear(x, f"{p}.self_attn.v_proj", kv_width, H, cfg.qkv_bias, f"{n}.v")
+        q = b.op("reshape", q, shape=["T", cfg.num_heads, D], name=f"{n}.q_heads")
+        k = b.op("reshape", k, shape=["T", cfg.num_kv_heads, D], name=f"{n}.k_heads")
+        v = b.op("reshape", v, shape=["T", cfg.num_kv_heads, D], name=f"{n}.v_heads")
+        if cfg.qk_norm:
+            q = b.op("rmsnorm", q, weight(f"{p}.self_attn.q_norm.weight", D), eps=cfg.rms_norm_eps, name=f"{n}.q_normed")
+            k = b.op("rmsnorm", k, weight(f"{p}.self_attn.k_norm.weight", D), eps=cfg.rms_norm_eps, name=f"{n}.k_normed")
+        q = b.op("rope", q, positions, rope_table, name=f"{n}.q_rot")
+        k = b.op("rope", k, positions, rope_table, name=f"{n}.k_rot")
+        k_cache, v_cache = b.op("kv_store", *caches[i], k, v, slots, names=(f"{n}.k_cache", f"{n}.v_cache"))
+        attn = b.op("paged_attention", q, k_cache, v_cache, *seq_inputs, page_table, scale=D ** -0.5,
+                    page_size=options.page_size, sliding_window=cfg.sliding_window, name=f"{n}.attn")
+        attn = b.op("reshape", attn, shape=["T", q_width], name=f"{n}.attn_flat")
+        o = linear(attn, f"{p}.self_attn.o_proj", H, q_width, cfg.o_bias, f"{n}.o")
+        hidden = b.op("add", hidden, o, name=f"{n}.resid_attn")
+        x = b.op("rmsnorm", hidden, weight(f"{p}.post_attention_layernorm.weight", H), eps=cfg.rms_norm_eps,
+                 name=f"{n}.mlp_in")
+        gate = linear(x, f"{p}.mlp.gate_proj", cfg.intermediate_size, H, cfg.mlp_bias, f"{n}.gate")
+        up = linear(x, f"{p}.mlp.up_proj", cfg.intermediate_size, H, cfg.mlp_bias, f"{n}.up")
+        act = b.op("mul", b.op("silu", gate, name=f"{n}.gate_act"), up, name=f"{n}.act")
+        down = linear(act, f"{p}.mlp.down_proj", H, cfg.intermediate_size, cfg.mlp_bias, f"{n}.down")
+        hidden = b.op("add", hidden, down, name=f"{n}.resid_mlp")
+    normed = b.op("rmsnorm", hidden, weight("model.norm.weight", H), eps=cfg.rms_norm_eps, name="final_norm")
+    rows = b.op("gather_rows", normed, logits_index, name="last_rows")
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    logits = b.op("linear", rows, weight(head, cfg.vocab_size, H), name="lm_logits")
+    b.output(b.op("cast", logits, dtype="f32", name="logits"))
+    return b.build()
+

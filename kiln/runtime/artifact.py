@@ -1,0 +1,77 @@
+"""Loading an artifact: manifest (format version checked), the generated program, weights, tokenizer dir.
+
+The runtime never imports the compiler: everything it needs is in the artifact's files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from kiln.artifact_format import FORMAT_VERSION, GRAPH_JSON, MANIFEST, PROGRAM
+
+
+class ArtifactError(ValueError):
+    """An artifact that cannot be loaded; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class Artifact:
+    path: Path
+    manifest: dict[str, Any]
+    program: ModuleType
+
+    @property
+    def runtime(self) -> dict[str, Any]:
+        return self.manifest["runtime"]
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        name = self.manifest.get("tokenizer")
+        return self.path / name if name else None
+
+    @property
+    def graph_json(self) -> dict[str, Any]:
+        return json.loads((self.path / GRAPH_JSON).read_text())
+
+    def load_weights(self, device: torch.device | str, rank: int = 0) -> dict[str, torch.Tensor]:
+        file = self.path / self.manifest["weights"][rank]
+        try:
+            return load_file(str(file), device=str(device))
+        except Exception as exc:
+            raise ArtifactError(f"{file}: cannot load weights: {exc}") from None
+
+
+def load_artifact(path: str | Path) -> Artifact:
+    path = Path(path)
+    manifest_file = path / MANIFEST
+    if not manifest_file.is_file():
+        raise ArtifactError(f"{path}: not a kiln artifact (no {MANIFEST})")
+    try:
+        manifest = json.loads(manifest_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{manifest_file}: not valid JSON: {exc}") from None
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ArtifactError(f"{manifest_file}: artifact format version {version!r}, this kiln reads version "
+                            f"{FORMAT_VERSION}; recompile the model with this kiln")
+    return Artifact(path, manifest, _load_program(path / PROGRAM))
+
+
+def _load_program(file: Path) -> ModuleType:
+    if not file.is_file():
+        raise ArtifactError(f"{file}: missing")
+    spec = importlib.util.spec_from_file_location(f"kiln_program_{abs(hash(str(file)))}", file)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        raise ArtifactError(f"{file}: not a valid program: {exc}") from None
+    return module

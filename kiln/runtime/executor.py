@@ -1,0 +1,89 @@
+"""The executor: runs an artifact's step program over static buffers.
+
+It owns the arena the compiler planned (one byte buffer; every intermediate value is a view at a
+fixed offset), the weights on the device, and the kernel table the program is bound to. Step
+outputs are views into the arena: read or copy them before the next step overwrites them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kiln.kernels import get_impl
+
+from .artifact import Artifact
+
+STEP_INPUTS = ("token_ids", "positions", "slots", "q_start", "q_len", "kv_len", "page_table", "logits_index")
+
+
+@dataclass
+class StepInputs:
+    """One step's inputs (int32 tensors on the executor's device) and host-side facts about them."""
+
+    token_ids: torch.Tensor      # [T]
+    positions: torch.Tensor      # [T]
+    slots: torch.Tensor          # [T] pool slot each token's K/V goes to (-1: padding)
+    q_start: torch.Tensor        # [B] first row of each sequence's tokens
+    q_len: torch.Tensor          # [B] new tokens of each sequence
+    kv_len: torch.Tensor         # [B] context length including the new tokens
+    page_table: torch.Tensor     # [B, P] pages of each sequence
+    logits_index: torch.Tensor   # [N] rows whose logits are wanted
+    max_q_len: int
+    max_kv_len: int
+
+    def sizes(self) -> dict[str, int]:
+        return {"T": self.token_ids.shape[0], "B": self.q_len.shape[0], "N": self.logits_index.shape[0],
+                "P": self.page_table.shape[1], "max_q_len": self.max_q_len, "max_kv_len": self.max_kv_len}
+
+
+def kernel_table(names: list[str], device: torch.device) -> dict[str, Callable]:
+    """Each kernel the program names, as a callable; Triton kernels on a CPU without the
+    interpreter fall back to their op's torch reference, so every artifact runs anywhere."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    table = {}
+    for name in names:
+        chosen = impl = get_impl(name)
+        if chosen.backend == "triton" and device.type == "cpu" and not interpreted:
+            impl = get_impl(f"torch.{chosen.op}")
+        # The program passes `sizes` only to kernels that asked for it at compile time.
+        table[name] = _drop_sizes(impl.fn) if chosen.wants_sizes and not impl.wants_sizes else impl.fn
+    return table
+
+
+def _drop_sizes(fn: Callable) -> Callable:
+    def call(*args, sizes=None, **kwargs):
+        return fn(*args, **kwargs)
+
+    return call
+
+
+class Executor:
+    def __init__(self, artifact: Artifact, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.artifact = artifact
+        self.weights = artifact.load_weights(self.device)
+        plan = artifact.manifest["memory_plan"]
+        self.bounds: dict[str, int] = plan["bounds"]
+        self.arena = torch.empty(plan["arena_bytes"], dtype=torch.uint8, device=self.device)
+        self.step_fn = artifact.program.bind(kernel_table(artifact.manifest["kernels"], self.device))
+
+    def arena_view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        count = 1
+        for d in shape:
+            count *= d
+        nbytes = count * dtype.itemsize
+        return self.arena[offset:offset + nbytes].view(dtype).view(shape)
+
+    def run(self, inputs: StepInputs, kv_views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        sizes = inputs.sizes()
+        for symbol in ("T", "B", "N", "P"):
+            if sizes[symbol] > self.bounds[symbol]:
+                raise ValueError(f"step has {symbol}={sizes[symbol]}, the artifact was compiled for at most "
+                                 f"{self.bounds[symbol]}")
+        feeds = {name: getattr(inputs, name) for name in STEP_INPUTS}
+        feeds.update(kv_views)
+        return self.step_fn(self.weights, feeds, self.arena_view, sizes)

@@ -1,0 +1,87 @@
+"""The compile pipeline end to end: artifact layout, a fresh process reproducing the logits, and the
+runtime loading an artifact without importing the compiler."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.artifact_format import FORMAT_VERSION
+from kiln.compiler.compile import compile_model
+from kiln.compiler.options import CompileOptions
+from kiln.compiler.pipeline import PIPELINE
+from kiln.runtime.artifact import load_artifact
+from kiln.runtime.executor import Executor
+from tests.support.hf_models import make_hf_model
+from tests.support.stepping import PagedRun
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7]]
+
+RUN_IN_FRESH_PROCESS = textwrap.dedent("""
+    import sys, torch
+    from kiln.runtime.artifact import load_artifact
+    from kiln.runtime.executor import Executor
+    from tests.support.stepping import PagedRun
+    run = PagedRun(Executor(load_artifact(sys.argv[1]), "cpu"), num_pages=64)
+    run.add_sequences(2)
+    torch.save(run.step([[1, 2, 3, 4, 5], [9, 8, 7]], all_logits=True), sys.argv[2])
+    assert not [m for m in sys.modules if m.startswith("kiln.compiler")], "runtime imported the compiler"
+""")
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("compile")
+    source = make_hf_model("qwen2", tmp / "src")
+    return compile_model(source, tmp / "qwen2.kiln", CompileOptions(dtype="fp32", page_size=4, max_batch_tokens=32,
+                                                                    max_logit_rows=32), dump_ir=tmp / "ir")
+
+
+def test_artifact_layout_and_manifest(artifact):
+    for name in ("manifest.json", "graph.txt", "graph.json", "program.py", "weights/rank0.safetensors"):
+        assert (artifact / name).is_file(), name
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["format_version"] == FORMAT_VERSION
+    assert manifest["model"]["architecture"] == "Qwen2ForCausalLM"
+    assert manifest["options"]["page_size"] == 4
+    assert [entry["pass"] for entry in manifest["passes"]] == [name for name, _ in PIPELINE]
+    assert all(entry["seconds"] >= 0 for entry in manifest["passes"])
+    graph_text = (artifact / "graph.txt").read_text()
+    assert "qkv_proj" in graph_text and "add_rmsnorm" in graph_text and "silu_mul" in graph_text
+    assert " q_proj" not in graph_text
+
+
+def test_dump_ir_writes_each_pass(artifact):
+    dumped = sorted(p.name for p in (artifact.parent / "ir").iterdir())
+    assert dumped[0] == "00_input.txt" and len(dumped) == len(PIPELINE) + 1
+
+
+def test_fresh_process_gives_same_logits_without_importing_compiler(artifact, tmp_path):
+    run = PagedRun(Executor(load_artifact(artifact), "cpu"), num_pages=64)
+    run.add_sequences(2)
+    expected = run.step(PROMPTS, all_logits=True)
+    out = tmp_path / "logits.pt"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, "-c", RUN_IN_FRESH_PROCESS, str(artifact), str(out)], check=True, env=env,
+                   cwd=tmp_path)
+    assert torch.equal(torch.load(out), expected)
+
+
+def test_bf16_compile_runs_and_stays_close(tmp_path):
+    source = make_hf_model("llama3", tmp_path / "src")
+    results = {}
+    for dtype in ("fp32", "bf16"):
+        art = compile_model(source, tmp_path / f"{dtype}.kiln", CompileOptions(dtype=dtype, max_batch_tokens=32))
+        run = PagedRun(Executor(load_artifact(art), "cpu"), num_pages=64)
+        run.add_sequences(2)
+        results[dtype] = run.step(PROMPTS)
+    assert results["bf16"].dtype == torch.float32
+    assert (results["bf16"] - results["fp32"]).abs().max().item() < 0.1

@@ -1,0 +1,52 @@
+"""Small random-weight HF checkpoints of every supported architecture, saved with save_pretrained."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+
+CONFIGS = {
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_theta=500000.0, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64})),
+    "smollm2": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=100000.0, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(rope_theta=10000.0, sliding_window=None)),
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(rope_theta=10000.0, sliding_window=5)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1000000.0, tie_word_embeddings=False)),
+    "qwen2_yarn": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        rope_theta=1000000.0, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(rope_theta=1000000.0, head_dim=32, tie_word_embeddings=True)),
+}
+
+
+def make_hf_model(kind: str, directory: Path, seed: int = 0, **overrides) -> Path:
+    """Writes a random-weight model of ``kind`` (a key of CONFIGS) into ``directory``."""
+    import transformers
+
+    config_cls, model_cls, extra = CONFIGS[kind]
+    config = getattr(transformers, config_cls)(**{**TINY, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config)
+    with torch.no_grad():
+        # Default init is tiny; widen it so logits differ clearly between tokens.
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(directory)
+    return directory
+
+
+def load_hf(directory: Path, dtype: torch.dtype = torch.float32):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+    return model.eval()

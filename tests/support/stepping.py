@@ -1,0 +1,67 @@
+"""Driving an Executor by hand: prefill a batch of prompts, then decode greedily, through a paged pool.
+
+Pages are handed out in order (no allocator, no scheduler): this isolates the compiled program
+and the kernels from the runtime's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.runtime.executor import Executor, StepInputs
+
+
+class PagedRun:
+    def __init__(self, executor: Executor, num_pages: int) -> None:
+        rt = executor.artifact.runtime
+        self.executor = executor
+        self.page_size = rt["page_size"]
+        self.caches = {}
+        for i in range(rt["num_layers"]):
+            for kind in ("k", "v"):
+                self.caches[f"{kind}_cache.{i}"] = torch.zeros(
+                    num_pages * self.page_size, rt["num_kv_heads"], rt["head_dim"],
+                    dtype=_cache_dtype(rt["dtype"]), device=executor.device)
+        self.next_page = 1  # page 0 stays unused, as in the runtime's pool
+        self.pages: list[list[int]] = []
+        self.lengths: list[int] = []
+
+    def add_sequences(self, count: int) -> None:
+        self.pages.extend([] for _ in range(count))
+        self.lengths.extend(0 for _ in range(count))
+
+    def step(self, new_tokens: list[list[int]], all_logits: bool = False) -> torch.Tensor:
+        """Runs one step where sequence b gets ``new_tokens[b]``; returns logits of each sequence's
+        last token, or of every token with ``all_logits``."""
+        ids, positions, slots, q_start, q_len, kv_len = [], [], [], [], [], []
+        for b, tokens in enumerate(new_tokens):
+            q_start.append(len(ids))
+            q_len.append(len(tokens))
+            for t in tokens:
+                pos = self.lengths[b]
+                if pos // self.page_size >= len(self.pages[b]):
+                    self.pages[b].append(self.next_page)
+                    self.next_page += 1
+                slots.append(self.pages[b][pos // self.page_size] * self.page_size + pos % self.page_size)
+                ids.append(t)
+                positions.append(pos)
+                self.lengths[b] += 1
+            kv_len.append(self.lengths[b])
+        width = max(len(p) for p in self.pages)
+        table = [p + [0] * (width - len(p)) for p in self.pages[: len(new_tokens)]]
+        if all_logits:
+            index = list(range(len(ids)))
+        else:
+            index = [s + n - 1 for s, n in zip(q_start, q_len)]
+        dev = self.executor.device
+
+        def i32(values):
+            return torch.tensor(values, dtype=torch.int32, device=dev)
+
+        inputs = StepInputs(i32(ids), i32(positions), i32(slots), i32(q_start), i32(q_len), i32(kv_len),
+                            i32(table).reshape(len(new_tokens), width), i32(index), max(q_len), max(kv_len))
+        return self.executor.run(inputs, self.caches)["logits"].clone()
+
+
+def _cache_dtype(name: str) -> torch.dtype:
+    return {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[name]
