@@ -114,7 +114,8 @@ def compile_model(model: str | Path, out: str | Path, options: CompileOptions | 
 
 
 def _copy_tokenizer(source: ModelSource, target: Path) -> bool:
-    if not source.tokenizer_files:
+    """Copies the tokenizer files; a source without tokenizer.json serves token ids only."""
+    if not any(f.name == "tokenizer.json" for f in source.tokenizer_files):
         return False
     target.mkdir()
     for file in source.tokenizer_files:

@@ -1,0 +1,38 @@
+"""Compile on first use: a model path or alias becomes a cached artifact under ``KILN_HOME/artifacts``.
+
+An artifact directory is used as it is. Anything else is compiled once per (source fingerprint,
+compile options) and reused afterwards, so ``kiln serve smollm2-135m-instruct`` and
+``Engine("smollm2-135m-instruct")`` pay the compile only the first time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+from kiln import __version__
+from kiln.artifact_format import MANIFEST
+from kiln.paths import kiln_home
+
+
+def is_artifact(path: str | Path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def ensure_artifact(model: str | Path, options) -> Path:
+    """The artifact for ``model`` under ``options`` (a ``CompileOptions``), compiling it if needed."""
+    if is_artifact(model):
+        return Path(model)
+    from kiln.compiler.compile import compile_model, load_source
+
+    source = load_source(model)
+    key = json.dumps({"fingerprint": source.fingerprint, "options": options.to_json(), "kiln": __version__},
+                     sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    slug = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(str(model)).name or "model")
+    target = kiln_home() / "artifacts" / f"{slug}-{digest}.kiln"
+    if is_artifact(target):
+        return target
+    return compile_model(model, target, options)
