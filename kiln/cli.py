@@ -1,4 +1,4 @@
-"""The ``kiln`` command line: compile, fetch (and, as they land, generate, chat, serve, bench).
+"""The ``kiln`` command line: compile, fetch, generate, chat, serve, bench.
 
 Expected failures (a bad path, an unsupported architecture, an invalid option) print one line
 ``kiln: error: ...`` and exit with status 2; only unexpected ones show a traceback.
@@ -18,6 +18,10 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     _add_compile(commands)
     _add_fetch(commands)
+    from kiln import cli_generate
+
+    cli_generate.add_parsers(commands)
+    _add_serve(commands)
     args = parser.parse_args(argv)
     try:
         return args.run(args) or 0
@@ -78,6 +82,41 @@ def _run_fetch(args: argparse.Namespace) -> int:
 
     print(fetch(args.alias))
     return 0
+
+
+def _add_serve(commands) -> None:
+    p = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("model", help="artifact directory, or a model to compile on first use (HF dir, GGUF, alias)")
+    add_compile_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (not on /health)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL as given)")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body (default 8 MiB)")
+    p.add_argument("--max-n", type=int, default=16, help="most samples one request may ask for (default 16)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for requests in flight (default 30)")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when present")
+    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
+    p.add_argument("--mem-fraction", type=float, default=0.85, help="GPU memory for weights + KV (default 0.85)")
+    p.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(run=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from kiln.artifact_cache import ensure_artifact
+    from kiln.server.launch import ServeConfig, serve
+
+    if args.device == "cpu" and args.backend is None:
+        args.backend = "torch"  # Triton kernels need a GPU
+    artifact = ensure_artifact(args.model, compile_options_from(args))
+    engine = {"device": args.device, "kv_cache_tokens": args.kv_cache_tokens, "mem_fraction": args.mem_fraction,
+              "max_batch_tokens": args.max_batch_tokens, "schedule_policy": args.schedule_policy}
+    return serve(str(artifact), ServeConfig(
+        host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name or args.model,
+        max_body_bytes=args.max_body_bytes, max_n=args.max_n, drain_timeout=args.drain_timeout,
+        log_level=args.log_level, engine=engine))
 
 
 if __name__ == "__main__":

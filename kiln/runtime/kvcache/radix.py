@@ -101,6 +101,10 @@ class RadixCache:
         self.hit_tokens += match.length
         return match
 
+    def cached_length(self, namespace: Hashable, token_ids: Sequence[int]) -> int:
+        """How many leading tokens ``match_prefix`` would find, without counting it as a query."""
+        return self._walk(namespace, token_ids).length
+
     def lock(self, node: RadixNode) -> None:
         if not node.alive:
             raise ValueError("cannot lock an evicted node: lock a match before the next evict or reset")

@@ -1,0 +1,232 @@
+"""``kiln.Engine``: the in-process API. A background thread drives the engine core; callers submit
+requests from any thread or event loop and get outputs, or stream text deltas.
+
+    with Engine("smollm2-135m-instruct") as engine:
+        print(engine.chat([{"role": "user", "content": "What is the capital of France?"}],
+                          SamplingParams(temperature=0, max_new_tokens=20)).text)
+
+Bad input (invalid sampling parameters, a prompt beyond the context) raises ``ValueError`` at once
+in the caller; the engine keeps serving everything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence, Union
+
+from kiln.artifact_cache import ensure_artifact
+from kiln.compiler.options import CompileOptions
+from kiln.runtime.engine_core import EngineCore, EngineOptions
+from kiln.runtime.outputs import RequestOutput, StreamDelta
+from kiln.runtime.request_handle import RequestHandle
+from kiln.runtime.sampling import SamplingParams
+
+Prompt = Union[str, Sequence[int]]
+Messages = Sequence[dict[str, Any]]
+ParamsLike = Union[SamplingParams, dict[str, Any], None]
+
+
+class Engine:
+    def __init__(self, model: str | Path, *, dtype: str = "bf16", backend: str | None = None,
+                 max_batch_tokens: int = 2048, max_batch_size: int = 256, max_seq_len: int | None = None,
+                 page_size: int = 16, device: str | None = None, kv_cache_tokens: int | None = None,
+                 mem_fraction: float = 0.85, schedule_policy: str = "lpm", enable_prefix_cache: bool = True) -> None:
+        import torch
+
+        on_gpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+        compile_options = CompileOptions(dtype=dtype, backend=backend or ("triton" if on_gpu else "torch"),
+                                         max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size,
+                                         max_seq_len=max_seq_len, page_size=page_size)
+        self.artifact_path = ensure_artifact(model, compile_options)
+        self.core = EngineCore(str(self.artifact_path), EngineOptions(
+            device=device, kv_cache_tokens=kv_cache_tokens, mem_fraction=mem_fraction,
+            schedule_policy=schedule_policy, enable_prefix_cache=enable_prefix_cache))
+        self.tokenizer = self.core.tokenizer
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._handles: dict[str, RequestHandle] = {}
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public API ----------------------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: ParamsLike | Sequence[ParamsLike] = None
+                 ) -> RequestOutput | list[RequestOutput]:
+        """Text or token-id prompts (one, or a list) -> outputs, all submitted at once."""
+        single = _is_single_prompt(prompts)
+        batch = [prompts] if single else list(prompts)
+        params = _params_for(batch, sampling_params)
+        handles = [self._submit(self._encode(p), sp) for p, sp in zip(batch, params)]
+        outputs = [h.wait() for h in handles]
+        return outputs[0] if single else outputs
+
+    def chat(self, messages: Messages | Sequence[Messages], sampling_params: ParamsLike | Sequence[ParamsLike] = None
+             ) -> RequestOutput | list[RequestOutput]:
+        """Conversations rendered with the model's chat template -> outputs."""
+        single = not messages or isinstance(messages[0], dict)
+        conversations = [messages] if single else list(messages)
+        prompts = [self.chat_prompt_ids(c) for c in conversations]
+        return self.generate(prompts[0] if single else prompts, sampling_params)
+
+    def stream(self, prompt: Prompt, sampling_params: ParamsLike = None) -> Iterator[StreamDelta]:
+        """Text deltas as they are generated (blocking iterator)."""
+        deltas: queue.SimpleQueue[StreamDelta | None] = queue.SimpleQueue()
+        handle = self._submit(self._encode(prompt), _as_params(sampling_params), deltas.put)
+        try:
+            while (delta := deltas.get()) is not None:
+                yield delta
+            if handle.error is not None:
+                raise handle.error
+        finally:
+            if not handle.finished:
+                self.abort(handle.rid)
+
+    async def async_generate(self, prompt: Prompt, sampling_params: ParamsLike = None) -> RequestOutput:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        handle = self._submit(self._encode(prompt), _as_params(sampling_params),
+                              on_finish=lambda out: loop.call_soon_threadsafe(_resolve, done, out))
+        try:
+            return await done
+        except asyncio.CancelledError:
+            self.abort(handle.rid)
+            raise
+
+    async def async_stream(self, prompt: Prompt, sampling_params: ParamsLike = None) -> AsyncIterator[StreamDelta]:
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue[StreamDelta | None] = asyncio.Queue()
+        handle = self._submit(self._encode(prompt), _as_params(sampling_params),
+                              lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d))
+        try:
+            while (delta := await deltas.get()) is not None:
+                yield delta
+            if handle.error is not None:
+                raise handle.error
+        finally:
+            if not handle.finished:
+                self.abort(handle.rid)
+
+    def apply_chat_template(self, messages: Messages) -> str:
+        if self.tokenizer is None:
+            raise ValueError("messages: this artifact has no tokenizer, so it cannot render a chat")
+        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+
+    def chat_prompt_ids(self, messages: Messages) -> list[int]:
+        """The rendered conversation's token ids; templates write BOS themselves, so none is added."""
+        return self.tokenizer.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+    def abort(self, rid: str) -> None:
+        self._send("abort", rid)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- internals ----------------------------------------------------------------------------------
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this artifact has no tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def _submit(self, prompt_ids: list[int], params: SamplingParams,
+                on_delta: Callable[[StreamDelta | None], None] | None = None,
+                on_finish: Callable[[RequestOutput | BaseException], None] | None = None) -> RequestHandle:
+        if self._closed:
+            raise RuntimeError("the engine is shut down")
+        if self._failure is not None:
+            raise RuntimeError(f"the engine failed: {self._failure}")
+        self.core.validate(prompt_ids, params)
+        handle = RequestHandle(uuid.uuid4().hex, prompt_ids, params, self.tokenizer, on_delta, on_finish)
+        self._send("add", handle)
+        return handle
+
+    def _send(self, kind: str, payload: Any) -> None:
+        self._inbox.put((kind, payload))
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._closed:
+            self._drain_inbox()
+            if not self.core.has_work():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                events = self.core.step()
+            except BaseException as exc:  # a broken step must not hang every caller
+                self._failure = exc
+                for handle in self._handles.values():
+                    handle.fail(exc)
+                self._handles.clear()
+                return
+            for event in events:
+                handle = self._handles.get(event.rid)
+                if handle is not None and handle.on_event(event):
+                    del self._handles[event.rid]
+        for handle in self._handles.values():
+            handle.fail(RuntimeError("the engine was shut down"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.core.add_request(payload.rid, payload.prompt_ids, payload.params)
+                    self._handles[payload.rid] = payload
+                except ValueError as exc:
+                    payload.fail(exc)
+            elif kind == "abort":
+                for event in self.core.abort(payload):
+                    handle = self._handles.get(event.rid)
+                    if handle is not None and handle.on_event(event):
+                        del self._handles[event.rid]
+
+
+def _resolve(future: asyncio.Future, result: RequestOutput | BaseException) -> None:
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+
+
+def _is_single_prompt(prompts: Any) -> bool:
+    return isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+
+
+def _as_params(params: ParamsLike) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, dict):
+        return SamplingParams(**params)
+    return params
+
+
+def _params_for(batch: list, params: ParamsLike | Sequence[ParamsLike]) -> list[SamplingParams]:
+    if isinstance(params, (list, tuple)):
+        if len(params) != len(batch):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(batch)} prompts")
+        return [_as_params(p) for p in params]
+    return [_as_params(params)] * len(batch)

@@ -1,0 +1,211 @@
+"""The engine core: scheduler + model runner + sampling, one ``step()`` at a time, no threads.
+
+``add_request`` validates and queues a request (n samples become n scheduler requests; the first
+leads, the others share its cached prompt); ``step`` schedules a batch, runs it, samples, applies
+the stop rules and returns a ``SampleEvent`` per sample that advanced or ended. The in-process
+``Engine`` drives it from a thread; the server's scheduler process drives it from its loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+import torch
+
+from .artifact import load_artifact
+from .detokenizer import IncrementalDetokenizer, StopChecker
+from .kvcache.allocator import PageAllocator
+from .kvcache.pool import pages_for_mem_fraction, pages_for_tokens
+from .kvcache.radix import RadixCache
+from .model_runner import ModelRunner
+from .outputs import SampleEvent, TokenLogprob
+from .sampling import SamplingBatch, SamplingParams, SamplingRow, child_seed, new_seed
+from .scheduler.batch import build_step_lists
+from .scheduler.request import Request
+from .scheduler.scheduler import Scheduler, SchedulerConfig
+from .tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    device: str | None = None              # default: cuda when present, else cpu
+    kv_cache_tokens: int | None = None     # explicit pool size; default from mem_fraction on GPU
+    mem_fraction: float = 0.85             # of device memory for weights + KV (GPU)
+    max_batch_tokens: int | None = None    # step token budget; default the artifact's bound
+    max_running: int | None = None         # running requests; default the artifact's bound
+    schedule_policy: str = "lpm"
+    enable_prefix_cache: bool = True
+
+    def resolved_device(self) -> torch.device:
+        return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+# On CPU there is no memory fraction to size by: a pool of this many tokens unless told otherwise.
+DEFAULT_CPU_KV_TOKENS = 32768
+
+
+class EngineCore:
+    def __init__(self, artifact_path: str, options: EngineOptions | None = None) -> None:
+        self.options = options or EngineOptions()
+        self.artifact = load_artifact(artifact_path)
+        rt = self.artifact.runtime
+        bounds = rt["symbol_bounds"]
+        device = self.options.resolved_device()
+        self.max_seq_len: int = rt["max_seq_len"]
+        self.vocab_size: int = rt["vocab_size"]
+        self.page_size: int = rt["page_size"]
+        self.tokenizer = Tokenizer.from_dir(self.artifact.tokenizer_dir) if self.artifact.tokenizer_dir else None
+        self.runner = ModelRunner(self.artifact, device, self._num_pages(device, rt))
+        # Even with one request the pool must hold a full context, or that request could never run.
+        if (self.runner.pool.num_pages - 1) * self.page_size < self.max_seq_len:
+            raise ValueError(f"the KV pool holds {(self.runner.pool.num_pages - 1) * self.page_size} tokens, less than "
+                             f"the context length {self.max_seq_len}; raise kv_cache_tokens or mem_fraction")
+        self.allocator = PageAllocator(self.runner.pool.num_pages)
+        self.cache = RadixCache(self.allocator, self.page_size)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_batch_tokens=min(self.options.max_batch_tokens or bounds["T"], bounds["T"]),
+            # Every running request may decode in the same step: one token and one logits row each.
+            max_running=min(self.options.max_running or bounds["B"], bounds["B"], bounds["N"], bounds["T"]),
+            page_size=self.page_size, policy=self.options.schedule_policy,
+            enable_prefix_cache=self.options.enable_prefix_cache), self.allocator, self.cache)
+        self.eos_ids: set[int] = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
+        self._requests: dict[str, list[Request]] = {}
+
+    def _num_pages(self, device: torch.device, rt: dict[str, Any]) -> int:
+        if self.options.kv_cache_tokens is not None:
+            return pages_for_tokens(self.options.kv_cache_tokens, rt["page_size"])
+        if device.type == "cuda":
+            dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[rt["dtype"]]
+            return pages_for_mem_fraction(self.options.mem_fraction, device, rt["num_layers"], rt["num_kv_heads"],
+                                          rt["head_dim"], dtype, rt["page_size"])
+        return pages_for_tokens(max(DEFAULT_CPU_KV_TOKENS, rt["max_seq_len"]), rt["page_size"])
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+                    namespace: Hashable = None, extras: list[dict[str, Any]] | None = None) -> None:
+        """Queues a request; raises ValueError (naming the parameter) when it cannot be served."""
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        self.validate(prompt_ids, params)
+        seed = params.seed if params.seed is not None else new_seed()
+        samples: list[Request] = []
+        for index in range(params.n):
+            leader = samples[0] if samples else None
+            samples.append(Request(rid=rid, prompt_ids=list(prompt_ids), params=params,
+                                   seed=seed if index == 0 else child_seed(seed, index), namespace=namespace,
+                                   leader=leader, extras=(extras[index] if extras else {})))
+            samples[-1].extras["index"] = index
+            if params.stop:
+                samples[-1].extras["stop"] = _StopWatch(self.tokenizer, prompt_ids, params)
+        self._requests[rid] = samples
+        for request in samples:
+            self.scheduler.add(request)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        params.validate(self.vocab_size)
+        if not prompt_ids:
+            raise ValueError("prompt: must contain at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if len(prompt_ids) + params.max_new_tokens > self.max_seq_len:
+            raise ValueError(f"max_new_tokens: prompt ({len(prompt_ids)} tokens) plus max_new_tokens "
+                             f"({params.max_new_tokens}) exceeds the context length {self.max_seq_len}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer, and this artifact has none")
+
+    def abort(self, rid: str) -> list[SampleEvent]:
+        events = []
+        for request in self._requests.pop(rid, []):
+            if not request.done:
+                self.scheduler.abort(request)
+                events.append(self._event(request, (), (), "abort"))
+        return events
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> dict[str, float]:
+        """Gauges and counters for metrics: queue lengths, KV pool use, prefix-cache hits."""
+        total = self.allocator.total
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_pages_total": total,
+            "kv_pages_used": total - self.allocator.free_count,
+            "kv_pages_free": self.allocator.free_count,
+            "kv_pages_cached": self.cache.cached_pages,
+            "kv_usage": (total - self.allocator.free_count) / total if total else 0.0,
+            "cache_hit_tokens": self.cache.hit_tokens,
+            "cache_queried_tokens": self.cache.queried_tokens,
+            "cache_hit_rate": self.cache.hit_tokens / self.cache.queried_tokens if self.cache.queried_tokens else 0.0,
+            "retractions": self.scheduler.num_retractions,
+        }
+
+    # ---- one step -----------------------------------------------------------------------------------
+
+    def step(self) -> list[SampleEvent]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        lists = build_step_lists(batch, self.page_size)
+        logits = self.runner.forward(lists)
+        self.scheduler.complete_step(batch)
+        if not lists.sampled:
+            return []
+        rows = [SamplingRow(c.request.params, c.request.seed, len(c.request.output_ids), c.request.prompt_ids,
+                            c.request.output_ids) for c in lists.sampled]
+        out = self.runner.sample(logits, SamplingBatch.pack(rows, self.vocab_size, logits.device))
+        tokens = out.token_ids.tolist()
+        chosen = out.logprobs.tolist() if out.logprobs is not None else None
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_values = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        events = []
+        for row, chunk in enumerate(lists.sampled):
+            request = chunk.request
+            token = tokens[row]
+            request.output_ids.append(token)
+            logprobs: tuple[TokenLogprob, ...] = ()
+            if chosen is not None and (request.params.logprobs or request.params.top_logprobs):
+                k = request.params.top_logprobs
+                top = tuple(zip(top_ids[row][:k], top_values[row][:k])) if k else ()
+                logprobs = (TokenLogprob(token, chosen[row], top),)
+            reason = self._finish_reason(request, token)
+            if reason is not None:
+                self.scheduler.finish(request, reason)
+                self._forget_if_done(request.rid)
+            events.append(self._event(request, (token,), logprobs, reason))
+        return events
+
+    def _finish_reason(self, request: Request, token: int) -> str | None:
+        params = request.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
+            return "stop"
+        watch = request.extras.get("stop")
+        if watch is not None and watch.push(token):
+            return "stop"
+        if len(request.output_ids) >= params.max_new_tokens or request.total_len >= self.max_seq_len:
+            return "length"
+        return None
+
+    def _forget_if_done(self, rid: str) -> None:
+        if all(r.done for r in self._requests.get(rid, [])):
+            self._requests.pop(rid, None)
+
+    def _event(self, request: Request, tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...],
+               reason: str | None) -> SampleEvent:
+        return SampleEvent(request.rid, request.extras["index"], tokens, logprobs, reason,
+                           prompt_tokens=len(request.prompt_ids), cached_tokens=request.cached_tokens)
+
+
+class _StopWatch:
+    """Stop-string detection inside the core (the text itself is produced by the output side)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self._checker = StopChecker(params.stop)
+
+    def push(self, token: int) -> bool:
+        return self._checker.push(self._detok.add(token)).stopped

@@ -1,0 +1,49 @@
+"""The model runner: one scheduled batch in, logits and sampled tokens out.
+
+It owns the executor (program, weights, arena) and the KV pool, turns the scheduler's index lists
+into step tensors on the device, and runs the sampler on the logits rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .artifact import Artifact
+from .executor import Executor, StepInputs
+from .kvcache.pool import KVPool
+from .sampling import SamplerOutput, SamplingBatch, sample
+from .scheduler.batch import StepLists
+
+_POOL_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+class ModelRunner:
+    def __init__(self, artifact: Artifact, device: torch.device | str, num_pages: int) -> None:
+        rt = artifact.runtime
+        self.device = torch.device(device)
+        self.executor = Executor(artifact, self.device)
+        self.page_size: int = rt["page_size"]
+        self.vocab_size: int = rt["vocab_size"]
+        self.pool = KVPool(rt["num_layers"], rt["num_kv_heads"], rt["head_dim"], _POOL_DTYPES[rt["dtype"]],
+                           self.device, num_pages, self.page_size)
+        self.kv_views = self.pool.layer_views()
+
+    def forward(self, lists: StepLists) -> torch.Tensor:
+        """Logits ``[len(lists.logits_index), V]`` (f32), a view valid until the next step."""
+        width = max(len(row) for row in lists.page_rows)
+        table = torch.zeros((len(lists.page_rows), width), dtype=torch.int32)
+        for i, row in enumerate(lists.page_rows):
+            table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
+        inputs = StepInputs(
+            token_ids=self._ints(lists.token_ids), positions=self._ints(lists.positions),
+            slots=self._ints(lists.slots), q_start=self._ints(lists.q_start), q_len=self._ints(lists.q_len),
+            kv_len=self._ints(lists.kv_len), page_table=table.to(self.device, non_blocking=True),
+            logits_index=self._ints(lists.logits_index), max_q_len=max(lists.q_len), max_kv_len=max(lists.kv_len),
+        )
+        return self.executor.run(inputs, self.kv_views)["logits"]
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch, allowed: torch.Tensor | None = None) -> SamplerOutput:
+        return sample(logits, batch, allowed)
+
+    def _ints(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32).to(self.device, non_blocking=True)

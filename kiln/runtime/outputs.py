@@ -1,0 +1,81 @@
+"""What the engine hands back: per-token events from the core, and the finished outputs users see."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()   # (token id, logprob) of the most likely alternatives
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class SampleEvent:
+    """What one step did for one sample (``index`` of ``n``) of request ``rid``."""
+
+    rid: str
+    index: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None      # "stop", "length", "abort", or None while running
+    error: str | None = None               # set when the request failed (finish_reason "abort")
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class Completion:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    stop_string: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    rid: str
+    prompt_token_ids: list[int]
+    completions: list[Completion]
+    usage: Usage
+
+    @property
+    def text(self) -> str:
+        return self.completions[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.completions[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.completions[0].finish_reason
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """A streamed piece of one sample: new text (possibly empty), its tokens, and the finish reason
+    on the last delta."""
+
+    rid: str
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None
+    usage: Usage | None = None

@@ -1,0 +1,8 @@
+"""Sampling: per-request parameters (``params``), the batched sampler (``sampler``) and its
+counter-based random numbers (``rng``)."""
+
+from .params import SamplingParams
+from .rng import child_seed, new_seed
+from .sampler import SamplerOutput, SamplingBatch, SamplingRow, sample
+
+__all__ = ["SamplingParams", "SamplingBatch", "SamplingRow", "SamplerOutput", "sample", "new_seed", "child_seed"]

@@ -1,0 +1,77 @@
+"""A request as the scheduler sees it: its tokens, its KV pages, and where it is in its life.
+
+States: WAITING (queued, holds no KV) -> PREFILLING (some prompt chunks computed) -> DECODING (one
+new token a step) -> FINISHED or ABORTED. Retraction moves a PREFILLING/DECODING request back to
+WAITING, keeping the tokens it generated, so it resumes where it was.
+
+KV bookkeeping: ``pages`` cover the first ``num_computed`` tokens of ``all_ids``; the first
+``len(prefix.pages)`` of them are borrowed from the radix tree (``prefix.node`` is locked), the
+rest belong to the request.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+from ..kvcache.radix import PrefixMatch
+from ..sampling.params import SamplingParams
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+_arrival = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    namespace: Hashable = None
+    # A request of an n > 1 group waits for its leader's prompt to be cached, then shares its pages.
+    leader: "Request | None" = None
+    # Set by the engine: e.g. a grammar state; the scheduler only carries it.
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    state: RequestState = RequestState.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    arrival: int = field(default_factory=lambda: next(_arrival))
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    prefix: PrefixMatch | None = None
+    cached_tokens: int = 0           # tokens the first admission found in the cache (for usage)
+    prompt_inserted: bool = False    # the computed prompt is in the radix tree
+    retractions: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens whose KV is not computed yet (the last one is the next step's input)."""
+        return self.total_len - self.num_computed
+
+    @property
+    def done(self) -> bool:
+        return self.state in (RequestState.FINISHED, RequestState.ABORTED)
+
+    @property
+    def owned_pages(self) -> list[int]:
+        borrowed = len(self.prefix.pages) if self.prefix is not None else 0
+        return self.pages[borrowed:]

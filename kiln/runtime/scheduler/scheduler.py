@@ -1,0 +1,241 @@
+"""The scheduler: which tokens of which requests the next step computes, and where their KV goes.
+
+Data flow, once per step (plain Python; no tensors):
+
+    Request (waiting queue)  --admit: radix match + lock, pages-->  running
+    running  --schedule()-->  ScheduleBatch [ScheduledChunk(request, start, end, wants_logits)]
+    ScheduleBatch  --batch.build_step_lists()-->  index lists for StepInputs (the model runner)
+    sampled tokens  --complete_step()-->  num_computed advances; finished prompts enter the radix tree
+
+Each step: every decoding request gets its one token first (growing a page when it crosses a
+page boundary; if the pool is short even after evicting unlocked cache entries, the youngest
+running requests are **retracted**: their KV goes back, they return to the front of the queue
+with their generated tokens and later resume where they were). The rest of the token budget goes to
+chunked prefill: requests already prefilling continue, then waiting requests are admitted in
+policy order (``fcfs``, or ``lpm``: longest cached prefix first) until the budget, the running cap
+or the pool runs out. Prefill chunks and decode tokens share one step (continuous batching).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ..kvcache.allocator import PageAllocator
+from ..kvcache.radix import RadixCache
+from .request import Request, RequestState
+
+POLICIES = ("fcfs", "lpm")
+# Ordering by cached prefix costs one tree walk per waiting request; past this queue length the
+# scheduler falls back to arrival order, as SGLang does.
+LPM_MAX_QUEUE = 256
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_tokens: int
+    max_running: int
+    page_size: int
+    policy: str = "fcfs"
+    enable_prefix_cache: bool = True
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"schedule policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    start: int              # first token (index into request.all_ids) computed this step
+    end: int                # one past the last
+    wants_logits: bool      # the chunk reaches the end of the request's tokens: sample the next one
+
+
+@dataclass(frozen=True)
+class ScheduleBatch:
+    chunks: list[ScheduledChunk]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.end - c.start for c in self.chunks)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(c.end - c.start == 1 and c.request.state == RequestState.DECODING for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, cache: RadixCache) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.cache = cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_retractions = 0
+
+    # ---- requests in and out ----------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Ends a running request: its computed KV goes to the cache (or back to the pool)."""
+        self._release(request, keep_in_cache=True)
+        self.running.remove(request)
+        request.state = RequestState.FINISHED
+        request.finish_reason = reason
+
+    def abort(self, request: Request) -> None:
+        if request.done:
+            return
+        if request in self.running:
+            self._release(request, keep_in_cache=True)
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.state = RequestState.ABORTED
+        request.finish_reason = "abort"
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduleBatch | None:
+        chunks = self._schedule_decodes()
+        budget = self.config.max_batch_tokens - len(chunks)
+        for request in [r for r in self.running if r.state == RequestState.PREFILLING]:
+            if budget <= 0:
+                break
+            chunk = self._prefill_chunk(request, budget)
+            if chunk is None:
+                break
+            chunks.append(chunk)
+            budget -= chunk.end - chunk.start
+        chunks.extend(self._admit(budget))
+        if not chunks and self.running:
+            # Nothing fits and nothing runs to free memory: make room by retracting the youngest.
+            self._retract(max(self.running, key=lambda r: r.arrival))
+            return self.schedule()
+        return ScheduleBatch(chunks) if chunks else None
+
+    def complete_step(self, batch: ScheduleBatch) -> None:
+        """Records that the batch's KV is computed. The caller appends sampled tokens afterwards."""
+        for chunk in batch.chunks:
+            request = chunk.request
+            request.num_computed = chunk.end
+            if chunk.wants_logits and request.state == RequestState.PREFILLING:
+                request.state = RequestState.DECODING
+                self._share_prompt(request)
+
+    # ---- internals --------------------------------------------------------------------------------
+
+    def _schedule_decodes(self) -> list[ScheduledChunk]:
+        while True:
+            decoding = [r for r in self.running if r.state == RequestState.DECODING]
+            short = [r for r in decoding if self._pages_needed(r, r.total_len) > 0]
+            if self._reserve(len(short)):
+                break
+            self._retract(max(self.running, key=lambda r: r.arrival))
+        chunks = []
+        for request in decoding:
+            if self._pages_needed(request, request.total_len):
+                request.pages.extend(self.allocator.alloc(1))
+            chunks.append(ScheduledChunk(request, request.num_computed, request.total_len, True))
+        return chunks
+
+    def _prefill_chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
+        end = request.num_computed + min(request.remaining, budget)
+        need = self._pages_needed(request, end)
+        if not self._reserve(need):
+            return None
+        request.pages.extend(self.allocator.alloc(need) if need else [])
+        return ScheduledChunk(request, request.num_computed, end, end == request.total_len)
+
+    def _admit(self, budget: int) -> list[ScheduledChunk]:
+        chunks = []
+        for request in self._admission_order():
+            if budget <= 0 or len(self.running) >= self.config.max_running:
+                break
+            if request.leader is not None and not (request.leader.prompt_inserted or request.leader.done):
+                continue  # share the leader's prompt pages once they are cached
+            self._attach_prefix(request)
+            chunk = self._prefill_chunk(request, budget)
+            if chunk is None:
+                self._release(request, keep_in_cache=False)
+                break
+            self.waiting.remove(request)
+            self.running.append(request)
+            request.state = RequestState.PREFILLING
+            chunks.append(chunk)
+            budget -= chunk.end - chunk.start
+        return chunks
+
+    def _admission_order(self) -> list[Request]:
+        queue = list(self.waiting)
+        if self.config.policy == "lpm" and self.config.enable_prefix_cache and len(queue) <= LPM_MAX_QUEUE:
+            # Retracted requests keep their place at the front; the rest go by cached prefix length.
+            def cached(r: Request) -> int:
+                return self.cache.cached_length(r.namespace, r.all_ids[:-1])
+
+            queue.sort(key=lambda r: (r.retractions == 0, -cached(r), r.arrival))
+        return queue
+
+    def _attach_prefix(self, request: Request) -> None:
+        if not self.config.enable_prefix_cache:
+            return
+        # Leave the last token out: its logits are needed, so it is always computed.
+        match = self.cache.match_prefix(request.namespace, request.all_ids[:-1])
+        self.cache.lock(match.node)
+        request.prefix = match
+        request.pages = list(match.pages)
+        request.num_computed = match.length
+        if request.retractions == 0:
+            request.cached_tokens = match.length
+
+    def _share_prompt(self, request: Request) -> None:
+        """Puts a freshly prefilled request's full pages into the cache so others can share them."""
+        request.prompt_inserted = True
+        if not self.config.enable_prefix_cache:
+            return
+        full = request.num_computed // self.config.page_size
+        if full == 0:
+            return
+        tokens = request.all_ids[:full * self.config.page_size]
+        match = self.cache.insert_running(request.namespace, tokens, request.pages[:full], request.prefix.node)
+        request.pages[:full] = match.pages
+        request.prefix = match
+
+    def _release(self, request: Request, keep_in_cache: bool) -> None:
+        """Gives back a request's KV: computed full pages to the cache, the rest to the pool."""
+        owned_from = len(request.prefix.pages) if request.prefix is not None else 0
+        if self.config.enable_prefix_cache and request.prefix is not None:
+            full = min(request.num_computed // self.config.page_size, len(request.pages)) if keep_in_cache else owned_from
+            self.cache.insert(request.namespace, request.all_ids[:full * self.config.page_size], request.pages[:full])
+            self.allocator.free(request.pages[full:])
+            self.cache.unlock(request.prefix.node)
+        else:
+            self.allocator.free(request.pages[owned_from:])
+        request.pages = []
+        request.prefix = None
+        request.num_computed = 0
+
+    def _retract(self, request: Request) -> None:
+        self._release(request, keep_in_cache=True)
+        self.running.remove(request)
+        request.state = RequestState.WAITING
+        request.retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(request)
+
+    def _pages_needed(self, request: Request, upto_tokens: int) -> int:
+        size = self.config.page_size
+        return max(0, -(-upto_tokens // size) - len(request.pages))
+
+    def _reserve(self, pages: int) -> bool:
+        """True when ``pages`` pages are free, evicting unlocked cache entries if needed."""
+        short = pages - self.allocator.free_count
+        if short > 0 and self.config.enable_prefix_cache:
+            self.cache.evict(short)
+        return self.allocator.free_count >= pages

@@ -1,0 +1,189 @@
+"""The tokenizer: text <-> token ids over a Hugging Face-layout tokenizer directory.
+
+A directory holds ``tokenizer.json`` (loaded with the ``tokenizers`` library; transformers is not
+imported here, it is slow to import), and optionally ``tokenizer_config.json`` (special tokens,
+``add_bos_token``/``add_eos_token``, ``clean_up_tokenization_spaces``, ``chat_template``),
+``chat_template.jinja`` or ``chat_template.json`` (templates saved apart, which take priority as
+they do in transformers), ``special_tokens_map.json`` (older special-token layout),
+``generation_config.json`` (end-of-sequence ids, one or a list) and ``config.json`` (the model
+type, used to pick a built-in chat template when none ships).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import tokenizers
+from tokenizers import processors
+
+from .chat_template import builtin_template, render_chat_template
+
+_CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``, None when the file is absent; a clear error when it is broken."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"cannot read {path}: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as configs write it: a string, or a serialized AddedToken with ``content``."""
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ids(value: Any) -> list[int]:
+    """Token ids as configs write them: one int, a list of ints, or nothing."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def _chat_template(directory: Path, config: Mapping[str, Any]) -> str | None:
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    json_file = _read_json(directory / "chat_template.json")
+    template = (json_file or {}).get("chat_template", config.get("chat_template"))
+    if isinstance(template, list):
+        # Several named templates: the one named "default" is what a plain chat request uses.
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+class Tokenizer:
+    """Encode and decode text, and render chat prompts, for one model."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, *, bos_token: str | None = None, eos_token: str | None = None,
+                 pad_token: str | None = None, extra_eos_token_ids: Sequence[int] = (),
+                 chat_template: str | None = None, clean_up_tokenization_spaces: bool = False) -> None:
+        self.backend = backend
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.pad_token = pad_token
+        self.bos_token_id = self.token_to_id(bos_token) if bos_token else None
+        self.eos_token_id = self.token_to_id(eos_token) if eos_token else None
+        self.pad_token_id = self.token_to_id(pad_token) if pad_token else None
+        eos_ids = set(extra_eos_token_ids)
+        if self.eos_token_id is not None:
+            eos_ids.add(self.eos_token_id)
+        self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
+        self.chat_template = chat_template
+        self.clean_up_tokenization_spaces = clean_up_tokenization_spaces
+        vocab = backend.get_vocab(with_added_tokens=True)
+        # One past the largest id, so that every id decode accepts is below it.
+        self.vocab_size: int = max(vocab.values()) + 1 if vocab else 0
+        added = backend.get_added_tokens_decoder()
+        self.special_token_ids: frozenset[int] = frozenset(i for i, token in added.items() if token.special)
+        self.special_tokens: frozenset[str] = frozenset(added[i].content for i in self.special_token_ids)
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike[str], model_type: str | None = None) -> "Tokenizer":
+        """Load the tokenizer in an HF-layout directory. ``model_type`` overrides the one read from
+        ``config.json`` when choosing a built-in chat template."""
+        directory = Path(path)
+        if not directory.is_dir():
+            raise FileNotFoundError(f"tokenizer directory {directory} does not exist")
+        tokenizer_file = directory / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {directory} (kiln reads tokenizers in the "
+                                    "Hugging Face tokenizers format)")
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as error:  # the Rust loader raises a bare Exception for any malformed file
+            raise ValueError(f"cannot load {tokenizer_file}: {error}") from None
+        config = _read_json(directory / "tokenizer_config.json") or {}
+        special_map = _read_json(directory / "special_tokens_map.json") or {}
+        generation = _read_json(directory / "generation_config.json") or {}
+        model_config = _read_json(directory / "config.json") or {}
+
+        def special(name: str) -> str | None:
+            return _token_text(config.get(name)) or _token_text(special_map.get(name))
+
+        bos, eos = special("bos_token"), special("eos_token")
+        if bos is None:
+            bos = next((backend.id_to_token(i) for i in _ids(generation.get("bos_token_id"))), None)
+        generation_eos = _ids(generation.get("eos_token_id")) or _ids(model_config.get("eos_token_id"))
+        if eos is None and generation_eos:
+            eos = backend.id_to_token(generation_eos[0])
+        if "add_bos_token" in config or "add_eos_token" in config:
+            backend.post_processor = _bos_eos_processor(backend, bos if config.get("add_bos_token") else None,
+                                                        eos if config.get("add_eos_token") else None)
+        template = _chat_template(directory, config)
+        tokenizer = cls(backend, bos_token=bos, eos_token=eos, pad_token=special("pad_token"),
+                        extra_eos_token_ids=generation_eos, chat_template=template,
+                        clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)))
+        if template is None:
+            tokenizer.chat_template = builtin_template(model_type or model_config.get("model_type"),
+                                                       set(backend.get_vocab(with_added_tokens=True)), bos)
+        return tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``. ``add_special_tokens`` adds what the tokenizer's post-processor adds
+        (BOS for Llama-style tokenizers); pass False for prompts rendered by a chat template, which
+        already hold their special tokens."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if self.clean_up_tokenization_spaces:
+            for before, after in _CLEANUPS:
+                text = text.replace(before, after)
+        return text
+
+    def decode_raw(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The decoder's text without the ``clean_up_tokenization_spaces`` rewrite, which depends on
+        what follows and so cannot be streamed; the incremental detokenizer uses this."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
+        return [self.backend.id_to_token(i) for i in ids]
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None,
+                            template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """The prompt text for a conversation (see ``chat_template.render_chat_template``). Encode it
+        with ``add_special_tokens=False``: the template writes BOS itself where the model wants it."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template and none of the built-in ones fits it")
+        return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                                    tools=tools, bos_token=self.bos_token, eos_token=self.eos_token,
+                                    extra_context=template_kwargs)
+
+
+def _bos_eos_processor(backend: tokenizers.Tokenizer, bos: str | None, eos: str | None) -> processors.PostProcessor:
+    """The post-processor a config's explicit ``add_bos_token``/``add_eos_token`` asks for: it
+    replaces whatever tokenizer.json says, as transformers does for Llama-style tokenizers."""
+    specials = [(t, backend.token_to_id(t)) for t in (bos, eos) if t is not None and backend.token_to_id(t) is not None]
+    known = {t for t, _ in specials}
+    prefix = f"{bos}:0 " if bos in known else ""
+    suffix = f" {eos}:0" if eos in known else ""
+    pair_prefix = f"{bos}:1 " if bos in known else ""
+    pair_suffix = f" {eos}:1" if eos in known else ""
+    return processors.TemplateProcessing(single=f"{prefix}$A:0{suffix}",
+                                         pair=f"{prefix}$A:0{suffix} {pair_prefix}$B:1{pair_suffix}",
+                                         special_tokens=specials)

@@ -1,0 +1,117 @@
+"""GrammarState: stop tokens only where the grammar may end, termination, rejection, and rebuilding a
+state (replay from tokens, rollback) that gives exactly the masks the original gave."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kiln.runtime.grammar import GrammarState, allocate_bitmask
+
+from .conftest import PADDED_VOCAB, allowed_ids
+
+EOS = 2  # SmolLM2's <|im_end|>
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "items": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3}},
+    "required": ["name", "n", "items"],
+}
+
+
+def mask_of(state: GrammarState) -> torch.Tensor:
+    bitmask = allocate_bitmask(1, PADDED_VOCAB)
+    state.fill_bitmask(bitmask, 0)
+    return bitmask[0].clone()
+
+
+def accept_text(state: GrammarState, tokenizer, text: str) -> None:
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        assert state.accept(token)
+
+
+def test_stop_token_is_allowed_only_where_the_grammar_may_end(grammar_compiler, smollm2_tokenizer):
+    state = GrammarState(grammar_compiler.compile("regex", "[0-9]{2,3}"))
+    accept_text(state, smollm2_tokenizer, "4")
+    assert EOS not in allowed_ids(mask_of(state).numpy(), PADDED_VOCAB) and not state.is_completed()
+    accept_text(state, smollm2_tokenizer, "2")
+    allowed = allowed_ids(mask_of(state).numpy(), PADDED_VOCAB).tolist()
+    assert EOS in allowed and len(allowed) == 11 and state.is_completed()  # a third digit, or stop
+    accept_text(state, smollm2_tokenizer, "7")
+    assert allowed_ids(mask_of(state).numpy(), PADDED_VOCAB).tolist() == [EOS]
+    assert not state.is_terminated()
+    assert state.accept(EOS) and state.is_terminated() and state.num_accepted == 4
+
+
+def test_a_terminated_state_has_no_mask_and_accepts_nothing(grammar_compiler, smollm2_tokenizer):
+    state = GrammarState(grammar_compiler.compile("regex", "7"))
+    accept_text(state, smollm2_tokenizer, "7")
+    assert state.accept(EOS)
+    with pytest.raises(RuntimeError, match="terminated"):
+        mask_of(state)
+    assert not state.accept(EOS)
+    assert state.num_accepted == 2
+
+
+def test_request_stop_tokens_replace_the_default(grammar_compiler, smollm2_tokenizer):
+    state = GrammarState(grammar_compiler.compile("regex", "ok"), stop_token_ids=[0, EOS])
+    accept_text(state, smollm2_tokenizer, "ok")
+    assert allowed_ids(mask_of(state).numpy(), PADDED_VOCAB).tolist() == [0, EOS]
+    assert state.accept(0) and state.is_terminated()
+    with pytest.raises(ValueError, match="at least one stop token"):
+        GrammarState(grammar_compiler.compile("regex", "ok"), stop_token_ids=[])
+
+
+def test_a_token_outside_the_grammar_is_rejected_and_changes_nothing(grammar_compiler, smollm2_tokenizer, caplog):
+    state = GrammarState(grammar_compiler.compile("json_schema", SCHEMA))
+    accept_text(state, smollm2_tokenizer, '{"name": "a')
+    before = mask_of(state)
+    with caplog.at_level(logging.WARNING, logger="kiln.runtime.grammar.matcher"):
+        assert not state.accept(EOS)  # the string and the object are still open
+    assert "grammar rejected token 2" in caplog.text
+    assert torch.equal(mask_of(state), before)
+    assert state.num_accepted == len(smollm2_tokenizer.encode('{"name": "a', add_special_tokens=False))
+
+
+def test_replay_and_rollback_reproduce_every_mask(grammar_compiler, random_walk):
+    grammar = grammar_compiler.compile("json_schema", SCHEMA)
+    tokens = random_walk(GrammarState(grammar), seed=7)
+    assert len(tokens) > 10
+    stepping = GrammarState(grammar)
+    masks = []
+    for token in tokens[:-1]:
+        masks.append(mask_of(stepping))
+        assert stepping.accept(token)
+    masks.append(mask_of(stepping))
+    assert stepping.accept(tokens[-1]) and stepping.is_terminated()
+
+    for prefix in range(len(tokens)):
+        assert torch.equal(mask_of(GrammarState.replay(grammar, tokens[:prefix])), masks[prefix])
+    assert GrammarState.replay(grammar, tokens).is_terminated()
+    # Roll the finished state back step by step: each position gives its original mask again.
+    for prefix in reversed(range(len(tokens))):
+        stepping.rollback(1)
+        assert not stepping.is_terminated() and stepping.num_accepted == prefix
+        assert torch.equal(mask_of(stepping), masks[prefix])
+
+
+def test_rollback_of_several_tokens_then_a_different_continuation(grammar_compiler, smollm2_tokenizer):
+    grammar = grammar_compiler.compile("regex", "(cat|dog)s?")
+    state = GrammarState(grammar)
+    accept_text(state, smollm2_tokenizer, "cats")
+    accepted = state.num_accepted
+    state.rollback(accepted)
+    assert torch.equal(mask_of(state), mask_of(GrammarState(grammar)))
+    accept_text(state, smollm2_tokenizer, "dog")
+    assert state.accept(EOS) and state.is_terminated()
+    with pytest.raises(ValueError, match="cannot roll back 9 tokens"):
+        state.rollback(9)
+
+
+def test_replay_of_tokens_outside_the_grammar_fails(grammar_compiler, smollm2_tokenizer):
+    grammar = grammar_compiler.compile("regex", "[0-9]+")
+    tokens = smollm2_tokenizer.encode("12x", add_special_tokens=False)
+    with pytest.raises(ValueError, match=r"output token 2 \(id \d+\) does not follow it"):
+        GrammarState.replay(grammar, tokens)

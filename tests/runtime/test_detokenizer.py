@@ -1,0 +1,215 @@
+"""Incremental detokenization and stop strings, on a SentencePiece-style byte-fallback tokenizer
+built here and on the real SmolLM2 (byte-level BPE) tokenizer."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders, models, normalizers
+
+from kiln.runtime.detokenizer import (IncrementalDetokenizer, StopChecker, find_stop, partial_stop_length)
+from kiln.runtime.tokenizer import Tokenizer
+
+TEXTS = [
+    "Hello world, café 你好 😀 naïve",
+    "Emoji run: 😀😃😄 👍🏽 👨‍👩‍👧 end",
+    "日本語のテキストと中文混合 with English",
+    "Accents: Zürich, São Paulo, Ångström, façade, œuvre",
+    "  two leading spaces and trailing  ",
+    "Hello the world\n\nnew paragraph\twith tab",
+    "ÿ þ ß and a lone é",
+]
+
+
+def byte_fallback_tokenizer() -> Tokenizer:
+    """A Llama-2-style SentencePiece BPE: '▁' for spaces, a leading '▁' prepended and stripped on
+    decode, and <0xNN> byte tokens for every character outside its small vocabulary."""
+    specials = ["<unk>", "<s>", "</s>"]
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    chars = list("▁abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'-:é")
+    vocab = {token: i for i, token in enumerate(specials + byte_tokens + chars)}
+    merges = []
+    for word in ["▁Hello", "▁world", "▁the", "▁café", "ing"]:
+        merged = word[0]
+        for char in word[1:]:
+            merges.append((merged, char))
+            merged += char
+            vocab.setdefault(merged, len(vocab))
+    backend = BackendTokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    backend.add_special_tokens(specials)
+    return Tokenizer(backend, bos_token="<s>", eos_token="</s>")
+
+
+@pytest.fixture(scope="module")
+def sentencepiece() -> Tokenizer:
+    return byte_fallback_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir) -> Tokenizer:
+    return Tokenizer.from_dir(smollm2_dir)
+
+
+def stream(tokenizer: Tokenizer, ids: list[int], chunk_sizes: list[int] | None = None, **kwargs) -> list[str]:
+    detokenizer = IncrementalDetokenizer(tokenizer, **kwargs)
+    deltas, position = [], 0
+    for size in chunk_sizes or [1] * len(ids):
+        deltas.append(detokenizer.add(ids[position:position + size] if size > 1 else ids[position]))
+        position += size
+    deltas.append(detokenizer.finish())
+    assert detokenizer.text == "".join(deltas)
+    assert detokenizer.output_ids == ids
+    return deltas
+
+
+def random_chunks(total: int, rng: random.Random) -> list[int]:
+    sizes = []
+    while total > 0:
+        sizes.append(min(total, rng.randint(1, 4)))
+        total -= sizes[-1]
+    return sizes
+
+
+@pytest.mark.parametrize("name", ["sentencepiece", "smollm2"])
+def test_streaming_joins_to_decode_without_replacement_chars(name, request):
+    tokenizer = request.getfixturevalue(name)
+    rng = random.Random(0)
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        expected = tokenizer.decode(ids)
+        for chunks in (None, random_chunks(len(ids), rng)):
+            deltas = stream(tokenizer, ids, chunks)
+            assert "".join(deltas) == expected, text
+            assert not any("\ufffd" in d for d in deltas), (text, deltas)
+
+
+def test_byte_fallback_characters_are_held_until_complete(sentencepiece):
+    ids = sentencepiece.encode("a😀", add_special_tokens=False)
+    tokens = sentencepiece.convert_ids_to_tokens(ids)
+    assert tokens[-4:] == ["<0xF0>", "<0x9F>", "<0x98>", "<0x80>"]
+    deltas = stream(sentencepiece, ids)
+    assert deltas[-5:] == ["", "", "", "😀", ""]
+
+
+def test_naive_concatenation_would_lose_spaces(sentencepiece):
+    ids = sentencepiece.encode("Hello world the", add_special_tokens=False)
+    assert "".join(sentencepiece.decode([i]) for i in ids) == "Helloworldthe"
+    assert stream(sentencepiece, ids) == ["Hello", " world", " the", ""]
+
+
+def test_prompt_context_keeps_the_first_leading_space(sentencepiece):
+    prompt = sentencepiece.encode("Hello")
+    output = sentencepiece.encode("world", add_special_tokens=False)
+    assert "".join(stream(sentencepiece, output, prompt_ids=prompt)) == " world"
+    assert "".join(stream(sentencepiece, output)) == "world"
+
+
+def test_truly_invalid_bytes_come_out_at_the_end(sentencepiece):
+    byte = sentencepiece.token_to_id
+    deltas = stream(sentencepiece, [byte("a"), byte("<0xE4>"), byte("<0xBD>")])
+    assert deltas == ["a", "", "", sentencepiece.decode([byte("<0xE4>"), byte("<0xBD>")])]
+    assert deltas[-1].startswith("\ufffd")
+    # Invalid bytes followed by text cannot become valid: they are emitted with that text.
+    deltas = stream(sentencepiece, [byte("<0xFF>"), byte("a")])
+    assert "".join(deltas) == "\ufffda" and deltas[-1] == ""
+
+
+def test_special_tokens_skipped_or_kept(sentencepiece):
+    ids = sentencepiece.encode("Hello", add_special_tokens=False) + [sentencepiece.eos_token_id]
+    assert "".join(stream(sentencepiece, ids)) == "Hello"
+    assert "".join(stream(sentencepiece, ids, skip_special_tokens=False)) == "Hello</s>"
+
+
+def test_smollm2_streams_chat_output_after_prompt(smollm2):
+    prompt = smollm2.encode(smollm2.apply_chat_template([{"role": "user", "content": "Hi"}]), add_special_tokens=False)
+    output = smollm2.encode("Bonjour ! 👋 Ça va ?", add_special_tokens=False) + [smollm2.eos_token_id]
+    deltas = stream(smollm2, output, prompt_ids=prompt)
+    assert "".join(deltas) == "Bonjour ! 👋 Ça va ?"
+    assert not any("\ufffd" in d for d in deltas)
+
+
+# --- stop strings --------------------------------------------------------------------------------
+
+def run_stops(stops: list[str], deltas: list[str]) -> tuple[list[str], StopChecker]:
+    checker = StopChecker(stops)
+    streamed = []
+    for delta in deltas:
+        update = checker.push(delta)
+        streamed.append(update.text)
+        if update.stopped:
+            return streamed, checker
+    streamed.append(checker.flush())
+    return streamed, checker
+
+
+def test_stop_string_split_across_deltas():
+    streamed, checker = run_stops(["STOP"], ["Hel", "lo ST", "OP and more"])
+    assert streamed == ["Hel", "lo ", ""]
+    assert checker.stopped and checker.text == "Hello "
+
+
+def test_held_tail_is_released_when_it_stops_matching():
+    streamed, checker = run_stops(["STOP"], ["ab", "S", "T", "x", "y"])
+    assert streamed == ["ab", "", "", "STx", "y", ""]
+    assert not checker.stopped and checker.text == "abSTxy"
+
+
+def test_flush_releases_held_tail_at_the_end():
+    streamed, checker = run_stops(["</answer>"], ["The answer is 4</"])
+    assert streamed == ["The answer is 4", "</"]
+
+
+def test_earliest_of_several_stops_wins_and_reports_which():
+    checker = StopChecker(["world", "lo w"])
+    update = checker.push("hello world")
+    assert update.stopped and update.stop_string == "lo w" and checker.text == "hel" and update.text == "hel"
+
+
+def test_stop_at_the_very_start():
+    streamed, checker = run_stops(["\n\n"], ["\n", "\nrest"])
+    assert streamed == ["", ""] and checker.text == ""
+
+
+def test_push_after_stop_is_an_error():
+    checker = StopChecker(["x"])
+    checker.push("x")
+    with pytest.raises(RuntimeError):
+        checker.push("more")
+
+
+def test_empty_stop_string_is_refused():
+    with pytest.raises(ValueError):
+        StopChecker(["ok", ""])
+
+
+def test_find_stop_and_partial_length():
+    assert find_stop("abcSTOPdef", ["STOP"]) == (3, "STOP")
+    assert find_stop("abcSTOPdef", ["STOP"], start=8) is None  # already checked up to 8
+    assert find_stop("abcSTOPdef", ["STOP"], start=6) == (3, "STOP")
+    assert partial_stop_length("abcST", ["STOP"]) == 2
+    assert partial_stop_length("abcSTOX", ["STOP"]) == 0
+    assert partial_stop_length("aaa", ["aab", "aaaa"]) == 3
+    assert partial_stop_length("", ["x"]) == 0
+
+
+def test_stops_on_multibyte_text_never_split_characters(smollm2):
+    text = "Answer: 你好😀世界 done"
+    ids = smollm2.encode(text, add_special_tokens=False)
+    for stop in ["😀", "好😀世", "界 d", "😀世界 done!"]:
+        detokenizer, checker = IncrementalDetokenizer(smollm2), StopChecker([stop])
+        streamed = []
+        for token_id in ids:
+            update = checker.push(detokenizer.add(token_id))
+            streamed.append(update.text)
+            if update.stopped:
+                break
+        else:
+            streamed.append(checker.push(detokenizer.finish()).text + checker.flush())
+        expected = text[:text.index(stop)] if stop in text else text
+        assert "".join(streamed) == checker.text == expected
+        assert not any("\ufffd" in s for s in streamed)
