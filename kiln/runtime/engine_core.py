@@ -8,12 +8,14 @@ the stop rules and returns a ``SampleEvent`` per sample that advanced or ended. 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Hashable
 
 import torch
 
 from .artifact import load_artifact
+from .constraints import Constraints, constraint_of
 from .detokenizer import IncrementalDetokenizer, StopChecker
 from .kvcache.allocator import PageAllocator
 from .kvcache.pool import pages_for_mem_fraction, pages_for_tokens
@@ -22,7 +24,7 @@ from .model_runner import ModelRunner
 from .outputs import SampleEvent, TokenLogprob
 from .sampling import SamplingBatch, SamplingParams, SamplingRow, child_seed, new_seed
 from .scheduler.batch import build_step_lists
-from .scheduler.request import Request
+from .scheduler.request import Request, RequestState
 from .scheduler.scheduler import Scheduler, SchedulerConfig
 from .tokenizer import Tokenizer
 
@@ -70,6 +72,7 @@ class EngineCore:
             page_size=self.page_size, policy=self.options.schedule_policy,
             enable_prefix_cache=self.options.enable_prefix_cache), self.allocator, self.cache)
         self.eos_ids: set[int] = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
+        self.constraints = Constraints(self.tokenizer, self.vocab_size, self.eos_ids)
         self._requests: dict[str, list[Request]] = {}
 
     def _num_pages(self, device: torch.device, rt: dict[str, Any]) -> int:
@@ -99,9 +102,12 @@ class EngineCore:
             samples[-1].extras["index"] = index
             if params.stop:
                 samples[-1].extras["stop"] = _StopWatch(self.tokenizer, prompt_ids, params)
+        if constraint_of(params) is not None:
+            self.constraints.start(samples)
+        else:
+            for request in samples:
+                self.scheduler.add(request)
         self._requests[rid] = samples
-        for request in samples:
-            self.scheduler.add(request)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         params.validate(self.vocab_size)
@@ -116,16 +122,18 @@ class EngineCore:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer, and this artifact has none")
 
-    def abort(self, rid: str) -> list[SampleEvent]:
+    def abort(self, rid: str, error: str | None = None) -> list[SampleEvent]:
+        """Ends every sample of ``rid`` at once, freeing its KV; ``error`` says why, when it failed."""
         events = []
+        self.constraints.cancel(rid)
         for request in self._requests.pop(rid, []):
             if not request.done:
                 self.scheduler.abort(request)
-                events.append(self._event(request, (), (), "abort"))
+                events.append(self._event(request, (), (), "abort", error))
         return events
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.constraints.has_pending()
 
     def stats(self) -> dict[str, float]:
         """Gauges and counters for metrics: queue lengths, KV pool use, prefix-cache hits."""
@@ -147,24 +155,29 @@ class EngineCore:
     # ---- one step -----------------------------------------------------------------------------------
 
     def step(self) -> list[SampleEvent]:
+        events = self._release_constrained()
         batch = self.scheduler.schedule()
         if batch is None:
-            return []
+            if self.constraints.has_pending():
+                time.sleep(0.001)  # only grammars compiling: wait for them without spinning
+            return events
         lists = build_step_lists(batch, self.page_size)
         logits = self.runner.forward(lists)
         self.scheduler.complete_step(batch)
         if not lists.sampled:
-            return []
-        rows = [SamplingRow(c.request.params, c.request.seed, len(c.request.output_ids), c.request.prompt_ids,
-                            c.request.output_ids) for c in lists.sampled]
-        out = self.runner.sample(logits, SamplingBatch.pack(rows, self.vocab_size, logits.device))
+            return events
+        requests = [c.request for c in lists.sampled]
+        rows = [SamplingRow(r.params, r.seed, len(r.output_ids), r.prompt_ids, r.output_ids) for r in requests]
+        mask = Constraints.mask(requests, logits.shape[1], logits.device)
+        out = self.runner.sample(logits, SamplingBatch.pack(rows, self.vocab_size, logits.device), mask)
         tokens = out.token_ids.tolist()
         chosen = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_values = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        events = []
         for row, chunk in enumerate(lists.sampled):
             request = chunk.request
+            if request.done:
+                continue  # a sibling sample's failure aborted the whole request in this step
             token = tokens[row]
             request.output_ids.append(token)
             logprobs: tuple[TokenLogprob, ...] = ()
@@ -173,13 +186,34 @@ class EngineCore:
                 top = tuple(zip(top_ids[row][:k], top_values[row][:k])) if k else ()
                 logprobs = (TokenLogprob(token, chosen[row], top),)
             reason = self._finish_reason(request, token)
+            if reason == "error":
+                events.extend(self.abort(request.rid, f"the grammar rejected token {token}"))
+                continue
             if reason is not None:
                 self.scheduler.finish(request, reason)
                 self._forget_if_done(request.rid)
             events.append(self._event(request, (token,), logprobs, reason))
         return events
 
+    def _release_constrained(self) -> list[SampleEvent]:
+        """Queues requests whose grammar compiled; ends those whose constraint failed (400)."""
+        if not self.constraints.has_pending():
+            return []
+        ready, failed = self.constraints.poll()
+        for request in ready:
+            self.scheduler.add(request)
+        events = []
+        for samples, error in failed:
+            self._requests.pop(samples[0].rid, None)
+            for sample in samples:
+                sample.state = RequestState.ABORTED
+                events.append(self._event(sample, (), (), "abort", error))
+        return events
+
     def _finish_reason(self, request: Request, token: int) -> str | None:
+        grammar_reason = Constraints.advance(request, token)
+        if grammar_reason is not None:
+            return grammar_reason
         params = request.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
             return "stop"
@@ -195,8 +229,8 @@ class EngineCore:
             self._requests.pop(rid, None)
 
     def _event(self, request: Request, tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...],
-               reason: str | None) -> SampleEvent:
-        return SampleEvent(request.rid, request.extras["index"], tokens, logprobs, reason,
+               reason: str | None, error: str | None = None) -> SampleEvent:
+        return SampleEvent(request.rid, request.extras["index"], tokens, logprobs, reason, error,
                            prompt_tokens=len(request.prompt_ids), cached_tokens=request.cached_tokens)
 
 

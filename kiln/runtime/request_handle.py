@@ -57,7 +57,8 @@ class RequestHandle:
             self._on_delta(StreamDelta(self.rid, event.index, text, event.token_ids, event.logprobs,
                                        event.finish_reason, usage))
         if event.error is not None:
-            self.fail(RuntimeError(event.error))
+            # Errors the core reports for one request are about that request's input (a bad grammar).
+            self.fail(ValueError(event.error))
             return True
         if all_done:
             self.result = RequestOutput(self.rid, self.prompt_ids, self._completions, usage)

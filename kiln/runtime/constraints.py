@@ -1,0 +1,121 @@
+"""Constrained decoding in the engine core: compiling requests' grammars off the loop, holding the
+requests until their grammar is ready, and masking and advancing them each step.
+
+A constrained request is not queued for scheduling until its grammar has compiled (on the grammar
+compiler's thread pool; the loop only polls the future), so a slow or bad constraint never delays
+other requests; a bad one ends that request alone with an error. Each sample keeps its
+``GrammarState`` in ``request.extras["grammar"]`` across retraction: the scheduler keeps a retracted
+request's output tokens, so the state stays in step with them.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .sampling import SamplingParams
+from .sampling.bitmask import allocate_bitmask
+from .scheduler.request import Request
+from .tokenizer import Tokenizer
+
+GRAMMAR = "grammar"
+
+
+def constraint_of(params: SamplingParams) -> tuple[str, Any] | None:
+    """The (kind, constraint) a request asks for, if any."""
+    for kind in ("json_schema", "regex", "ebnf"):
+        value = getattr(params, kind)
+        if value is not None:
+            return kind, value
+    return None
+
+
+@dataclass
+class _Pending:
+    samples: list[Request]
+    kind: str
+    future: Future
+    deadline: float
+
+
+class Constraints:
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_ids: set[int], timeout_s: float = 30.0) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos_ids = eos_ids
+        self._timeout_s = timeout_s
+        self._compiler = None
+        self._pending: list[_Pending] = []
+
+    def start(self, samples: list[Request]) -> None:
+        """Begins compiling the samples' shared constraint; they are released by ``poll``."""
+        kind, value = constraint_of(samples[0].params)
+        future = self._grammar_compiler().compile_async(kind, value)
+        self._pending.append(_Pending(samples, kind, future, time.monotonic() + self._timeout_s))
+
+    def poll(self) -> tuple[list[Request], list[tuple[list[Request], str]]]:
+        """Requests whose grammar is ready (to schedule), and those that failed with the error."""
+        from .grammar import GrammarError, GrammarState
+
+        ready, failed, still = [], [], []
+        for pending in self._pending:
+            if not pending.future.done() and time.monotonic() < pending.deadline:
+                still.append(pending)
+                continue
+            try:
+                grammar = self._compiler.result(pending.future, pending.kind, timeout=0)
+            except GrammarError as error:
+                failed.append((pending.samples, str(error)))
+                continue
+            for sample in pending.samples:
+                stops = self._eos_ids | set(sample.params.stop_token_ids)
+                sample.extras[GRAMMAR] = GrammarState(grammar, stops)
+            ready.extend(pending.samples)
+        self._pending = still
+        return ready, failed
+
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def cancel(self, rid: str) -> list[Request]:
+        """Drops a pending request's samples (it was aborted before its grammar compiled)."""
+        dropped = [p for p in self._pending if p.samples[0].rid == rid]
+        self._pending = [p for p in self._pending if p.samples[0].rid != rid]
+        return [s for p in dropped for s in p.samples]
+
+    @staticmethod
+    def mask(requests: list[Request], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+        """The packed bitmask of a step's sampled rows, or None when no row is constrained."""
+        states = [r.extras.get(GRAMMAR) for r in requests]
+        if not any(states):
+            return None
+        bitmask = allocate_bitmask(len(requests), vocab_size)
+        for row, state in enumerate(states):
+            if state is not None:
+                state.fill_bitmask(bitmask, row)
+        return bitmask.to(device, non_blocking=True)
+
+    @staticmethod
+    def advance(request: Request, token: int) -> str | None:
+        """Moves the request's grammar over ``token``; a finish reason when that ends it."""
+        state = request.extras.get(GRAMMAR)
+        if state is None:
+            return None
+        if not state.accept(token):
+            return "error"
+        return "stop" if state.is_terminated() else None
+
+    def _grammar_compiler(self):
+        if self._compiler is None:
+            from .grammar import GrammarCompiler
+
+            if self._tokenizer is None:
+                raise ValueError("json_schema/regex/ebnf: constrained decoding needs a tokenizer, and this "
+                                 "artifact has none")
+            self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size, stop_token_ids=self._eos_ids,
+                                             timeout_s=self._timeout_s)
+        return self._compiler
