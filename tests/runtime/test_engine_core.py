@@ -169,3 +169,15 @@ def test_invalid_requests_are_refused_and_others_continue(model, hf_greedy, para
         for event in core.step():
             outputs[event.rid][event.index].extend(event.token_ids)
     assert outputs["good"][0] == hf_greedy(PROMPTS[0])
+
+
+def test_requests_arriving_together_share_their_common_prefix(model, hf_greedy):
+    core = make_core(model)
+    shared = list(range(100, 140))
+    prompts = {f"r{i}": (shared + [i + 1, i + 2], GREEDY) for i in range(4)}
+    outputs = run_all(core, prompts)
+    cached = sorted(core.last_cached.values())
+    assert cached[0] == 0 and cached[1:] == [len(shared)] * 3
+    for rid, (prompt, _) in prompts.items():
+        assert outputs[rid][0] == hf_greedy(prompt)
+    assert_no_leaks(core)

@@ -29,6 +29,9 @@ POLICIES = ("fcfs", "lpm")
 # Ordering by cached prefix costs one tree walk per waiting request; past this queue length the
 # scheduler falls back to arrival order, as SGLang does.
 LPM_MAX_QUEUE = 256
+# A waiting request sharing at least this many uncached tokens with one admitted in the same step
+# waits for that one's prompt to reach the cache instead of computing the same prefix again.
+IN_BATCH_SHARE_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,8 @@ class Scheduler:
                 break
             if request.leader is not None and not (request.leader.prompt_inserted or request.leader.done):
                 continue  # share the leader's prompt pages once they are cached
+            if self._shares_with_admitted(request, [c.request for c in chunks]):
+                continue  # computing it now would repeat an admitted request's prefix: wait for its cache entry
             self._attach_prefix(request)
             chunk = self._prefill_chunk(request, budget)
             if chunk is None:
@@ -181,6 +186,19 @@ class Scheduler:
 
             queue.sort(key=lambda r: (r.retractions == 0, -cached(r), r.arrival))
         return queue
+
+    def _shares_with_admitted(self, request: Request, admitted: list[Request]) -> bool:
+        """True when ``request`` shares a prefix with a request admitted this step that is much longer
+        than what the cache holds for it: it then waits a step or two and reuses those pages."""
+        if not self.config.enable_prefix_cache or not admitted:
+            return False
+        ids = request.all_ids
+        cached = self.cache.cached_length(request.namespace, ids[:-1])
+        for other in admitted:
+            if other.namespace == request.namespace and \
+                    _common_prefix(ids, other.all_ids) - cached >= IN_BATCH_SHARE_TOKENS:
+                return True
+        return False
 
     def _attach_prefix(self, request: Request) -> None:
         if not self.config.enable_prefix_cache:
@@ -239,3 +257,11 @@ class Scheduler:
         if short > 0 and self.config.enable_prefix_cache:
             self.cache.evict(short)
         return self.allocator.free_count >= pages
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

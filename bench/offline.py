@@ -1,0 +1,91 @@
+"""Offline throughput of ``kiln.Engine`` on a shared-prefix workload, with the prefix cache on and off.
+
+Every request is one long shared prefix (a system prompt) plus a short question of its own; all are
+submitted at once and generated greedily with ``ignore_eos`` so both runs do the same work. The
+table reports wall time, output and total token rates, and how many prompt tokens the cache served.
+
+    python bench/offline.py --model smollm2-135m-instruct --num-requests 32 --prefix-words 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from kiln import Engine, SamplingParams
+
+WORDS = ("alpha beta gamma delta river mountain forest ocean engine compiler kernel tensor graph cache "
+         "token prompt model server request batch page radix tree schedule stream").split()
+
+
+def workload(num_requests: int, prefix_words: int, question_words: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    prefix = "You are a careful assistant. Context: " + " ".join(rng.choice(WORDS) for _ in range(prefix_words))
+    return [f"{prefix}\nQuestion {i}: " + " ".join(rng.choice(WORDS) for _ in range(question_words)) + "?"
+            for i in range(num_requests)]
+
+
+def run(args: argparse.Namespace, prefix_cache: bool) -> dict:
+    prompts = workload(args.num_requests, args.prefix_words, args.question_words, args.seed)
+    params = SamplingParams(temperature=0, max_new_tokens=args.output_len, ignore_eos=True)
+    with Engine(args.model, dtype=args.dtype, device=args.device, max_seq_len=args.max_seq_len,
+                max_batch_tokens=args.max_batch_tokens, kv_cache_tokens=args.kv_cache_tokens,
+                enable_prefix_cache=prefix_cache) as engine:
+        engine.generate(prompts[:1], SamplingParams(temperature=0, max_new_tokens=2))  # warm-up
+        engine.core.cache.reset()
+        start = time.perf_counter()
+        outputs = engine.generate(prompts, params)
+        seconds = time.perf_counter() - start
+    prompt_tokens = sum(o.usage.prompt_tokens for o in outputs)
+    output_tokens = sum(o.usage.completion_tokens for o in outputs)
+    cached = sum(o.usage.cached_tokens for o in outputs)
+    return {"prefix_cache": prefix_cache, "seconds": round(seconds, 3), "requests": len(outputs),
+            "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "cached_tokens": cached,
+            "output_tok_s": round(output_tokens / seconds, 1),
+            "total_tok_s": round((prompt_tokens + output_tokens) / seconds, 1),
+            "token_ids": [o.token_ids for o in outputs]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default=None, help="default: bf16 on GPU, fp32 on CPU")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--prefix-words", type=int, default=300)
+    parser.add_argument("--question-words", type=int, default=12)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--max-seq-len", type=int, default=2048)
+    parser.add_argument("--max-batch-tokens", type=int, default=2048)
+    parser.add_argument("--kv-cache-tokens", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    args.dtype = args.dtype or ("bf16" if on_gpu else "fp32")
+    if args.kv_cache_tokens is None and not on_gpu:
+        args.kv_cache_tokens = 65536
+    results = [run(args, prefix_cache=True), run(args, prefix_cache=False)]
+    same = results[0].pop("token_ids") == results[1].pop("token_ids")
+    hardware = torch.cuda.get_device_name() if on_gpu else f"{platform.processor() or platform.machine()} CPU, " \
+        f"{torch.get_num_threads()} threads"
+    print(f"# offline, {args.model}, {args.dtype}, {hardware}, {args.num_requests} requests, "
+          f"outputs identical with and without the cache: {same}")
+    print("| prefix cache | seconds | prompt tok | cached tok | output tok/s | total tok/s |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {'on' if r['prefix_cache'] else 'off'} | {r['seconds']} | {r['prompt_tokens']} | "
+              f"{r['cached_tokens']} | {r['output_tok_s']} | {r['total_tok_s']} |")
+    if args.out:
+        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "hardware": hardware,
+                                        "identical_outputs": same, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
