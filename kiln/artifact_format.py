@@ -13,6 +13,13 @@ PROGRAM = "program.py"
 KERNELS_DIR = "kernels"
 WEIGHTS_DIR = "weights"
 TOKENIZER_DIR = "tokenizer"
+# Kernels the compiler generates are named "generated.<module>" in the program's kernel table; the
+# module lives at kernels/<module>.py and exposes `launch`. The manifest maps each name to its op.
+GENERATED_KERNEL_PREFIX = "generated."
+
+
+def generated_kernel_file(name: str) -> str:
+    return f"{KERNELS_DIR}/{name[len(GENERATED_KERNEL_PREFIX):]}.py"
 
 
 def weights_file(rank: int) -> str:

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from kiln import __version__
 from kiln.artifact_format import (FORMAT_VERSION, GRAPH_JSON, GRAPH_TEXT, KERNELS_DIR, MANIFEST, PROGRAM,
-                                  TOKENIZER_DIR, weights_file)
+                                  TOKENIZER_DIR, generated_kernel_file, weights_file)
 from kiln.ir import print_graph
 from kiln.ir.serialize import dumps
 from kiln.models import BuildOptions, family_for
@@ -75,6 +75,8 @@ def compile_model(model: str | Path, out: str | Path, options: CompileOptions | 
         (staging / GRAPH_TEXT).write_text(print_graph(graph))
         (staging / GRAPH_JSON).write_text(dumps(graph))
         (staging / PROGRAM).write_text(generate_program(graph, ctx.kernel_choice, ctx.memory_plan))
+        for name, (_, kernel_source) in ctx.generated_kernels.items():
+            (staging / generated_kernel_file(name)).write_text(kernel_source)
         tokenizer = _copy_tokenizer(source, staging / TOKENIZER_DIR)
         manifest = {
             "format_version": FORMAT_VERSION,
@@ -98,6 +100,7 @@ def compile_model(model: str | Path, out: str | Path, options: CompileOptions | 
             },
             "memory_plan": ctx.memory_plan.to_json(),
             "kernels": sorted(set(ctx.kernel_choice)),
+            "generated_kernels": {name: op for name, (op, _) in ctx.generated_kernels.items()},
             "passes": pass_log,
             "weights": [weights_file(0)],
             "tokenizer": TOKENIZER_DIR if tokenizer else None,

@@ -2,7 +2,8 @@
 
 Transforms rewrite the graph; analyses (kernel selection, memory planning) leave their results in
 the context for codegen. The order matters: the linear fusions must see the unfused projections,
-silu·mul must see the split the gate/up fusion made, and planning runs last on the final graph.
+silu·mul must see the split the gate/up fusion made, rope+KV store must see the q/k norms before
+anything else touches them, and planning runs last on the final graph.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from .passes.base import Pass, PassContext
 from .passes.dce import eliminate_dead_code
 from .passes.fuse_add_rmsnorm import fuse_add_rmsnorm
 from .passes.fuse_linears import fuse_gate_up, fuse_qkv
+from .passes.fuse_rope_kv_store import fuse_rope_kv_store
 from .passes.fuse_silu_mul import fuse_silu_mul
 from .passes.plan_memory import plan_memory
 from .passes.select_kernels import select_kernels
@@ -32,6 +34,7 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("fuse_gate_up", fuse_gate_up),
     ("fuse_silu_mul", fuse_silu_mul),
     ("fuse_add_rmsnorm", fuse_add_rmsnorm),
+    ("fuse_rope_kv_store", fuse_rope_kv_store),
     ("dce", eliminate_dead_code),
     ("select_kernels", select_kernels),
     ("plan_memory", plan_memory),

@@ -83,7 +83,7 @@ def _split(t: Types, a: Attrs) -> tuple[TensorType, ...]:
     return tuple(TensorType(x.shape[:-1] + (s,), x.dtype) for s in sizes)
 
 
-def _rope(t: Types, a: Attrs) -> tuple[TensorType, ...]:
+def infer_rope(t: Types, a: Attrs) -> tuple[TensorType, ...]:
     x, positions, cos_sin = t
     expect_rank("rope", "x", x, 3)
     expect_int("rope", "positions", positions)
@@ -95,7 +95,7 @@ def _rope(t: Types, a: Attrs) -> tuple[TensorType, ...]:
     return (x,)
 
 
-def _kv_store(t: Types, a: Attrs) -> tuple[TensorType, ...]:
+def infer_kv_store(t: Types, a: Attrs) -> tuple[TensorType, ...]:
     k_cache, v_cache, k, v, slots = t
     for name, cache, new in (("k", k_cache, k), ("v", v_cache, v)):
         expect_rank("kv_store", f"{name}_cache", cache, 3)
@@ -148,9 +148,9 @@ register_op(OpDef("linear", ("x", "weight", "bias?"), {}, _linear, doc="x @ weig
 register_op(OpDef("reshape", ("x",), {"shape": AttrSpec("dims")}, _reshape, aliases=(0,), doc="a view with another shape"))
 register_op(OpDef("split", ("x",), {"sizes": AttrSpec("ints")}, _split, num_outputs=None, aliases=(0,),
                   doc="views of consecutive column ranges of the last dim"))
-register_op(OpDef("rope", ("x", "positions", "cos_sin"), {}, _rope,
+register_op(OpDef("rope", ("x", "positions", "cos_sin"), {}, infer_rope,
                   doc="rotary embedding, half-split (neox) layout, on the first cos_sin.shape[1] dims of each head"))
-register_op(OpDef("kv_store", ("k_cache", "v_cache", "k", "v", "slots"), {}, _kv_store, num_outputs=2, aliases=(0, 1),
+register_op(OpDef("kv_store", ("k_cache", "v_cache", "k", "v", "slots"), {}, infer_kv_store, num_outputs=2, aliases=(0, 1),
                   has_effect=True, doc="writes k and v of each token into its slot of the pool; returns the updated pool"))
 register_op(OpDef(
     "paged_attention",

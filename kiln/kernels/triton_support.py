@@ -49,14 +49,17 @@ def _interpreter_scalar_index_shim() -> None:
 if INTERPRET:
     _interpreter_scalar_index_shim()
 
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 IR_FLOATS = (DType.f32, DType.f16, DType.bf16)
 IR_INDEXES = (DType.i32, DType.i64)
 
-# The interpreter emulates bf16 matrix products wrongly (it multiplies the raw bit patterns), so under
-# it the attention kernels do their dots on f32 copies of the operands; on the GPU only f32 inputs do.
+
 def dot_in_f32(dtype: torch.dtype) -> bool:
+    """Whether the attention kernels take their matrix products on f32 copies of the operands: for
+    f32 inputs (in IEEE f32, not TF32), and always under the interpreter, which multiplies the raw bit
+    patterns of bf16 operands instead of their values."""
     return dtype == torch.float32 or INTERPRET
 
 
@@ -105,8 +108,9 @@ def multiprocessor_count(device_index: int) -> int:
 
 
 def sm_count(t: torch.Tensor) -> int:
-    index = t.device.index if t.device.type == "cuda" and t.device.index is not None else 0
-    return multiprocessor_count(index)
+    if t.device.type != "cuda":
+        return multiprocessor_count(0)
+    return multiprocessor_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def pow2(n: int, least: int = 1) -> int:

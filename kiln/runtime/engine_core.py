@@ -22,7 +22,7 @@ from .kvcache.pool import pages_for_mem_fraction, pages_for_tokens
 from .kvcache.radix import RadixCache
 from .model_runner import ModelRunner
 from .outputs import SampleEvent, TokenLogprob
-from .sampling import SamplingBatch, SamplingParams, SamplingRow, child_seed, new_seed
+from .sampling import SamplerOutput, SamplingBatch, SamplingParams, SamplingRow, child_seed, new_seed
 from .scheduler.batch import build_step_lists
 from .scheduler.request import Request, RequestState
 from .scheduler.scheduler import Scheduler, SchedulerConfig
@@ -38,6 +38,9 @@ class EngineOptions:
     max_running: int | None = None         # running requests; default the artifact's bound
     schedule_policy: str = "lpm"
     enable_prefix_cache: bool = True
+    # Batch sizes whose decode steps run as captured CUDA graphs; None: DEFAULT_DECODE_BUCKETS on a
+    # GPU, none on a CPU (where the padded path only adds work).
+    decode_buckets: tuple[int, ...] | None = None
 
     def resolved_device(self) -> torch.device:
         return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -45,6 +48,7 @@ class EngineOptions:
 
 # On CPU there is no memory fraction to size by: a pool of this many tokens unless told otherwise.
 DEFAULT_CPU_KV_TOKENS = 32768
+DEFAULT_DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
 class EngineCore:
@@ -58,7 +62,10 @@ class EngineCore:
         self.vocab_size: int = rt["vocab_size"]
         self.page_size: int = rt["page_size"]
         self.tokenizer = Tokenizer.from_dir(self.artifact.tokenizer_dir) if self.artifact.tokenizer_dir else None
-        self.runner = ModelRunner(self.artifact, device, self._num_pages(device, rt))
+        buckets = self.options.decode_buckets
+        if buckets is None:
+            buckets = DEFAULT_DECODE_BUCKETS if device.type == "cuda" else ()
+        self.runner = ModelRunner(self.artifact, device, self._num_pages(device, rt), tuple(buckets))
         # Even with one request the pool must hold a full context, or that request could never run.
         if (self.runner.pool.num_pages - 1) * self.page_size < self.max_seq_len:
             raise ValueError(f"the KV pool holds {(self.runner.pool.num_pages - 1) * self.page_size} tokens, less than "
@@ -162,14 +169,17 @@ class EngineCore:
                 time.sleep(0.001)  # only grammars compiling: wait for them without spinning
             return events
         lists = build_step_lists(batch, self.page_size)
-        logits = self.runner.forward(lists)
+        logits, greedy = self.runner.forward(lists)
         self.scheduler.complete_step(batch)
         if not lists.sampled:
             return events
         requests = [c.request for c in lists.sampled]
-        rows = [SamplingRow(r.params, r.seed, len(r.output_ids), r.prompt_ids, r.output_ids) for r in requests]
-        mask = Constraints.mask(requests, logits.shape[1], logits.device)
-        out = self.runner.sample(logits, SamplingBatch.pack(rows, self.vocab_size, logits.device), mask)
+        if greedy is not None and all(_plain_greedy(r) for r in requests):
+            out = SamplerOutput(greedy, None, None, None)  # argmax already ran inside the graph
+        else:
+            rows = [SamplingRow(r.params, r.seed, len(r.output_ids), r.prompt_ids, r.output_ids) for r in requests]
+            mask = Constraints.mask(requests, logits.shape[1], logits.device)
+            out = self.runner.sample(logits, SamplingBatch.pack(rows, self.vocab_size, logits.device), mask)
         tokens = out.token_ids.tolist()
         chosen = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
@@ -232,6 +242,13 @@ class EngineCore:
                reason: str | None, error: str | None = None) -> SampleEvent:
         return SampleEvent(request.rid, request.extras["index"], tokens, logprobs, reason, error,
                            prompt_tokens=len(request.prompt_ids), cached_tokens=request.cached_tokens)
+
+
+def _plain_greedy(request: Request) -> bool:
+    """Argmax of the raw logits is this request's next token (nothing reshapes its distribution)."""
+    p = request.params
+    return (p.greedy and not p.logprobs and not p.top_logprobs and not p.logit_bias and p.repetition_penalty == 1
+            and not p.frequency_penalty and not p.presence_penalty and constraint_of(p) is None)
 
 
 class _StopWatch:

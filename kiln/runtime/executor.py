@@ -7,12 +7,15 @@ outputs are views into the arena: read or copy them before the next step overwri
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
 
+from kiln.artifact_format import GENERATED_KERNEL_PREFIX, generated_kernel_file
 from kiln.kernels import get_impl
 
 from .artifact import Artifact
@@ -40,18 +43,32 @@ class StepInputs:
                 "P": self.page_table.shape[1], "max_q_len": self.max_q_len, "max_kv_len": self.max_kv_len}
 
 
-def kernel_table(names: list[str], device: torch.device) -> dict[str, Callable]:
-    """Each kernel the program names, as a callable; Triton kernels on a CPU without the
-    interpreter fall back to their op's torch reference, so every artifact runs anywhere."""
+def kernel_table(artifact: Artifact, device: torch.device) -> dict[str, Callable]:
+    """Each kernel the program names, as a callable: registry kernels by name, generated ones from
+    the artifact's ``kernels/``. Triton kernels on a CPU without the interpreter fall back to their
+    op's torch reference, so every artifact runs anywhere."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    triton_runs = device.type == "cuda" or interpreted
+    generated: dict[str, str] = artifact.manifest.get("generated_kernels", {})
     table = {}
-    for name in names:
+    for name in artifact.manifest["kernels"]:
+        if name.startswith(GENERATED_KERNEL_PREFIX):
+            table[name] = load_generated(artifact.path / generated_kernel_file(name)) if triton_runs \
+                else get_impl(f"torch.{generated[name]}").fn
+            continue
         chosen = impl = get_impl(name)
-        if chosen.backend == "triton" and device.type == "cpu" and not interpreted:
+        if chosen.backend == "triton" and not triton_runs:
             impl = get_impl(f"torch.{chosen.op}")
         # The program passes `sizes` only to kernels that asked for it at compile time.
         table[name] = _drop_sizes(impl.fn) if chosen.wants_sizes and not impl.wants_sizes else impl.fn
     return table
+
+
+def load_generated(file: Path) -> Callable:
+    spec = importlib.util.spec_from_file_location(f"kiln_generated_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.launch
 
 
 def _drop_sizes(fn: Callable) -> Callable:
@@ -68,8 +85,9 @@ class Executor:
         self.weights = artifact.load_weights(self.device)
         plan = artifact.manifest["memory_plan"]
         self.bounds: dict[str, int] = plan["bounds"]
+        self.page_size: int = artifact.runtime["page_size"]
         self.arena = torch.empty(plan["arena_bytes"], dtype=torch.uint8, device=self.device)
-        self.step_fn = artifact.program.bind(kernel_table(artifact.manifest["kernels"], self.device))
+        self.step_fn = artifact.program.bind(kernel_table(artifact, self.device))
 
     def arena_view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         count = 1

@@ -1,7 +1,8 @@
 """The model runner: one scheduled batch in, logits and sampled tokens out.
 
-It owns the executor (program, weights, arena) and the KV pool, turns the scheduler's index lists
-into step tensors on the device, and runs the sampler on the logits rows.
+It owns the executor (program, weights, arena), the KV pool and the decode graphs, turns the
+scheduler's index lists into step tensors on the device (decode steps go through the captured
+graphs), and runs the sampler on the logits rows.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .artifact import Artifact
+from .cuda_graphs import DecodeGraphs
 from .executor import Executor, StepInputs
 from .kvcache.pool import KVPool
 from .sampling import SamplerOutput, SamplingBatch, sample
@@ -18,7 +20,8 @@ _POOL_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float
 
 
 class ModelRunner:
-    def __init__(self, artifact: Artifact, device: torch.device | str, num_pages: int) -> None:
+    def __init__(self, artifact: Artifact, device: torch.device | str, num_pages: int,
+                 decode_buckets: tuple[int, ...] = ()) -> None:
         rt = artifact.runtime
         self.device = torch.device(device)
         self.executor = Executor(artifact, self.device)
@@ -27,9 +30,15 @@ class ModelRunner:
         self.pool = KVPool(rt["num_layers"], rt["num_kv_heads"], rt["head_dim"], _POOL_DTYPES[rt["dtype"]],
                            self.device, num_pages, self.page_size)
         self.kv_views = self.pool.layer_views()
+        bounds = rt["symbol_bounds"]
+        buckets = [b for b in decode_buckets if b <= min(bounds["T"], bounds["B"], bounds["N"])]
+        self.decode_graphs = DecodeGraphs(self.executor, self.kv_views, buckets, bounds["P"]) if buckets else None
 
-    def forward(self, lists: StepLists) -> torch.Tensor:
-        """Logits ``[len(lists.logits_index), V]`` (f32), a view valid until the next step."""
+    def forward(self, lists: StepLists) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``[len(lists.logits_index), V]`` (f32) and, for decode steps run as graphs, their
+        greedy tokens; both views valid until the next step."""
+        if self.decode_graphs is not None and self.decode_graphs.fits(lists):
+            return self.decode_graphs.run(lists)
         width = max(len(row) for row in lists.page_rows)
         table = torch.zeros((len(lists.page_rows), width), dtype=torch.int32)
         for i, row in enumerate(lists.page_rows):
@@ -40,7 +49,7 @@ class ModelRunner:
             kv_len=self._ints(lists.kv_len), page_table=table.to(self.device, non_blocking=True),
             logits_index=self._ints(lists.logits_index), max_q_len=max(lists.q_len), max_kv_len=max(lists.kv_len),
         )
-        return self.executor.run(inputs, self.kv_views)["logits"]
+        return self.executor.run(inputs, self.kv_views)["logits"], None
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch, allowed: torch.Tensor | None = None) -> SamplerOutput:
         return sample(logits, batch, allowed)

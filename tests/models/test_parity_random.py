@@ -25,11 +25,12 @@ TOLERANCE = 1e-4
 
 
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_prefill_and_decode_match_hf(tmp_path, kind, page_size):
+@pytest.mark.parametrize("page_size, backend", [(1, "torch"), (4, "torch"), (4, "triton")])
+def test_prefill_and_decode_match_hf(tmp_path, kind, page_size, backend):
+    """The triton backend runs its kernels (hand-written and generated) under the interpreter here."""
     source = make_hf_model(kind, tmp_path / kind)
     artifact = compile_model(source, tmp_path / "model.kiln", CompileOptions(
-        dtype="fp32", page_size=page_size, max_batch_tokens=64, max_logit_rows=64))
+        dtype="fp32", page_size=page_size, max_batch_tokens=64, max_logit_rows=64, backend=backend))
     run = PagedRun(Executor(load_artifact(artifact), "cpu"), num_pages=128)
     run.add_sequences(len(PROMPTS))
     hf = load_hf(source)

@@ -33,6 +33,7 @@ class PassContext:
     recipes: dict[str, WeightRecipe] = field(default_factory=dict)
     # Results of the analysis passes, read by codegen and the manifest.
     kernel_choice: list[str] = field(default_factory=list)
+    generated_kernels: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (op, source)
     memory_plan: Any = None
 
     def derive_weight(self, name: str, recipe: WeightRecipe) -> None:

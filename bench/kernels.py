@@ -1,0 +1,254 @@
+"""Kernel benchmark: each Triton kernel against its torch reference at Llama-3-8B shapes, on the GPU.
+
+Every case is timed with ``triton.testing.do_bench`` (median; eager calls, launch overhead included),
+and the Triton launcher also with ``do_bench_cudagraph`` (replayed in a CUDA graph, as decode runs in
+kiln; the torch references sync with the host and cannot be captured). Achieved bandwidth counts the bytes
+that must move at the least: each input read once, each output written once. The ceiling is a large
+device-to-device copy timed in the same run (bytes read + bytes written over its time), so the
+"% of copy" column says how close a kernel comes to what the memory system delivers. Attention also
+reports TFLOP/s (QK^T and PV, causal pairs only): prefill is compute-bound.
+
+Usage: ``python bench/kernels.py [--quick]``; from code, ``run(quick)`` returns the markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+
+# Llama-3-8B: hidden 4096, 32 query heads, 8 KV heads of 128, MLP 14336, rope theta 500000.
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 4096, 32, 8, 128, 14336
+PAGE_SIZE = 16
+DTYPE = torch.bfloat16
+
+
+@dataclass
+class Case:
+    kernel: str
+    shape: str
+    bytes_moved: int
+    triton_fn: Callable[[], object]
+    torch_fn: Callable[[], object]
+    # Runs both once and returns the largest absolute difference of their results.
+    check: Callable[[], float]
+    flops: int = 0
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _compare(triton_fn: Callable[[], object], out: torch.Tensor, torch_fn: Callable[[], object]) -> Callable[[], float]:
+    """A check for kernels that write ``out``; a reference returning a tuple is compared on its first item."""
+
+    def check() -> float:
+        triton_fn()
+        want = torch_fn()
+        want = want[0] if isinstance(want, tuple) else want
+        return (out.float() - want.float()).abs().max().item()
+
+    return check
+
+
+def _norm_cases(tokens_list: list[int]) -> list[Case]:
+    from kiln.kernels.norm import ref_add_rmsnorm, ref_rmsnorm, triton_add_rmsnorm, triton_rmsnorm
+
+    cases = []
+    for tokens in tokens_list:
+        x = torch.randn(tokens, HIDDEN, device="cuda", dtype=DTYPE)
+        res = torch.randn_like(x)
+        w = torch.randn(HIDDEN, device="cuda", dtype=DTYPE)
+        out, summed = torch.empty_like(x), torch.empty_like(x)
+        norm = partial(triton_rmsnorm, x, w, out=out, eps=1e-5)
+        norm_ref = partial(ref_rmsnorm, x, w, 1e-5)
+        cases.append(Case("rmsnorm", f"[{tokens}, {HIDDEN}]", _nbytes(x, w, out), norm, norm_ref,
+                          _compare(norm, out, norm_ref)))
+        fused = partial(triton_add_rmsnorm, x, res, w, out=(out, summed), eps=1e-5)
+        fused_ref = partial(ref_add_rmsnorm, x, res, w, 1e-5)
+        cases.append(Case("add_rmsnorm", f"[{tokens}, {HIDDEN}]", _nbytes(x, res, w, out, summed), fused, fused_ref,
+                          _compare(fused, out, fused_ref)))
+    return cases
+
+
+def _silu_mul_cases(tokens_list: list[int]) -> list[Case]:
+    from kiln.kernels.elementwise import ref_silu_mul, triton_silu_mul
+
+    cases = []
+    for tokens in tokens_list:
+        fused = torch.randn(tokens, 2 * INTERMEDIATE, device="cuda", dtype=DTYPE)
+        gate, up = torch.split(fused, [INTERMEDIATE, INTERMEDIATE], dim=-1)
+        out = torch.empty(tokens, INTERMEDIATE, device="cuda", dtype=DTYPE)
+        fn, ref = partial(triton_silu_mul, gate, up, out=out), partial(ref_silu_mul, gate, up)
+        cases.append(Case("silu_mul", f"[{tokens}, {INTERMEDIATE}]", _nbytes(fused, out), fn, ref,
+                          _compare(fn, out, ref)))
+    return cases
+
+
+def _rope_cases(tokens_list: list[int]) -> list[Case]:
+    from kiln.kernels.rope import ref_rope, triton_rope
+
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, HEAD_DIM, 2, device="cuda", dtype=torch.float32) / HEAD_DIM))
+    angles = torch.arange(8192, device="cuda", dtype=torch.float32)[:, None] * inv_freq[None, :]
+    table = torch.cat([angles.cos(), angles.sin()], dim=1)
+    cases = []
+    for tokens in tokens_list:
+        qkv = torch.randn(tokens, HEADS + 2 * KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+        q = qkv[:, :HEADS]
+        positions = torch.randint(0, 8192, (tokens,), device="cuda", dtype=torch.int32)
+        out = torch.empty(tokens, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+        # q read, out written, each token's table row read once.
+        moved = 2 * _nbytes(out) + _nbytes(positions) + tokens * HEAD_DIM * 4
+        fn, ref = partial(triton_rope, q, positions, table, out=out), partial(ref_rope, q, positions, table)
+        cases.append(Case("rope", f"q [{tokens}, {HEADS}, {HEAD_DIM}]", moved, fn, ref, _compare(fn, out, ref)))
+    return cases
+
+
+def _kv_store_cases(tokens_list: list[int]) -> list[Case]:
+    from kiln.kernels.kv_store import ref_kv_store, triton_kv_store
+
+    cases = []
+    slots_total = 1 << 18
+    k_cache = torch.zeros(slots_total, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v_cache = torch.zeros_like(k_cache)
+    for tokens in tokens_list:
+        qkv = torch.randn(tokens, HEADS + 2 * KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+        k, v = qkv[:, HEADS:HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS:]
+        slots = torch.randperm(slots_total, device="cuda")[:tokens].int()
+        # k and v read, the same bytes written, the slots read.
+        moved = 2 * _nbytes(k, v) + _nbytes(slots)
+        fn = partial(triton_kv_store, k_cache, v_cache, k, v, slots)
+
+        def check(fn=fn, k=k, v=v, slots=slots) -> float:
+            k_cache.zero_()
+            v_cache.zero_()
+            fn()
+            index = slots.long()
+            return max((k_cache[index] - k).abs().max().item(), (v_cache[index] - v).abs().max().item())
+
+        cases.append(Case("kv_store", f"k, v [{tokens}, {KV_HEADS}, {HEAD_DIM}]", moved, fn,
+                          partial(ref_kv_store, k_cache, v_cache, k, v, slots), check))
+    return cases
+
+
+def _attention_case(q_lens: list[int], kv_lens: list[int], label: str) -> Case:
+    from kiln.kernels.attention import ref_paged_attention, triton_paged_attention
+
+    batch = len(q_lens)
+    pages = [-(-n // PAGE_SIZE) for n in kv_lens]
+    # Pages handed out shuffled, as a long-running pool's would be; page 0 stays unused.
+    order = torch.randperm(sum(pages), device="cuda").int() + 1
+    table = torch.zeros(batch, max(pages), device="cuda", dtype=torch.int32)
+    used = 0
+    for b, count in enumerate(pages):
+        table[b, :count] = order[used:used + count]
+        used += count
+    slots = (sum(pages) + 1) * PAGE_SIZE
+    k_cache = torch.randn(slots, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v_cache = torch.randn_like(k_cache)
+    tokens = sum(q_lens)
+    q = torch.randn(tokens, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    out = torch.empty_like(q)
+    starts = [sum(q_lens[:b]) for b in range(batch)]
+    q_start, q_len, kv_len = (torch.tensor(v, device="cuda", dtype=torch.int32) for v in (starts, q_lens, kv_lens))
+    inputs = (q, k_cache, v_cache, q_start, q_len, kv_len, table)
+    attrs = dict(scale=HEAD_DIM ** -0.5, page_size=PAGE_SIZE)
+    sizes = {"T": tokens, "B": batch, "max_q_len": max(q_lens), "max_kv_len": max(kv_lens)}
+    # Each sequence's K and V read once, q read, out written, the step's index tensors read.
+    kv_bytes = 2 * sum(kv_lens) * KV_HEADS * HEAD_DIM * k_cache.element_size()
+    moved = kv_bytes + 2 * _nbytes(q) + _nbytes(table, q_start, q_len, kv_len)
+    # Causal (query, key) pairs; per pair and head, QK^T and PV take 2 * head_dim flops each.
+    pairs = sum(n * (k - n) + n * (n + 1) // 2 for n, k in zip(q_lens, kv_lens))
+    fn = partial(triton_paged_attention, *inputs, out=out, sizes=sizes, **attrs)
+    ref = partial(ref_paged_attention, *inputs, **attrs)
+    return Case("paged_attention", label, moved, fn, ref, _compare(fn, out, ref), flops=4 * pairs * HEADS * HEAD_DIM)
+
+
+def _attention_cases(quick: bool) -> list[Case]:
+    cases = []
+    decode = [(8, 4096)] if quick else [(b, ctx) for b in (1, 8, 64) for ctx in (1024, 4096)]
+    for batch, ctx in decode:
+        cases.append(_attention_case([1] * batch, [ctx] * batch, f"decode B={batch} ctx={ctx}"))
+    extend = [(1, 2048)] if quick else [(1, 2048), (8, 512)]
+    for batch, length in extend:
+        cases.append(_attention_case([length] * batch, [length] * batch, f"prefill {batch}x{length}"))
+    return cases
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Bytes per second of a large device-to-device copy, counting the read and the write."""
+    import triton.testing
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def run(quick: bool = False, log: Callable[[str], None] = print) -> str:
+    """Benchmarks every kernel and returns (and logs line by line) a markdown table."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench/kernels.py needs a CUDA GPU: it times compiled Triton kernels")
+    import triton.testing
+
+    tokens = [64] if quick else [64, 4096]
+    rep = 50 if quick else 200
+    ceiling = copy_bandwidth()
+    l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
+    lines = [
+        f"GPU: {torch.cuda.get_device_name()}; copy ceiling {ceiling / 1e9:.0f} GB/s; dtype {DTYPE}",
+        "",
+        "| kernel | shape | triton µs (graph) | triton µs (eager) | torch µs (eager) | speedup | GB/s | % of copy "
+        "| TFLOP/s | max abs err |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for line in lines:
+        log(line)
+    builders = [lambda: _norm_cases(tokens), lambda: _silu_mul_cases(tokens), lambda: _rope_cases(tokens),
+                lambda: _kv_store_cases(tokens), lambda: _attention_cases(quick)]
+    for build in builders:
+        for case in build():
+            err = case.check()
+            graph_ms = triton.testing.do_bench_cudagraph(case.triton_fn, rep=rep, return_mode="median")
+            eager_ms = triton.testing.do_bench(case.triton_fn, rep=rep, return_mode="median")
+            torch_ms = triton.testing.do_bench(case.torch_fn, rep=rep, return_mode="median")
+            gbs = case.bytes_moved / (graph_ms * 1e-3) / 1e9
+            tflops = f"{case.flops / (graph_ms * 1e-3) / 1e12:.0f}" if case.flops else ""
+            # Graph replays reuse the same inputs, so data smaller than L2 is served from it.
+            in_l2 = " (L2)" if case.bytes_moved < l2_bytes else ""
+            line = (f"| {case.kernel} | {case.shape} | {graph_ms * 1e3:.1f} | {eager_ms * 1e3:.1f} | "
+                    f"{torch_ms * 1e3:.1f} | {torch_ms / eager_ms:.1f}x | {gbs:.0f}{in_l2} | "
+                    f"{100 * gbs * 1e9 / ceiling:.0f}% | {tflops} | {err:.3g} |")
+            lines.append(line)
+            log(line)
+        torch.cuda.empty_cache()
+    notes = [
+        "",
+        "graph: the Triton launcher replayed in a CUDA graph (how decode runs); eager: called from Python, launch "
+        "overhead included; speedup is eager over eager. GB/s counts each input read once and each output written "
+        "once, over the graph time; (L2): the data fits in L2 and stays there across replays.",
+    ]
+    for line in notes:
+        log(line)
+    lines += notes
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/kernels.py needs a CUDA GPU: it times compiled Triton kernels against torch; none found.",
+              file=sys.stderr)
+        return 2
+    run(args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""The inner step shared by the paged attention kernels: one block of keys against a tile of queries.
+
+``attend_block`` gathers ``BLOCK_N`` consecutive context positions of one sequence through its page
+table (position ``j`` lives at slot ``page_table[j // page_size] * page_size + j % page_size``), scores
+them against the query tile, and folds them into the running online-softmax state (row max ``m``,
+row sum ``l``, unnormalized output ``acc``), all in f32. Scores are kept in base-2 units (scaled by
+log2(e)) so the exponentials are ``exp2``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_support import tanh
+
+# A constexpr so that jitted code may read it (plain globals are refused inside kernels).
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def attend_block(acc, m_i, l_i, q, q_pos, k_base, v_base, page_row, n0, kv_end, slot_stride, page_size,
+                 offs_d, d_mask, scale, soft_cap, window,
+                 MASKED: tl.constexpr, SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    # q: [BLOCK_M, BLOCK_D] (already f32 when DOT_F32); q_pos: [BLOCK_M] the context position of each
+    # query row. Keys at or past kv_end are never read. MASKED applies the causal (and window)
+    # condition per score; callers leave it off for blocks wholly before every query of the tile.
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < kv_end
+    page = tl.load(page_row + offs_n // page_size, mask=n_mask, other=0).to(tl.int64)
+    slot = page * page_size + offs_n % page_size
+    kv_offsets = slot[:, None] * slot_stride + offs_d[None, :]
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_base + kv_offsets, mask=kv_mask, other=0.0)
+    if DOT_F32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if SOFT_CAP:
+        s = soft_cap * LOG2E * tanh(s * (scale / soft_cap))
+    else:
+        s = s * (scale * LOG2E)
+    if MASKED:
+        allowed = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if SLIDING:
+            allowed = allowed & (offs_n[None, :] > q_pos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+    # m_i starts finite (-1e30), so a row whose scores are all masked keeps p = 0 and alpha = 1
+    # instead of computing -inf - -inf.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + kv_offsets, mask=kv_mask, other=0.0)
+    # The probabilities go into the second product in V's dtype (tensor cores on the GPU); under
+    # DOT_F32 they are still rounded to it so both paths compute the same thing.
+    p = p.to(v_base.dtype.element_ty)
+    if DOT_F32:
+        pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p, v)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i

@@ -1,0 +1,114 @@
+"""Decode steps as captured CUDA graphs, one per batch-size bucket, over static input buffers.
+
+A decode step (every sequence adds one token) of ``n`` sequences runs as the graph of the smallest
+bucket ``b >= n``: the step's index lists are written into one pinned host buffer, copied to the
+device in one transfer, and rows ``n..b`` are padding (token 0, KV slot -1 so nothing is stored,
+context 1 over the reserved page 0). All graphs share the executor's arena and the static inputs,
+so capturing many buckets costs little memory. Greedy tokens are computed inside the graph too, so
+a greedy step needs no kernel launch after the replay.
+
+On a CPU (no graphs) the same padded path runs eagerly; tests use it to check the padding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .executor import Executor, StepInputs
+from .scheduler.batch import StepLists
+
+# Per-sequence int32 vectors of a decode step, in their order in the static buffer.
+_VECTORS = ("token_ids", "positions", "slots", "q_start", "q_len", "kv_len", "logits_index")
+
+
+class DecodeGraphs:
+    def __init__(self, executor: Executor, kv_views: dict[str, torch.Tensor], buckets: list[int],
+                 page_table_width: int) -> None:
+        self.executor = executor
+        self.kv_views = kv_views
+        self.buckets = sorted(set(buckets))
+        self.width = page_table_width
+        self.max_batch = self.buckets[-1]
+        device = executor.device
+        self._vector_len = len(_VECTORS) * self.max_batch
+        size = self._vector_len + self.max_batch * self.width
+        self._host = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._device = torch.zeros(size, dtype=torch.int32, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        self._greedy: dict[int, torch.Tensor] = {}
+        if device.type == "cuda":
+            self._capture()
+
+    def fits(self, lists: StepLists) -> bool:
+        """A decode-only step small enough for a bucket."""
+        n = len(lists.token_ids)
+        return n <= self.max_batch and len(lists.logits_index) == n and max(lists.q_len) == 1 and \
+            all(len(row) <= self.width for row in lists.page_rows)
+
+    def run(self, lists: StepLists) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits ``[n, V]`` and greedy tokens ``[n]`` of a decode step (views valid until the next step)."""
+        n = len(lists.token_ids)
+        bucket = next(b for b in self.buckets if b >= n)
+        self._stage(lists, bucket)
+        if bucket in self._graphs:
+            self._graphs[bucket].replay()
+            return self._logits[bucket][:n], self._greedy[bucket][:n]
+        logits = self.executor.run(self._inputs(bucket), self.kv_views)["logits"]
+        return logits[:n], logits[:n].argmax(dim=-1)
+
+    def _stage(self, lists: StepLists, bucket: int) -> None:
+        n = len(lists.token_ids)
+        host = self._host
+        vectors = (lists.token_ids, lists.positions, lists.slots, lists.q_start, lists.q_len, lists.kv_len,
+                   lists.logits_index)
+        pad = bucket - n
+        for i, values in enumerate(vectors):
+            base = i * self.max_batch
+            host[base:base + n] = torch.tensor(values, dtype=torch.int32)
+        # Padding rows: no KV store, one token of context over the reserved page, logits row of their own.
+        base = self.max_batch
+        host[2 * base + n:2 * base + bucket] = -1                               # slots
+        host[3 * base + n:3 * base + bucket] = torch.arange(n, bucket, dtype=torch.int32)  # q_start
+        host[4 * base + n:4 * base + bucket] = 1                                # q_len
+        host[5 * base + n:5 * base + bucket] = 1                                # kv_len
+        host[6 * base + n:6 * base + bucket] = torch.arange(n, bucket, dtype=torch.int32)  # logits_index
+        if pad:
+            host[0 * base + n:0 * base + bucket] = 0
+            host[1 * base + n:1 * base + bucket] = 0
+        table = host[self._vector_len:self._vector_len + bucket * self.width].view(bucket, self.width)
+        table.zero_()
+        for row, pages in enumerate(lists.page_rows):
+            table[row, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        used = self._vector_len + bucket * self.width
+        self._device[:used].copy_(host[:used], non_blocking=True)
+
+    def _inputs(self, bucket: int) -> StepInputs:
+        views = {name: self._device[i * self.max_batch:i * self.max_batch + bucket] for i, name in enumerate(_VECTORS)}
+        table = self._device[self._vector_len:self._vector_len + bucket * self.width].view(bucket, self.width)
+        # max_kv_len stays at the table's reach: the graph must serve any context up to it.
+        return StepInputs(page_table=table, max_q_len=1, max_kv_len=self.width * self.executor.page_size, **views)
+
+    def _capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for bucket in reversed(self.buckets):
+            inputs = self._stage_padding_only(bucket)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
+                    self.executor.run(inputs, self.kv_views)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.executor.run(inputs, self.kv_views)["logits"]
+                greedy = logits.argmax(dim=-1)
+            self._graphs[bucket] = graph
+            self._logits[bucket] = logits
+            self._greedy[bucket] = greedy
+        torch.cuda.synchronize()
+
+    def _stage_padding_only(self, bucket: int) -> StepInputs:
+        empty = StepLists([], [], [], [], [], [], [], [], [])
+        self._stage(empty, bucket)
+        return self._inputs(bucket)
