@@ -30,8 +30,10 @@ from .sources.hf import ModelSource, load_hf_dir
 from .weights import WeightStore
 
 
-def load_source(model: str | Path) -> ModelSource:
-    """An HF directory, a GGUF file or an alias, as a model source."""
+def load_source(model: str | Path | ModelSource) -> ModelSource:
+    """An HF directory, a GGUF file or an alias, as a model source (a ModelSource passes through)."""
+    if isinstance(model, ModelSource):
+        return model
     path = Path(model)
     if path.is_dir():
         return load_hf_dir(path)
@@ -40,7 +42,7 @@ def load_source(model: str | Path) -> ModelSource:
     return load_hf_dir(resolve_model(model))
 
 
-def compile_model(model: str | Path, out: str | Path, options: CompileOptions | None = None,
+def compile_model(model: str | Path | ModelSource, out: str | Path, options: CompileOptions | None = None,
                   dump_ir: Path | None = None) -> Path:
     options = options or CompileOptions()
     options.validate()
@@ -82,7 +84,7 @@ def compile_model(model: str | Path, out: str | Path, options: CompileOptions | 
             "format_version": FORMAT_VERSION,
             "kiln_version": __version__,
             "model": {
-                "source": str(model),
+                "source": str(source.path) if isinstance(model, ModelSource) else str(model),
                 "fingerprint": source.fingerprint,
                 "architecture": built.graph.name,
                 "config": source.config,

@@ -39,6 +39,10 @@ class ModelRunner:
         greedy tokens; both views valid until the next step."""
         if self.decode_graphs is not None and self.decode_graphs.fits(lists):
             return self.decode_graphs.run(lists)
+        return self.forward_eager(lists)
+
+    def forward_eager(self, lists: StepLists) -> tuple[torch.Tensor, None]:
+        """The step run op by op, never through a graph."""
         width = max(len(row) for row in lists.page_rows)
         table = torch.zeros((len(lists.page_rows), width), dtype=torch.int32)
         for i, row in enumerate(lists.page_rows):

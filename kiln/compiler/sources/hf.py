@@ -48,6 +48,18 @@ class CheckpointTensors:
             raise SourceError(f"{path}: cannot read tensor {name!r}: {exc}") from None
 
 
+class MemoryTensors(CheckpointTensors):
+    """Name -> tensor from a state dict already in memory (benchmarks build random models this way,
+    without writing a checkpoint first)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__({name: Path("<memory>") for name in tensors})
+        self._tensors = tensors
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+
 @dataclass(frozen=True)
 class ModelSource:
     path: Path

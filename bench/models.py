@@ -1,0 +1,58 @@
+"""Random-weight models of real shapes for GPU benchmarks and tests, built in GPU memory.
+
+``random_model(shape, layers=None)`` returns an HF model (random weights, scaled so logits have
+clear margins) and a kiln ``ModelSource`` over the same tensors, so kiln and HF run identical
+weights without a checkpoint round trip through the disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from kiln.compiler.sources.hf import MemoryTensors, ModelSource
+
+SHAPES = {
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                      rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                         rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True),
+}
+
+
+def random_model(shape: str, dtype: torch.dtype = torch.bfloat16, layers: int | None = None, seed: int = 0,
+                 device: str = "cuda"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    overrides = {"num_hidden_layers": layers} if layers else {}
+    config = LlamaConfig(**{**SHAPES[shape], **overrides})
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build in the target dtype: an f32 Llama-3-8B would need 32 GB first
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        hidden = config.hidden_size
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                # ~unit-variance layer outputs (std 1/sqrt(fan_in)); small embeddings, so a tied head does not
+                # just echo the input token back.
+                p.normal_(0.0, 0.1 if "embed" in name else (p.shape[1] if p.dim() == 2 else hidden) ** -0.5)
+    model.eval()
+    hf_config = config.to_dict()
+    hf_config["architectures"] = ["LlamaForCausalLM"]
+    tensors = {name: t for name, t in model.state_dict().items()
+               if not (config.tie_word_embeddings and name == "lm_head.weight")}
+    fingerprint = hashlib.sha256(f"{shape}:{layers}:{seed}:{dtype}".encode()).hexdigest()[:16]
+    return model, ModelSource(Path(f"<random {shape}>"), hf_config, MemoryTensors(tensors), (), fingerprint)
