@@ -59,9 +59,9 @@ import torch
 import triton
 import triton.language as tl
 
-HEADS, KV_HEADS, HEAD_DIM, ROT, HALF = {heads}, {kv_heads}, {head_dim}, {rot}, {half}
-HAS_NORM = {has_norm}
-EPS = {eps!r}
+# Globals a @triton.jit function reads must be constexpr objects.
+HAS_NORM = tl.constexpr({has_norm})
+EPS = tl.constexpr({eps!r})
 
 
 @triton.jit
