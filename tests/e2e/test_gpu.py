@@ -31,7 +31,7 @@ def build(shape: str, layers: int | None, dtype: torch.dtype, tmp_path: Path):
     model, source = random_model(shape, dtype, layers)
     artifact = compile_model(source, tmp_path / "m.kiln", CompileOptions(
         dtype="fp32" if dtype == torch.float32 else "bf16", backend="triton", max_batch_tokens=512,
-        max_batch_size=8, max_seq_len=256, page_size=16))
+        max_batch_size=8, max_logit_rows=512, max_seq_len=256, page_size=16))
     core = EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=4096, decode_buckets=BUCKETS))
     return model, core
 
