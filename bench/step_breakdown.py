@@ -51,11 +51,8 @@ def main() -> None:
         graph.replay()
     torch.cuda.synchronize()
     replay_ms = 1e3 * (time.perf_counter() - start) / args.steps
-    kernels = sum(1 for line in (Path(core.artifact.path) / "program.py").read_text().splitlines()
-                  if line.strip().startswith("k_") and "reshape" not in line and "split" not in line) \
-        if (Path(core.artifact.path)).exists() else -1
     print(f"{args.shape}: engine step {step_ms:.3f} ms, graph replay alone {replay_ms:.3f} ms, "
-          f"host share {step_ms - replay_ms:.3f} ms; program launches per step ~{kernels}")
+          f"host share {step_ms - replay_ms:.3f} ms")
 
 
 if __name__ == "__main__":
