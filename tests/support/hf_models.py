@@ -55,11 +55,12 @@ def load_hf(directory: Path, dtype: torch.dtype = torch.float32):
 def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     """HF's greedy continuation of ``prompt``, never stopping at EOS (kiln's ``ignore_eos``): a plain
     argmax loop over the KV cache, so no generation-config rule (EOS, min length) interferes."""
+    device = next(model.parameters()).device
     with torch.no_grad():
-        out = model(torch.tensor([prompt]), use_cache=True)
+        out = model(torch.tensor([prompt], device=device), use_cache=True)
         tokens = []
         for _ in range(new_tokens):
             token = int(out.logits[0, -1].argmax())
             tokens.append(token)
-            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+            out = model(torch.tensor([[token]], device=device), past_key_values=out.past_key_values, use_cache=True)
     return tokens
