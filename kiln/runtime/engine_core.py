@@ -145,6 +145,9 @@ class EngineCore:
     def stats(self) -> dict[str, float]:
         """Gauges and counters for metrics: queue lengths, KV pool use, prefix-cache hits."""
         total = self.allocator.total
+        # Pages the radix cache holds but no request uses can be evicted at any time, so they count
+        # as available; "held" pages are the ones running requests pin (zero when idle).
+        available = self.allocator.free_count + self.cache.evictable_pages
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
@@ -152,6 +155,8 @@ class EngineCore:
             "kv_pages_used": total - self.allocator.free_count,
             "kv_pages_free": self.allocator.free_count,
             "kv_pages_cached": self.cache.cached_pages,
+            "kv_pages_available": available,
+            "kv_pages_held": total - available,
             "kv_usage": (total - self.allocator.free_count) / total if total else 0.0,
             "cache_hit_tokens": self.cache.hit_tokens,
             "cache_queried_tokens": self.cache.queried_tokens,

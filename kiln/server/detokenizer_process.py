@@ -1,0 +1,110 @@
+"""The detokenizer process: turns the scheduler's sample events into text deltas for the HTTP process.
+
+    python -m kiln.server.detokenizer_process '{"ipc_dir": ..., "parent_pid": ...}'
+
+It waits for the scheduler's READY (which names the artifact's tokenizer directory), loads the
+tokenizer and forwards READY, so the HTTP process knows both are up. For every NEW request it keeps
+one ``SampleText`` per sample (the same incremental detokenizer and stop-string cut the in-process
+Engine uses); each EVENTS batch becomes one OUTPUTS batch:
+
+    [rid, index, text_delta, token_ids, logprobs, finish_reason, error, prompt_tokens, cached_tokens]
+
+where each logprobs entry is ``[token_id, token_bytes, logprob, [[id, bytes, logprob], ...]]``.
+REJECT, STATS and FATAL pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+from typing import Any
+
+import zmq
+
+from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.text_stream import SampleText
+from kiln.runtime.tokenizer import Tokenizer
+from kiln.server import ipc
+from kiln.server.token_text import TokenBytes
+
+log = logging.getLogger("kiln.server.detokenizer")
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self.token_bytes = TokenBytes(tokenizer)
+        self._texts: dict[str, list[SampleText | None]] = {}
+        self._open: dict[str, int] = {}  # samples of each request not finished yet
+
+    def add(self, rid: str, prompt_tail: list[int], params: dict[str, Any]) -> None:
+        sampling = SamplingParams(**params)
+        make = (lambda: SampleText(self.tokenizer, prompt_tail, sampling)) if self.tokenizer else (lambda: None)
+        self._texts[rid] = [make() for _ in range(sampling.n)]
+        self._open[rid] = sampling.n
+
+    def outputs(self, events: list[list[Any]]) -> list[list[Any]]:
+        return [self._output(*event) for event in events]
+
+    def _output(self, rid: str, index: int, token_ids: list[int], logprobs: list[list[Any]], finish_reason: str | None,
+                error: str | None, prompt_tokens: int, cached_tokens: int) -> list[Any]:
+        texts = self._texts.get(rid)
+        sample = texts[index] if texts is not None else None
+        text = sample.push(token_ids, finish_reason is not None) if sample is not None else ""
+        if finish_reason is not None and rid in self._open:
+            self._open[rid] -= 1
+            if self._open[rid] == 0:
+                del self._open[rid], self._texts[rid]
+        named = [[token, self.token_bytes.bytes_of(token), value,
+                  [[alt, self.token_bytes.bytes_of(alt), alt_value] for alt, alt_value in top]]
+                 for token, value, top in logprobs]
+        return [rid, index, text, token_ids, named, finish_reason, error, prompt_tokens, cached_tokens]
+
+
+def run(inbox: zmq.Socket, outbox: zmq.Socket, parent: ipc.ParentWatch) -> int:
+    detokenizer: Detokenizer | None = None
+    while parent.alive():
+        for message in ipc.recv_ready(inbox, ipc.IDLE_POLL_MS):
+            kind = message[0]
+            if kind == ipc.EVENTS and detokenizer is not None:
+                outbox.send(ipc.pack([ipc.OUTPUTS, detokenizer.outputs(message[1])]))
+            elif kind == ipc.NEW and detokenizer is not None:
+                detokenizer.add(*message[1:])
+            elif kind == ipc.READY:
+                directory = message[1].get("tokenizer_dir")
+                detokenizer = Detokenizer(Tokenizer.from_dir(directory) if directory else None)
+                outbox.send(ipc.pack(message))
+            elif kind in (ipc.REJECT, ipc.STATS, ipc.FATAL):
+                outbox.send(ipc.pack(message))
+            elif kind == ipc.SHUTDOWN:
+                return 0
+            else:
+                log.warning("ignoring an unexpected message %r", kind)
+    log.info("the server process is gone; exiting")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    logging.basicConfig(level=config.get("log_level", "INFO").upper(), format="kiln detokenizer: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    context = zmq.Context()
+    inbox = ipc.pull_socket(context, ipc.address(config["ipc_dir"], ipc.DETOKENIZER_SOCKET))
+    outbox = ipc.push_socket(context, ipc.address(config["ipc_dir"], ipc.HTTP_SOCKET))
+    try:
+        return run(inbox, outbox, ipc.ParentWatch(config["parent_pid"]))
+    except Exception as exc:
+        log.exception("the detokenizer failed")
+        outbox.send(ipc.pack([ipc.FATAL, f"the detokenizer failed: {type(exc).__name__}: {exc}"]))
+        return 1
+    finally:
+        inbox.close()
+        outbox.close()
+        context.term()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""The HTTP application: FastAPI routes behind the ``Gate`` middleware.
+
+Routes: ``/v1/chat/completions`` and ``/v1/completions`` (openai_routes), ``/generate``,
+``/tokenize`` and ``/detokenize`` (native_routes), and here ``/v1/models``, ``/health`` (200 while
+the engine is up), ``/health_generate`` (generates one token end to end) and ``/metrics``
+(Prometheus text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from kiln.runtime.sampling import SamplingParams
+
+from . import errors
+from .context import ServerContext
+from .errors import APIError
+from .gate import ASGIApp, Gate
+from .native_routes import add_native_routes
+from .openai_routes import add_openai_routes
+from .tokenizer_manager import RequestStream
+
+# /health_generate fails when one token takes longer than this (the engine is stuck or overloaded).
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+def build_app(ctx: ServerContext, api_key: str | None, max_body_bytes: int) -> ASGIApp:
+    # No interactive docs: the server exposes only the API.
+    app = FastAPI(title="kiln", docs_url=None, redoc_url=None, openapi_url=None)
+    errors.install(app)
+    add_openai_routes(app, ctx)
+    add_native_routes(app, ctx)
+    manager = ctx.manager
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if manager.failure is not None:
+            return APIError(503, f"the engine is unavailable: {manager.failure}").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/health_generate")
+    async def health_generate() -> JSONResponse:
+        tokenizer = manager.tokenizer
+        prompt = [tokenizer.bos_token_id] if tokenizer is not None and tokenizer.bos_token_id is not None else [0]
+        stream = manager.submit([prompt], SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+        try:
+            tokens = await asyncio.wait_for(_count_tokens(stream), HEALTH_GENERATE_TIMEOUT_S)
+        except (APIError, asyncio.TimeoutError) as exc:
+            return APIError(503, f"generation failed: {exc or 'timed out'}").response()
+        finally:
+            stream.close()
+        return JSONResponse({"status": "ok", "tokens": tokens})
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": ctx.model_name, "object": "model", "created": manager.info.created, "owned_by": "kiln",
+            "max_model_len": manager.info.max_seq_len}]}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    endpoints = frozenset(route.path for route in app.routes if hasattr(route, "path"))
+    return Gate(app, state=ctx.state, metrics=ctx.metrics, endpoints=endpoints, api_key=api_key,
+                max_body_bytes=max_body_bytes)
+
+
+async def _count_tokens(stream: RequestStream) -> int:
+    return sum([len(output.token_ids) async for output in stream])

@@ -1,0 +1,109 @@
+"""ZMQ + msgpack plumbing between the server's three processes.
+
+    HTTP process --PUSH--> scheduler.sock --PULL-- scheduler process
+    scheduler    --PUSH--> detokenizer.sock --PULL-- detokenizer process
+    detokenizer  --PUSH--> http.sock --PULL-- HTTP process
+
+Each receiver binds its socket in a private temporary directory (``ipc://``, never TCP). A message
+is one msgpack array whose first item names its kind (the constants below). msgpack carries only
+plain data (no pickle, no ext types), so nothing a request sends can execute code on the way.
+
+Messages:
+    ADD [rid, prompt_ids, params]      HTTP -> scheduler; params is ``SamplingParams`` as a dict
+    ABORT [rid]                        HTTP -> scheduler
+    SHUTDOWN []                        HTTP -> scheduler, HTTP -> detokenizer
+    NEW [rid, prompt_tail, params]     scheduler -> detokenizer, before any event of rid
+    EVENTS [[event...]]                scheduler -> detokenizer (``event_to_wire``)
+    OUTPUTS [[output...]]              detokenizer -> HTTP (``detokenizer_process`` builds them)
+    REJECT [rid, message]              the scheduler refused a request (bad input); forwarded
+    STATS {name: number}               EngineCore.stats() and more; forwarded
+    READY {model facts}                the scheduler loaded the model; forwarded once the detokenizer is ready too
+    FATAL [message]                    a process cannot go on; forwarded, then the sender exits
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+
+from kiln.runtime.outputs import SampleEvent
+
+SCHEDULER_SOCKET = "scheduler.sock"
+DETOKENIZER_SOCKET = "detokenizer.sock"
+HTTP_SOCKET = "http.sock"
+
+ADD, ABORT, SHUTDOWN = "add", "abort", "shutdown"
+NEW, EVENTS, OUTPUTS, REJECT = "new", "events", "outputs", "reject"
+STATS, READY, FATAL = "stats", "ready", "fatal"
+
+# Children wake at least this often when idle, to notice that their parent is gone.
+IDLE_POLL_MS = 500
+# Pending messages are flushed for at most this long when a socket closes at shutdown.
+LINGER_MS = 1000
+
+
+def address(ipc_dir: str | os.PathLike[str], name: str) -> str:
+    return f"ipc://{Path(ipc_dir) / name}"
+
+
+def pack(message: list[Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(data: bytes) -> list[Any]:
+    # strict_map_key=False: logit_bias maps integer token ids to biases.
+    message = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    if not isinstance(message, list) or not message or not isinstance(message[0], str):
+        raise ValueError("malformed IPC message")
+    return message
+
+
+def push_socket(context: zmq.Context, addr: str) -> zmq.Socket:
+    """A sending socket. No high-water mark: a send never blocks (a dead receiver is noticed by the
+    parent, which stops every process, rather than by a sender stuck in ``send``)."""
+    socket = context.socket(zmq.PUSH)
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.setsockopt(zmq.LINGER, LINGER_MS)
+    socket.connect(addr)
+    return socket
+
+
+def pull_socket(context: zmq.Context, addr: str) -> zmq.Socket:
+    socket = context.socket(zmq.PULL)
+    socket.setsockopt(zmq.RCVHWM, 0)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.bind(addr)
+    return socket
+
+
+def recv_ready(socket: zmq.Socket, timeout_ms: int) -> list[list[Any]]:
+    """Every message waiting on ``socket``, waiting up to ``timeout_ms`` for the first one."""
+    messages: list[list[Any]] = []
+    if not socket.poll(timeout_ms):
+        return messages
+    while True:
+        try:
+            messages.append(unpack(socket.recv(zmq.NOBLOCK)))
+        except zmq.Again:
+            return messages
+
+
+def event_to_wire(event: SampleEvent) -> list[Any]:
+    return [event.rid, event.index, list(event.token_ids),
+            [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in event.logprobs],
+            event.finish_reason, event.error, event.prompt_tokens, event.cached_tokens]
+
+
+class ParentWatch:
+    """Tells a child process whether the process that started it still runs (an orphan is
+    re-parented, so its parent pid changes)."""
+
+    def __init__(self, parent_pid: int) -> None:
+        self.parent_pid = parent_pid
+
+    def alive(self) -> bool:
+        return os.getppid() == self.parent_pid

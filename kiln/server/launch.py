@@ -1,0 +1,242 @@
+"""``kiln serve``: starts the processes, waits for the model, serves HTTP, and stops cleanly.
+
+    HTTP process (this one)        scheduler process              detokenizer process
+    FastAPI + TokenizerManager --> EngineCore loop ------------> SampleText per sample --+
+           ^                                                                           |
+           +---------------------------- outputs, stats, ready ------------------------+
+
+Start-up: compile the model if needed (``ensure_artifact``), start both children (``python -m``
+with a JSON argument: no pickled state crosses), wait for READY (the model is loaded and the
+detokenizer has its tokenizer), and only then bind the port. While serving, a watcher notices a
+child that exits: the server logs it, fails requests in flight with 500 and exits non-zero.
+SIGTERM drains: new requests get 503, those in flight may finish for up to ``drain_timeout``
+seconds (then they fail with 503), and the server exits 0. SIGINT (or a second SIGTERM) stops at
+once. Children are told to shut down, then killed if they linger; they also exit on their own
+when this process dies. The ipc:// socket directory is removed on the way out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import uvicorn
+import zmq
+import zmq.asyncio
+
+from kiln.runtime.tokenizer import Tokenizer
+
+from . import ipc
+from .context import ServerContext
+from .gate import ServerState
+from .http import build_app
+from .metrics import ServerMetrics
+from .tokenizer_manager import ModelInfo, TokenizerManager
+
+log = logging.getLogger("kiln.server")
+
+CHILD_POLL_S = 0.2
+CHILD_STOP_TIMEOUT_S = 10.0
+# Once told to exit, uvicorn waits this long for open connections before closing them.
+GRACEFUL_CLOSE_S = 5
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str = "model"
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_n: int = 16
+    drain_timeout: float = 30.0
+    log_level: str = "info"
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineOptions fields
+
+
+class StartupError(RuntimeError):
+    """A child reported FATAL or exited before the model was ready."""
+
+
+class Children:
+    """The scheduler and detokenizer processes."""
+
+    def __init__(self) -> None:
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, module: str, config: dict[str, Any]) -> None:
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", module, json.dumps(config)])
+
+    def exited(self) -> tuple[str, int] | None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                return name, proc.returncode
+        return None
+
+    async def watch(self, on_exit: Callable[[str, int], None]) -> None:
+        while (gone := self.exited()) is None:
+            await asyncio.sleep(CHILD_POLL_S)
+        on_exit(*gone)
+
+    def stop(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for name, proc in self.procs.items():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("the %s process did not exit; killing it", name)
+                proc.kill()
+                proc.wait()
+
+
+class KilnServer(uvicorn.Server):
+    """uvicorn with kiln's signal handling: drain on SIGTERM, stop at once on SIGINT."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, manager: TokenizerManager,
+                 drain_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.manager = manager
+        self.drain_timeout = drain_timeout
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        # Replaces uvicorn's handler, which re-raises the signal once serving ends and so would kill
+        # this process before it stops its children. Signal handlers run between bytecodes of the
+        # loop's thread: hand the work to the loop.
+        if sig == signal.SIGTERM and not self.state.draining:
+            self._loop.call_soon_threadsafe(self._begin_drain)
+        else:
+            self._loop.call_soon_threadsafe(self.stop, 0, "interrupted")
+
+    def stop(self, exit_code: int, reason: str) -> None:
+        """Fails what is in flight and makes uvicorn exit; a second call forces it."""
+        if self.should_exit:
+            self.force_exit = True
+        self.exit_code = max(self.exit_code, exit_code)
+        self.manager.fail_all(503 if exit_code == 0 else 500, f"the server is shutting down: {reason}")
+        self.should_exit = True
+
+    def _begin_drain(self) -> None:
+        log.info("SIGTERM: refusing new requests, draining %d in flight (up to %g s)",
+                 self.state.active, self.drain_timeout)
+        self.state.draining = True
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout
+        while self.state.active > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.state.active:
+            log.warning("drain timeout: failing %d requests still in flight", self.state.active)
+        self.stop(0, "the drain timeout passed")
+
+
+def serve(artifact: str, config: ServeConfig) -> int:
+    """Runs the server until it is stopped; returns the process exit code."""
+    logging.basicConfig(level=config.log_level.upper(), format="kiln: %(message)s")
+    return asyncio.run(_serve(artifact, config))
+
+
+async def _serve(artifact: str, config: ServeConfig) -> int:
+    ipc_dir = tempfile.mkdtemp(prefix="kiln-")
+    context = zmq.Context()
+    receiver = zmq.asyncio.Context.shadow(context.underlying).socket(zmq.PULL)
+    receiver.setsockopt(zmq.LINGER, 0)
+    receiver.bind(ipc.address(ipc_dir, ipc.HTTP_SOCKET))
+    sender = ipc.push_socket(context, ipc.address(ipc_dir, ipc.SCHEDULER_SOCKET))
+    # Each child is told to stop directly: a dead scheduler could not pass the word on.
+    stoppers = [sender, ipc.push_socket(context, ipc.address(ipc_dir, ipc.DETOKENIZER_SOCKET))]
+    children = Children()
+    loop = asyncio.get_running_loop()
+    # Until uvicorn installs its handlers, SIGTERM cancels start-up (and the cleanup below runs).
+    loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    try:
+        child_config = {"ipc_dir": ipc_dir, "parent_pid": os.getpid(), "log_level": config.log_level}
+        children.start("scheduler", "kiln.server.scheduler_process",
+                       {**child_config, "artifact": artifact, "engine": config.engine})
+        children.start("detokenizer", "kiln.server.detokenizer_process", child_config)
+        try:
+            facts = await _wait_ready(receiver, children)
+        except StartupError as exc:
+            log.error("%s", exc)
+            return 1
+        loop.remove_signal_handler(signal.SIGTERM)
+        return await _run_http(config, facts, receiver, sender, children)
+    except asyncio.CancelledError:
+        log.info("stopped during start-up")
+        return 128 + signal.SIGTERM
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        for socket in stoppers:
+            socket.send(ipc.pack([ipc.SHUTDOWN]))
+        children.stop(CHILD_STOP_TIMEOUT_S)
+        receiver.close()
+        for socket in stoppers:
+            socket.close()
+        context.term()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+async def _wait_ready(receiver: zmq.asyncio.Socket, children: Children) -> dict[str, Any]:
+    log.info("loading the model")
+    while True:
+        if await receiver.poll(int(CHILD_POLL_S * 1000)):
+            message = ipc.unpack(await receiver.recv())
+            if message[0] == ipc.READY:
+                return message[1]
+            if message[0] == ipc.FATAL:
+                raise StartupError(message[1])
+        elif (gone := children.exited()) is not None:
+            raise StartupError(f"the {gone[0]} process exited with code {gone[1]} during start-up")
+
+
+async def _run_http(config: ServeConfig, facts: dict[str, Any], receiver: zmq.asyncio.Socket, sender: zmq.Socket,
+                    children: Children) -> int:
+    tokenizer = Tokenizer.from_dir(facts["tokenizer_dir"]) if facts["tokenizer_dir"] else None
+    info = ModelInfo(config.served_model_name, facts["vocab_size"], facts["max_seq_len"], int(time.time()))
+    metrics = ServerMetrics()
+    metrics.engine_stats = facts["stats"]
+    state = ServerState()
+    server: KilnServer | None = None
+
+    def fatal(message: str) -> None:
+        log.error("%s", message)
+        server.stop(1, message)
+
+    def child_exited(name: str, code: int) -> None:
+        message = f"the {name} process exited unexpectedly (code {code})"
+        manager.failure = message
+        fatal(message)
+
+    manager = TokenizerManager(tokenizer, info, sender, metrics, on_fatal=fatal)
+    app = build_app(ServerContext(manager, state, metrics, config.max_n), config.api_key, config.max_body_bytes)
+    server = KilnServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                       access_log=False, lifespan="off", timeout_graceful_shutdown=GRACEFUL_CLOSE_S),
+                        state, manager, config.drain_timeout)
+    tasks = [asyncio.ensure_future(manager.receive_loop(receiver)), asyncio.ensure_future(children.watch(child_exited))]
+    tasks[0].add_done_callback(lambda t: t.cancelled() or fatal(f"the output receiver failed: {t.exception()!r}"))
+    log.info("model ready; serving it as %r", config.served_model_name)
+    try:
+        await server.serve()
+    finally:
+        for task in tasks:
+            task.cancel()
+    return server.exit_code
+

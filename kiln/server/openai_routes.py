@@ -1,0 +1,118 @@
+"""``/v1/chat/completions`` and ``/v1/completions``: OpenAI's request and response shapes over the engine.
+
+Each route checks the model name and ``n``, builds prompt token ids (chat template, or the prompt
+text/ids) and ``SamplingParams``, lets the tokenizer manager check them against the model, submits,
+and answers with one JSON body or an SSE stream of chunks ending in ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from .context import ServerContext
+from .errors import APIError
+from .protocol import ChatCompletionRequest, CompletionRequest, template_messages
+from .responses import (SSE_DONE, Accumulator, chat_logprobs, chat_response, chunk, completion_logprobs,
+                        completion_response, finish_reason, sse)
+from .streaming import ClientDisconnected, EventStream, until_disconnect
+from .tokenizer_manager import RequestStream
+
+CLIENT_CLOSED = 499
+
+
+def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
+    manager = ctx.manager
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        ctx.check_model(body.model)
+        ctx.check_n(body.n)
+        prompt_ids = manager.render_chat(template_messages(body.messages))
+        max_new = body.requested_max_tokens or manager.default_max_tokens(prompt_ids)
+        params = body.to_sampling_params(max_new)
+        manager.check(prompt_ids, params, "messages", body.max_tokens_param)
+        stream = manager.submit([prompt_ids], params, body.max_tokens_param)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            return EventStream(_chat_events(stream, rid, created, ctx.model_name, body), stream)
+        try:
+            acc = await until_disconnect(request, _collect(stream, Accumulator(params.n)))
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED)
+        finally:
+            stream.close()
+        return JSONResponse(chat_response(rid, created, ctx.model_name, acc, stream.usage, body.logprobs))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        ctx.check_model(body.model)
+        ctx.check_n(body.n)
+        prompts = [manager.encode(p, "prompt") if isinstance(p, str) else list(p) for p in body.prompts()]
+        params = body.to_sampling_params(body.max_tokens)
+        for prompt_ids in prompts:
+            manager.check(prompt_ids, params, "prompt", "max_tokens")
+        stream = manager.submit(prompts, params)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            return EventStream(_completion_events(stream, rid, created, ctx.model_name, body), stream)
+        try:
+            acc = await until_disconnect(request, _collect(stream, Accumulator(params.n)))
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED)
+        finally:
+            stream.close()
+        return JSONResponse(completion_response(rid, created, ctx.model_name, acc, stream.usage,
+                                                body.logprobs is not None))
+
+
+
+async def _collect(stream: RequestStream, acc: Accumulator) -> Accumulator:
+    async for output in stream:
+        acc.add(output)
+    return acc
+
+
+async def _chat_events(stream: RequestStream, rid: str, created: int, model: str,
+                       body: ChatCompletionRequest) -> AsyncIterator[str]:
+    first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+             for i in range(body.n)]
+    yield sse(chunk(rid, "chat.completion.chunk", created, model, first))
+    try:
+        async for out in stream:
+            if not (out.text or out.logprobs or out.finish_reason):
+                continue  # tokens whose text is held back (an unfinished character, a possible stop string)
+            choice = {"index": out.index, "delta": {"content": out.text} if out.text else {},
+                      "logprobs": chat_logprobs(out.logprobs) if body.logprobs and out.logprobs else None,
+                      "finish_reason": finish_reason(out.finish_reason)}
+            yield sse(chunk(rid, "chat.completion.chunk", created, model, [choice]))
+        if body.include_usage:
+            yield sse(chunk(rid, "chat.completion.chunk", created, model, [], stream.usage))
+    except APIError as exc:
+        yield sse(exc.body())
+    yield SSE_DONE
+
+
+async def _completion_events(stream: RequestStream, rid: str, created: int, model: str,
+                             body: CompletionRequest) -> AsyncIterator[str]:
+    acc = Accumulator(body.n)
+    try:
+        async for out in stream:
+            if not (out.text or out.logprobs or out.finish_reason):
+                continue
+            index = acc.choice_index(out)
+            offset = len(acc.samples[index].text) if index in acc.samples else 0
+            acc.add(out)
+            logprobs = completion_logprobs(out.logprobs, offset) if body.logprobs is not None else None
+            choice = {"index": index, "text": out.text, "logprobs": logprobs,
+                      "finish_reason": finish_reason(out.finish_reason)}
+            yield sse(chunk(rid, "text_completion", created, model, [choice]))
+        if body.include_usage:
+            yield sse(chunk(rid, "text_completion", created, model, [], stream.usage))
+    except APIError as exc:
+        yield sse(exc.body())
+    yield SSE_DONE

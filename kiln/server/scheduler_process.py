@@ -1,0 +1,139 @@
+"""The scheduler process: runs ``EngineCore`` in a loop.
+
+    python -m kiln.server.scheduler_process '{"artifact": ..., "engine": {...}, "ipc_dir": ..., "parent_pid": ...}'
+
+It loads the model, reports READY (or FATAL when loading fails), then repeats: take every waiting
+ADD/ABORT, run one step while there is work, send the step's events to the detokenizer, and publish
+the core's stats (every ``STATS_INTERVAL_S`` while they change). A request the core refuses is
+answered with REJECT and the loop goes on; an error inside a step is fatal (the core's state is no
+longer trustworthy): it reports FATAL and exits non-zero, and the HTTP process fails what is in
+flight and stops. It exits on SHUTDOWN or when its parent is gone; SIGINT/SIGTERM are left to the
+parent, which drains before stopping its children.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+import zmq
+
+from kiln.runtime.detokenizer import PROMPT_CONTEXT_TOKENS
+from kiln.runtime.engine_core import EngineCore, EngineOptions
+from kiln.runtime.sampling import SamplingParams
+from kiln.server import ipc
+
+log = logging.getLogger("kiln.server.scheduler")
+
+STATS_INTERVAL_S = 0.25
+
+
+class SchedulerLoop:
+    def __init__(self, core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, parent: ipc.ParentWatch) -> None:
+        self.core = core
+        self.inbox = inbox
+        self.outbox = outbox
+        self.parent = parent
+        self._stats_dirty = True
+        self._stats_sent_at = 0.0
+
+    def run(self) -> None:
+        while self.parent.alive():
+            busy = self.core.has_work()
+            for message in ipc.recv_ready(self.inbox, 0 if busy else self._idle_wait_ms()):
+                if not self._handle(message):
+                    return
+            if self.core.has_work():
+                events = self.core.step()
+                self._stats_dirty = True
+                if events:
+                    self._send([ipc.EVENTS, [ipc.event_to_wire(e) for e in events]])
+            self._publish_stats()
+        log.info("the server process is gone; exiting")
+
+    def _handle(self, message: list[Any]) -> bool:
+        kind = message[0]
+        if kind == ipc.ADD:
+            self._add(*message[1:])
+        elif kind == ipc.ABORT:
+            events = self.core.abort(message[1])
+            if events:
+                self._send([ipc.EVENTS, [ipc.event_to_wire(e) for e in events]])
+        elif kind == ipc.SHUTDOWN:
+            return False
+        else:
+            log.warning("ignoring an unknown message %r", kind)
+        self._stats_dirty = True
+        return True
+
+    def _add(self, rid: str, prompt_ids: list[int], params: dict[str, Any]) -> None:
+        try:
+            sampling = SamplingParams(**params)
+            self.core.add_request(rid, prompt_ids, sampling)
+        except (ValueError, TypeError) as exc:  # the HTTP side validates too; this is the last word
+            self._send([ipc.REJECT, rid, str(exc)])
+            return
+        # The detokenizer needs only the prompt's tail (context for the first tokens' text).
+        self._send([ipc.NEW, rid, prompt_ids[-PROMPT_CONTEXT_TOKENS:], asdict(sampling)])
+
+    def _idle_wait_ms(self) -> int:
+        if not self._stats_dirty:
+            return ipc.IDLE_POLL_MS
+        due = self._stats_sent_at + STATS_INTERVAL_S - time.monotonic()
+        return max(0, min(ipc.IDLE_POLL_MS, int(due * 1000) + 1))
+
+    def _publish_stats(self) -> None:
+        now = time.monotonic()
+        if self._stats_dirty and now - self._stats_sent_at >= STATS_INTERVAL_S:
+            self._send([ipc.STATS, self.core.stats()])
+            self._stats_sent_at = now
+            self._stats_dirty = False
+
+    def _send(self, message: list[Any]) -> None:
+        self.outbox.send(ipc.pack(message))
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    logging.basicConfig(level=config.get("log_level", "INFO").upper(), format="kiln scheduler: %(message)s")
+    # Ctrl-C reaches the whole process group; the HTTP process decides how to stop (it drains first).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    context = zmq.Context()
+    inbox = ipc.pull_socket(context, ipc.address(config["ipc_dir"], ipc.SCHEDULER_SOCKET))
+    outbox = ipc.push_socket(context, ipc.address(config["ipc_dir"], ipc.DETOKENIZER_SOCKET))
+    try:
+        try:
+            core = EngineCore(config["artifact"], EngineOptions(**config["engine"]))
+        except Exception as exc:  # any load failure is reported the same way: a message and exit 1
+            outbox.send(ipc.pack([ipc.FATAL, f"loading {config['artifact']} failed: {exc}"]))
+            log.error("loading the model failed: %s", exc)
+            return 1
+        outbox.send(ipc.pack([ipc.READY, model_facts(core)]))
+        try:
+            SchedulerLoop(core, inbox, outbox, ipc.ParentWatch(config["parent_pid"])).run()
+        except Exception as exc:
+            log.exception("a step failed")
+            outbox.send(ipc.pack([ipc.FATAL, f"the scheduler failed: {type(exc).__name__}: {exc}"]))
+            return 1
+        return 0
+    finally:
+        inbox.close()
+        outbox.close()
+        context.term()
+
+
+def model_facts(core: EngineCore) -> dict[str, Any]:
+    return {"vocab_size": core.vocab_size, "max_seq_len": core.max_seq_len, "page_size": core.page_size,
+            "tokenizer_dir": str(core.artifact.tokenizer_dir) if core.artifact.tokenizer_dir else None,
+            "device": str(core.runner.device),
+            "stats": core.stats()}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""The HTTP process's side of generation: tokenization, chat templates, validation, and the
+bookkeeping of requests in flight.
+
+A route turns its body into prompt token ids and ``SamplingParams``, checks them (``check``) and
+calls ``submit``, which sends one ADD per prompt to the scheduler process and returns a
+``RequestStream``. The receive loop (``dispatch``) routes the detokenizer's OUTPUTS to their
+streams and records latency metrics. Closing a stream before it finished (the client went away,
+an error) aborts what is left, so the scheduler frees its KV at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import zmq
+import zmq.asyncio
+
+from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.tokenizer import Tokenizer
+
+from . import ipc
+from .errors import APIError, from_value_error, invalid
+from .metrics import ServerMetrics
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    vocab_size: int
+    max_seq_len: int
+    created: int
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    token_bytes: bytes
+    logprob: float
+    top: tuple[tuple[int, bytes, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    """One delta of one sample: ``index`` of the ``n`` samples of prompt ``prompt_index``."""
+
+    prompt_index: int
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class _Live:
+    """A request in flight (one prompt, its n samples)."""
+
+    stream: "RequestStream"
+    prompt_index: int
+    open_samples: int
+    arrival: float
+    last_token_at: dict[int, float] = field(default_factory=dict)
+
+
+class RequestStream:
+    """The outputs of one submission, in arrival order; ``usage`` is complete once it ends."""
+
+    def __init__(self, manager: "TokenizerManager", samples: int, max_tokens_param: str) -> None:
+        self.manager = manager
+        self.rids: list[str] = []
+        self.max_tokens_param = max_tokens_param
+        self.usage = Usage()
+        self._queue: asyncio.Queue[SampleOutput | APIError] = asyncio.Queue()
+        self._pending = samples
+        self._prompts_counted: set[int] = set()
+
+    def put(self, item: SampleOutput | APIError) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> SampleOutput:
+        if self._pending == 0:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, APIError):
+            self._pending = 0
+            raise item
+        self.usage.completion_tokens += len(item.token_ids)
+        if item.finish_reason is not None:
+            self._pending -= 1
+        return item
+
+    def note_prompt(self, prompt_index: int, index: int, prompt_tokens: int, cached_tokens: int) -> None:
+        # All samples of a prompt share it. Sample 0 leads: the others reuse the prompt KV it cached,
+        # so its cache hit is the request's (as the in-process Engine reports it).
+        if index == 0 and prompt_index not in self._prompts_counted:
+            self._prompts_counted.add(prompt_index)
+            self.usage.prompt_tokens += prompt_tokens
+            self.usage.cached_tokens += cached_tokens
+
+    def close(self) -> None:
+        """Ends the stream's requests: those still running are aborted (idempotent)."""
+        self.manager.release(self)
+
+
+class TokenizerManager:
+    def __init__(self, tokenizer: Tokenizer | None, info: ModelInfo, sender: zmq.Socket, metrics: ServerMetrics,
+                 on_fatal: Callable[[str], None]) -> None:
+        self.tokenizer = tokenizer
+        self.info = info
+        self.metrics = metrics
+        self._sender = sender
+        self._on_fatal = on_fatal
+        self._live: dict[str, _Live] = {}
+        self.failure: str | None = None
+
+    # ---- prompts -------------------------------------------------------------------------------
+
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise invalid(param, f"{param}: this model has no tokenizer; send token ids")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        if self.tokenizer is None:
+            raise invalid("messages", "messages: this model has no tokenizer, so it cannot render a chat")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except ValueError as exc:
+            raise invalid("messages", f"messages: {exc}") from None
+        # The template writes the special tokens (BOS) itself.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def default_max_tokens(self, prompt_ids: list[int]) -> int:
+        """Without max_tokens a chat may use the rest of the context."""
+        return max(1, self.info.max_seq_len - len(prompt_ids))
+
+    def check(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str = "prompt",
+              max_tokens_param: str = "max_tokens") -> None:
+        """Raises a 400 naming the request's parameter when the engine could not serve this."""
+        try:
+            params.validate(self.info.vocab_size)
+        except ValueError as exc:
+            raise from_value_error(exc, {"max_new_tokens": max_tokens_param}) from None
+        for name in ("seed", "top_k"):
+            value = getattr(params, name)
+            # The processes exchange msgpack, whose integers are 64-bit.
+            if value is not None and not INT64_MIN <= value <= INT64_MAX:
+                raise invalid(name, f"{name} must fit in a signed 64-bit integer (got {value})")
+        limit = self.info.max_seq_len
+        if not prompt_ids:
+            raise invalid(prompt_param, f"{prompt_param}: must contain at least one token")
+        bad = next((t for t in prompt_ids if not 0 <= t < self.info.vocab_size), None)
+        if bad is not None:
+            raise invalid(prompt_param, f"{prompt_param}: token id {bad} is outside the vocabulary "
+                                        f"(0..{self.info.vocab_size - 1})")
+        if len(prompt_ids) >= limit:
+            raise invalid(prompt_param, f"{prompt_param}: {len(prompt_ids)} tokens leave no room in the "
+                                        f"context of {limit} tokens")
+        if len(prompt_ids) + params.max_new_tokens > limit:
+            raise invalid(max_tokens_param, f"{max_tokens_param}: the prompt ({len(prompt_ids)} tokens) plus "
+                                            f"{max_tokens_param} ({params.max_new_tokens}) exceeds the context "
+                                            f"length {limit}")
+        if params.stop and self.tokenizer is None:
+            raise invalid("stop", "stop: stop strings need a tokenizer, and this model has none")
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams,
+               max_tokens_param: str = "max_tokens") -> RequestStream:
+        if self.failure is not None:
+            raise APIError(503, f"the engine is unavailable: {self.failure}")
+        stream = RequestStream(self, len(prompts) * params.n, max_tokens_param)
+        wire_params = asdict(params)
+        now = time.monotonic()
+        for index, prompt_ids in enumerate(prompts):
+            rid = uuid.uuid4().hex
+            self._live[rid] = _Live(stream, index, params.n, now)
+            stream.rids.append(rid)
+            self._send([ipc.ADD, rid, prompt_ids, wire_params])
+        return stream
+
+    def release(self, stream: RequestStream) -> None:
+        """Forgets a stream's requests, aborting those still running."""
+        for rid in stream.rids:
+            if self._live.pop(rid, None) is not None and self.failure is None:
+                self._send([ipc.ABORT, rid])
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._live)
+
+    def fail_all(self, status: int, message: str) -> None:
+        for live in list(self._live.values()):
+            live.stream.put(APIError(status, message))
+        self._live.clear()
+
+    def _send(self, message: list[Any]) -> None:
+        # A PUSH socket without a high-water mark queues and returns: safe on the event loop.
+        self._sender.send(ipc.pack(message))
+
+    # ---- from the detokenizer ------------------------------------------------------------------
+
+    def dispatch(self, message: list[Any]) -> None:
+        kind = message[0]
+        if kind == ipc.OUTPUTS:
+            now = time.monotonic()
+            for output in message[1]:
+                self._output(now, *output)
+        elif kind == ipc.STATS:
+            self.metrics.engine_stats = message[1]
+        elif kind == ipc.REJECT:
+            live = self._live.pop(message[1], None)
+            if live is not None:
+                renames = {"max_new_tokens": live.stream.max_tokens_param}
+                live.stream.put(from_value_error(ValueError(message[2]), renames))
+        elif kind == ipc.FATAL:
+            self.failure = message[1]
+            self.fail_all(500, message[1])
+            self._on_fatal(message[1])
+
+    def _output(self, now: float, rid: str, index: int, text: str, token_ids: list[int], logprobs: list[list[Any]],
+                finish_reason: str | None, error: str | None, prompt_tokens: int, cached_tokens: int) -> None:
+        live = self._live.get(rid)
+        if live is None:
+            return  # aborted here already; the scheduler's last words for it
+        if error is not None:
+            # The core fails a single request only for what it asked (a constraint that does not
+            # compile): a client error.
+            del self._live[rid]
+            live.stream.put(invalid("response_format", error))
+            return
+        if token_ids:
+            self._time_tokens(live, index, now, len(token_ids))
+        live.stream.note_prompt(live.prompt_index, index, prompt_tokens, cached_tokens)
+        entries = [TokenLogprob(t, b, lp, tuple((a, ab, alp) for a, ab, alp in top)) for t, b, lp, top in logprobs]
+        live.stream.put(SampleOutput(live.prompt_index, index, text, token_ids, entries, finish_reason))
+        if finish_reason is not None:
+            live.open_samples -= 1
+            if live.open_samples == 0:
+                del self._live[rid]
+                self.metrics.prompt_tokens.inc(prompt_tokens)
+                self.metrics.e2e.observe(now - live.arrival)
+
+    def _time_tokens(self, live: _Live, index: int, now: float, count: int) -> None:
+        self.metrics.generation_tokens.inc(count)
+        last = live.last_token_at.get(index)
+        if last is None:
+            if not live.last_token_at:
+                self.metrics.ttft.observe(now - live.arrival)
+        else:
+            self.metrics.itl.observe(now - last)
+        live.last_token_at[index] = now
+
+    async def receive_loop(self, socket: zmq.asyncio.Socket) -> None:
+        while True:
+            self.dispatch(ipc.unpack(await socket.recv()))
