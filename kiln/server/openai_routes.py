@@ -40,12 +40,9 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return EventStream(_chat_events(stream, rid, created, ctx.model_name, body), stream)
-        try:
-            acc = await until_disconnect(request, _collect(stream, Accumulator(params.n)))
-        except ClientDisconnected:
+        acc = await _collect_unless_disconnected(request, stream, params.n)
+        if acc is None:
             return Response(status_code=CLIENT_CLOSED)
-        finally:
-            stream.close()
         return JSONResponse(chat_response(rid, created, ctx.model_name, acc, stream.usage, body.logprobs))
 
     @app.post("/v1/completions")
@@ -60,12 +57,9 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return EventStream(_completion_events(stream, rid, created, ctx.model_name, body), stream)
-        try:
-            acc = await until_disconnect(request, _collect(stream, Accumulator(params.n)))
-        except ClientDisconnected:
+        acc = await _collect_unless_disconnected(request, stream, params.n)
+        if acc is None:
             return Response(status_code=CLIENT_CLOSED)
-        finally:
-            stream.close()
         return JSONResponse(completion_response(rid, created, ctx.model_name, acc, stream.usage,
                                                 body.logprobs is not None))
 
@@ -116,3 +110,14 @@ async def _completion_events(stream: RequestStream, rid: str, created: int, mode
     except APIError as exc:
         yield sse(exc.body())
     yield SSE_DONE
+
+
+async def _collect_unless_disconnected(request: Request, stream, n: int) -> Accumulator | None:
+    """The whole response, or None when the client left first (the stream is closed either way,
+    which aborts whatever still runs)."""
+    try:
+        return await until_disconnect(request, _collect(stream, Accumulator(n)))
+    except ClientDisconnected:
+        return None
+    finally:
+        stream.close()

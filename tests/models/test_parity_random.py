@@ -10,13 +10,13 @@ magnitude ~1; we allow 1e-4 so the check is about wiring, not about the last ulp
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kiln.compiler.compile import compile_model
 from kiln.compiler.options import CompileOptions
 from kiln.runtime.artifact import load_artifact
 from kiln.runtime.executor import Executor
 from tests.support.hf_models import CONFIGS, load_hf, make_hf_model
+from tests.support.parity import assert_prefill_and_decode_match
 from tests.support.stepping import PagedRun
 
 PROMPTS = [[1, 5, 9, 33, 2, 7, 100], [3, 4], [200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210], [42]]
@@ -32,27 +32,4 @@ def test_prefill_and_decode_match_hf(tmp_path, kind, page_size, backend):
     artifact = compile_model(source, tmp_path / "model.kiln", CompileOptions(
         dtype="fp32", page_size=page_size, max_batch_tokens=64, max_logit_rows=64, backend=backend))
     run = PagedRun(Executor(load_artifact(artifact), "cpu"), num_pages=128)
-    run.add_sequences(len(PROMPTS))
-    hf = load_hf(source)
-
-    logits = run.step(PROMPTS, all_logits=True)
-    row = 0
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            expected = hf(torch.tensor([prompt])).logits[0]
-        got = logits[row:row + len(prompt)]
-        row += len(prompt)
-        assert torch.equal(got.argmax(-1), expected.argmax(-1))
-        assert (got - expected).abs().max().item() < TOLERANCE
-
-    sequences = [list(p) for p in PROMPTS]
-    last = torch.stack([logits[sum(map(len, PROMPTS[:i + 1])) - 1] for i in range(len(PROMPTS))])
-    for _ in range(DECODE_STEPS):
-        for seq, row_logits in zip(sequences, last):
-            seq.append(int(row_logits.argmax()))
-        last = run.step([[s[-1]] for s in sequences])
-        for seq, got in zip(sequences, last):
-            with torch.no_grad():
-                expected = hf(torch.tensor([seq])).logits[0, -1]
-            assert int(got.argmax()) == int(expected.argmax())
-            assert (got - expected).abs().max().item() < TOLERANCE
+    assert_prefill_and_decode_match(run, load_hf(source), PROMPTS, DECODE_STEPS, TOLERANCE)

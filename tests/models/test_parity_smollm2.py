@@ -18,6 +18,7 @@ from kiln.compiler.options import CompileOptions
 from kiln.runtime.artifact import load_artifact
 from kiln.runtime.executor import Executor
 from kiln.runtime.tokenizer import Tokenizer
+from tests.support.parity import assert_prefill_and_decode_match
 from tests.support.stepping import PagedRun
 
 TEXTS = ["What is the capital of France?", "def fibonacci(n):\n    ", "The quick brown fox",
@@ -40,25 +41,4 @@ def setup(smollm2_dir, tmp_path_factory):
 def test_prefill_and_decode_logits_match_hf(setup):
     artifact, hf, prompts = setup
     run = PagedRun(Executor(load_artifact(artifact), "cpu"), num_pages=64)
-    run.add_sequences(len(prompts))
-    logits = run.step(prompts, all_logits=True)
-    row = 0
-    last = []
-    for prompt in prompts:
-        with torch.no_grad():
-            expected = hf(torch.tensor([prompt])).logits[0]
-        got = logits[row:row + len(prompt)]
-        row += len(prompt)
-        assert torch.equal(got.argmax(-1), expected.argmax(-1))
-        assert (got - expected).abs().max().item() < TOLERANCE
-        last.append(got[-1])
-    sequences = [list(p) for p in prompts]
-    for _ in range(DECODE_STEPS):
-        for seq, row_logits in zip(sequences, last):
-            seq.append(int(row_logits.argmax()))
-        last = run.step([[s[-1]] for s in sequences])
-        for seq, got in zip(sequences, last):
-            with torch.no_grad():
-                expected = hf(torch.tensor([seq])).logits[0, -1]
-            assert int(got.argmax()) == int(expected.argmax())
-            assert (got - expected).abs().max().item() < TOLERANCE
+    assert_prefill_and_decode_match(run, hf, prompts, DECODE_STEPS, TOLERANCE)

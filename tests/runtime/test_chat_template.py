@@ -7,7 +7,6 @@ import pytest
 
 from kiln.runtime.chat_template import (CHATML_TEMPLATE, LLAMA2_TEMPLATE, LLAMA3_TEMPLATE, MISTRAL_TEMPLATE,
                                         builtin_template, render_chat_template, validate_messages)
-from kiln.runtime.tokenizer import Tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -18,17 +17,6 @@ CONVERSATIONS = [
 
 USER_ASSISTANT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                   {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
-
-
-@pytest.fixture(scope="module")
-def smollm2(smollm2_dir):
-    return Tokenizer.from_dir(smollm2_dir)
-
-
-@pytest.fixture(scope="module")
-def hf_smollm2(smollm2_dir):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(smollm2_dir))
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])

@@ -26,17 +26,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def smollm2(smollm2_dir):
-    return Tokenizer.from_dir(smollm2_dir)
-
-
-@pytest.fixture(scope="module")
-def hf_smollm2(smollm2_dir):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(smollm2_dir))
-
-
 @pytest.mark.parametrize("add_special_tokens", [True, False])
 def test_encode_matches_transformers(smollm2, hf_smollm2, add_special_tokens):
     for text in TEXTS:
