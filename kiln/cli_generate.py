@@ -80,7 +80,7 @@ def _run_chat(args: argparse.Namespace) -> int:
     messages = [{"role": "system", "content": args.system}] if args.system else []
     with _engine(args) as engine:
         if args.prompt is not None or not sys.stdin.isatty():
-            turn = args.prompt if args.prompt is not None else sys.stdin.read()
+            turn = args.prompt if args.prompt is not None else sys.stdin.read().strip()
             messages.append({"role": "user", "content": turn})
             _stream(engine, engine.chat_prompt_ids(messages), params)
             return 0

@@ -96,3 +96,26 @@ def test_bad_constraints_fail_alone(engine):
                 engine.generate(ask(engine, "Hi"), params)
     assert engine.generate(ask(engine, "Hi"), SamplingParams(temperature=0, max_new_tokens=5)).token_ids == \
         good.token_ids
+
+
+def test_n_samples_each_follow_the_grammar(engine):
+    out = engine.generate(ask(engine, "Give me a person as JSON."),
+                          SamplingParams(temperature=1.0, seed=9, n=3, max_new_tokens=120, json_schema=SCHEMAS["person"]))
+    assert len(out.completions) == 3
+    for completion in out.completions:
+        assert completion.finish_reason == "stop"
+        jsonschema.validate(json.loads(completion.text), SCHEMAS["person"])
+
+
+def test_retraction_keeps_constrained_results(engine, smollm2_dir):
+    prompts = [ask(engine, f"Describe person {i} as JSON.") for i in range(6)]
+    params = SamplingParams(temperature=0, max_new_tokens=100, json_schema=SCHEMAS["person"])
+    roomy = [o.text for o in engine.generate(prompts, params)]
+    # A pool of one full context (256 tokens) for six requests of ~140 tokens: requests are retracted
+    # mid-generation and resume with their grammar state where they were.
+    with Engine(str(smollm2_dir), dtype="fp32", max_seq_len=256, page_size=16, kv_cache_tokens=256) as tight:
+        outputs = tight.generate(prompts, params)
+        assert tight.core.scheduler.num_retractions > 0
+    assert [o.text for o in outputs] == roomy
+    for text in roomy:
+        jsonschema.validate(json.loads(text), SCHEMAS["person"])

@@ -1,0 +1,48 @@
+"""``kiln bench NAME [ARGS...]``: runs a benchmark from the checkout's ``bench/`` directory.
+
+The benchmarks are scripts beside the package (``bench/kernels.py``, ``decode.py``, ``offline.py``,
+``serving.py``, ``structured.py``, ``step_breakdown.py``); this runs one with its own arguments, as
+``python bench/NAME.py ARGS`` would. An installed kiln without the checkout has no ``bench/``, and
+says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in BENCH_DIR.glob("*.py") if p.stem != "models") if BENCH_DIR.is_dir() else []
+
+
+def add_parser(commands) -> None:
+    names = available()
+    p = commands.add_parser("bench", help=f"run a benchmark ({', '.join(names) or 'none found'})",
+                            description=__doc__.splitlines()[0])
+    p.add_argument("name", help=f"one of: {', '.join(names)}")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see NAME --help)")
+    p.set_defaults(run=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    names = available()
+    if not names:
+        raise FileNotFoundError(f"no bench/ directory beside the kiln package ({BENCH_DIR}); benchmarks run "
+                                "from a checkout of the repository")
+    if args.name not in names:
+        raise ValueError(f"unknown benchmark {args.name!r}; available: {', '.join(names)}")
+    script = BENCH_DIR / f"{args.name}.py"
+    saved = sys.argv
+    sys.argv = [str(script), *args.args]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    finally:
+        sys.argv = saved
+    return 0

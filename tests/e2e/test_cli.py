@@ -1,0 +1,64 @@
+"""The command line end to end with the real SmolLM2: ``kiln compile``, then ``generate`` and
+``chat`` (one-shot and interactive on stdin) against the artifact, and ``kiln bench`` dispatch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def kiln(*args: str, stdin: str | None = None, home: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if home is not None:
+        env["KILN_HOME"] = str(home)
+    return subprocess.run([sys.executable, "-m", "kiln", *args], input=stdin, capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def artifact(smollm2_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "smol.kiln"
+    result = kiln("compile", str(smollm2_dir), "-o", str(out), "--dtype", "fp32", "--max-seq-len", "1024",
+                  "--backend", "torch")
+    assert result.returncode == 0, result.stderr
+    assert f"wrote {out}" in result.stdout
+    return out
+
+
+def test_chat_one_shot(artifact):
+    result = kiln("chat", str(artifact), "--prompt", "What is the capital of France?", "--max-new-tokens", "30",
+                  "--kv-cache-tokens", "4096")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+
+
+def test_chat_reads_turns_from_piped_stdin(artifact):
+    result = kiln("chat", str(artifact), "--max-new-tokens", "30", "--kv-cache-tokens", "4096",
+                  stdin="What is the capital of France?\n")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+
+
+def test_generate_with_stop_string(artifact):
+    result = kiln("generate", str(artifact), "--prompt", "The capital of France is", "--max-new-tokens", "20",
+                  "--stop", ".", "--kv-cache-tokens", "4096")
+    assert result.returncode == 0, result.stderr
+    assert "." not in result.stdout.strip()
+
+
+def test_bad_sampling_option_is_one_line(artifact):
+    result = kiln("generate", str(artifact), "--prompt", "x", "--top-p", "2")
+    assert result.returncode == 2 and "top_p" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bench_dispatch():
+    result = kiln("bench", "no-such-bench")
+    assert result.returncode == 2 and "available: decode, kernels, offline" in result.stderr
+    result = kiln("bench", "offline", "--help")
+    assert result.returncode == 0 and "--prefix-words" in result.stdout
