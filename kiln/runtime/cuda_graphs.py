@@ -58,30 +58,39 @@ class DecodeGraphs:
         return logits[:n], logits[:n].argmax(dim=-1)
 
     def _stage(self, lists: StepLists, bucket: int) -> None:
+        """Writes the step's inputs into the pinned host buffer, then copies what the bucket reads to
+        the device in one transfer. Built as two flat Python lists and two tensor writes: this runs
+        on every decode step, and per-row tensor writes cost ~5 us each."""
         n = len(lists.token_ids)
-        host = self._host
-        vectors = (lists.token_ids, lists.positions, lists.slots, lists.q_start, lists.q_len, lists.kv_len,
-                   lists.logits_index)
-        pad = bucket - n
-        for i, values in enumerate(vectors):
-            base = i * self.max_batch
-            host[base:base + n] = torch.tensor(values, dtype=torch.int32)
-        # Padding rows: no KV store, one token of context over the reserved page, logits row of their own.
-        base = self.max_batch
-        host[2 * base + n:2 * base + bucket] = -1                               # slots
-        host[3 * base + n:3 * base + bucket] = torch.arange(n, bucket, dtype=torch.int32)  # q_start
-        host[4 * base + n:4 * base + bucket] = 1                                # q_len
-        host[5 * base + n:5 * base + bucket] = 1                                # kv_len
-        host[6 * base + n:6 * base + bucket] = torch.arange(n, bucket, dtype=torch.int32)  # logits_index
-        if pad:
-            host[0 * base + n:0 * base + bucket] = 0
-            host[1 * base + n:1 * base + bucket] = 0
-        table = host[self._vector_len:self._vector_len + bucket * self.width].view(bucket, self.width)
-        table.zero_()
-        for row, pages in enumerate(lists.page_rows):
-            table[row, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        pad = range(n, bucket)
+        vectors = (
+            lists.token_ids + [0] * len(pad),
+            lists.positions + [0] * len(pad),
+            lists.slots + [-1] * len(pad),          # padding rows store no KV
+            lists.q_start + list(pad),
+            lists.q_len + [1] * len(pad),
+            lists.kv_len + [1] * len(pad),          # one token of context, on the reserved page 0
+            lists.logits_index + list(pad),
+        )
+        flat: list[int] = []
+        for values in vectors:
+            flat.extend(values)
+            flat.extend([0] * (self.max_batch - bucket))
+        self._host[:self._vector_len] = torch.tensor(flat, dtype=torch.int32)
+        # Page-table rows: only the columns below each row's context are read, so only those are
+        # written; padding rows read column 0, which must name page 0.
+        index: list[int] = []
+        pages: list[int] = []
+        for row, row_pages in enumerate(lists.page_rows):
+            start = self._vector_len + row * self.width
+            index.extend(range(start, start + len(row_pages)))
+            pages.extend(row_pages)
+        index.extend(self._vector_len + row * self.width for row in pad)
+        pages.extend(0 for _ in pad)
+        if index:
+            self._host.index_put_((torch.tensor(index),), torch.tensor(pages, dtype=torch.int32))
         used = self._vector_len + bucket * self.width
-        self._device[:used].copy_(host[:used], non_blocking=True)
+        self._device[:used].copy_(self._host[:used], non_blocking=True)
 
     def _inputs(self, bucket: int) -> StepInputs:
         views = {name: self._device[i * self.max_batch:i * self.max_batch + bucket] for i, name in enumerate(_VECTORS)}
