@@ -94,7 +94,7 @@ class EngineCore:
     # ---- requests --------------------------------------------------------------------------------
 
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                    namespace: Hashable = None, extras: list[dict[str, Any]] | None = None) -> None:
+                    namespace: Hashable = None) -> None:
         """Queues a request; raises ValueError (naming the parameter) when it cannot be served."""
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -104,9 +104,8 @@ class EngineCore:
         for index in range(params.n):
             leader = samples[0] if samples else None
             samples.append(Request(rid=rid, prompt_ids=list(prompt_ids), params=params,
-                                   seed=seed if index == 0 else child_seed(seed, index), namespace=namespace,
-                                   leader=leader, extras=(extras[index] if extras else {})))
-            samples[-1].extras["index"] = index
+                                   seed=seed if index == 0 else child_seed(seed, index), index=index,
+                                   namespace=namespace, leader=leader))
             if params.stop:
                 samples[-1].extras["stop"] = _StopWatch(self.tokenizer, prompt_ids, params)
         if constraint_of(params) is not None:
@@ -245,7 +244,7 @@ class EngineCore:
 
     def _event(self, request: Request, tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...],
                reason: str | None, error: str | None = None) -> SampleEvent:
-        return SampleEvent(request.rid, request.extras["index"], tokens, logprobs, reason, error,
+        return SampleEvent(request.rid, request.index, tokens, logprobs, reason, error,
                            prompt_tokens=len(request.prompt_ids), cached_tokens=request.cached_tokens)
 
 

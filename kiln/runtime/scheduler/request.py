@@ -37,10 +37,11 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     seed: int
+    index: int = 0                   # which of the request's n samples this is
     namespace: Hashable = None
     # A request of an n > 1 group waits for its leader's prompt to be cached, then shares its pages.
     leader: "Request | None" = None
-    # Set by the engine: e.g. a grammar state; the scheduler only carries it.
+    # Per-sample state the engine core keeps (stop-string watch, grammar state); the scheduler only carries it.
     extras: dict[str, Any] = field(default_factory=dict)
 
     state: RequestState = RequestState.WAITING
