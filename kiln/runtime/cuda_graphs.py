@@ -1,11 +1,12 @@
 """Decode steps as captured CUDA graphs, one per batch-size bucket, over static input buffers.
 
 A decode step (every sequence adds one token) of ``n`` sequences runs as the graph of the smallest
-bucket ``b >= n``: the step's index lists are written into one pinned host buffer, copied to the
+bucket ``b >= n``: the step's index lists are written into a pinned host buffer, copied to the
 device in one transfer, and rows ``n..b`` are padding (token 0, KV slot -1 so nothing is stored,
 context 1 over the reserved page 0). All graphs share the executor's arena and the static inputs,
 so capturing many buckets costs little memory. Greedy tokens are computed inside the graph too, so
-a greedy step needs no kernel launch after the replay.
+a greedy step needs no kernel launch after the replay. An overlapped step (see EngineCore) takes
+its input ids from the previous step's device output instead of the host.
 
 On a CPU (no graphs) the same padded path runs eagerly; tests use it to check the padding.
 """
@@ -32,7 +33,11 @@ class DecodeGraphs:
         device = executor.device
         self._vector_len = len(_VECTORS) * self.max_batch
         size = self._vector_len + self.max_batch * self.width
-        self._host = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
+        # Two pinned staging buffers, used in turn: with overlapped steps the host stages step N+1
+        # before step N's copy is guaranteed done, but step N-1's tokens (read by then) were made
+        # after N-1's copy, so the buffer N-1 used is free again.
+        self._hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda") for _ in range(2)]
+        self._turn = 0
         self._device = torch.zeros(size, dtype=torch.int32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
@@ -46,11 +51,15 @@ class DecodeGraphs:
         return n <= self.max_batch and len(lists.logits_index) == n and max(lists.q_len) == 1 and \
             all(len(row) <= self.width for row in lists.page_rows)
 
-    def run(self, lists: StepLists) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits ``[n, V]`` and greedy tokens ``[n]`` of a decode step (views valid until the next step)."""
+    def run(self, lists: StepLists, tokens_from: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits ``[n, V]`` and greedy tokens ``[n]`` of a decode step (views valid until the next step).
+        ``tokens_from`` (on the device) replaces the step's input token ids: an overlapped step reads
+        the previous step's output there, without a round trip through the host."""
         n = len(lists.token_ids)
         bucket = next(b for b in self.buckets if b >= n)
         self._stage(lists, bucket)
+        if tokens_from is not None:
+            self._device[:n].copy_(tokens_from)
         if bucket in self._graphs:
             self._graphs[bucket].replay()
             return self._logits[bucket][:n], self._greedy[bucket][:n]
@@ -62,9 +71,11 @@ class DecodeGraphs:
         the device in one transfer. Built as two flat Python lists and two tensor writes: this runs
         on every decode step, and per-row tensor writes cost ~5 us each."""
         n = len(lists.token_ids)
+        host = self._hosts[self._turn]
+        self._turn ^= 1
         pad = range(n, bucket)
         vectors = (
-            lists.token_ids + [0] * len(pad),
+            [max(t, 0) for t in lists.token_ids] + [0] * len(pad),  # PENDING ids come from the device
             lists.positions + [0] * len(pad),
             lists.slots + [-1] * len(pad),          # padding rows store no KV
             lists.q_start + list(pad),
@@ -76,7 +87,7 @@ class DecodeGraphs:
         for values in vectors:
             flat.extend(values)
             flat.extend([0] * (self.max_batch - bucket))
-        self._host[:self._vector_len] = torch.tensor(flat, dtype=torch.int32)
+        host[:self._vector_len] = torch.tensor(flat, dtype=torch.int32)
         # Page-table rows: only the columns below each row's context are read, so only those are
         # written; padding rows read column 0, which must name page 0.
         index: list[int] = []
@@ -88,9 +99,9 @@ class DecodeGraphs:
         index.extend(self._vector_len + row * self.width for row in pad)
         pages.extend(0 for _ in pad)
         if index:
-            self._host.index_put_((torch.tensor(index),), torch.tensor(pages, dtype=torch.int32))
+            host.index_put_((torch.tensor(index),), torch.tensor(pages, dtype=torch.int32))
         used = self._vector_len + bucket * self.width
-        self._device[:used].copy_(self._host[:used], non_blocking=True)
+        self._device[:used].copy_(host[:used], non_blocking=True)
 
     def _inputs(self, bucket: int) -> StepInputs:
         views = {name: self._device[i * self.max_batch:i * self.max_batch + bucket] for i, name in enumerate(_VECTORS)}

@@ -4,6 +4,13 @@
 leads, the others share its cached prompt); ``step`` schedules a batch, runs it, samples, applies
 the stop rules and returns a ``SampleEvent`` per sample that advanced or ended. The in-process
 ``Engine`` drives it from a thread; the server's scheduler process drives it from its loop.
+
+Overlap: a greedy decode step run as a graph is left in flight; the next ``step`` first launches
+the step after it (the same requests, each given a PENDING output slot whose id the device fills
+from the in-flight step's argmax), then reads and applies the in-flight tokens while the new step
+runs, so the host's work hides behind the device's. A request that turns out to have finished
+drops its extra step's result. Anything else to schedule (arrivals, prefill, sampling, a short
+pool) breaks the chain and the next step is scheduled normally.
 """
 
 from __future__ import annotations
@@ -16,16 +23,16 @@ import torch
 
 from .artifact import load_artifact
 from .constraints import Constraints, constraint_of
-from .detokenizer import IncrementalDetokenizer, StopChecker
 from .kvcache.allocator import PageAllocator
 from .kvcache.pool import pages_for_mem_fraction, pages_for_tokens
 from .kvcache.radix import RadixCache
 from .model_runner import ModelRunner
 from .outputs import SampleEvent, TokenLogprob
 from .sampling import SamplerOutput, SamplingBatch, SamplingParams, SamplingRow, child_seed, new_seed
-from .scheduler.batch import build_step_lists
-from .scheduler.request import Request, RequestState
+from .scheduler.batch import StepLists, build_step_lists
+from .scheduler.request import PENDING, Request, RequestState
 from .scheduler.scheduler import Scheduler, SchedulerConfig
+from .stop_rules import STOP_WATCH, StopWatch, finish_reason, plain_greedy
 from .tokenizer import Tokenizer
 
 
@@ -41,6 +48,9 @@ class EngineOptions:
     # Batch sizes whose decode steps run as captured CUDA graphs; None: DEFAULT_DECODE_BUCKETS on a
     # GPU, none on a CPU (where the padded path only adds work).
     decode_buckets: tuple[int, ...] | None = None
+    # Launch a greedy decode step before reading the previous one's tokens (hides the host's work
+    # behind the device's); None: on whenever decode graphs are.
+    overlap_schedule: bool | None = None
 
     def resolved_device(self) -> torch.device:
         return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -81,6 +91,10 @@ class EngineCore:
         self.eos_ids: set[int] = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
         self.constraints = Constraints(self.tokenizer, self.vocab_size, self.eos_ids)
         self._requests: dict[str, list[Request]] = {}
+        overlap = self.options.overlap_schedule
+        self.overlap = bool(buckets) if overlap is None else overlap and bool(buckets)
+        self._inflight: _Inflight | None = None
+        self.overlapped_steps = 0
 
     def _num_pages(self, device: torch.device, rt: dict[str, Any]) -> int:
         if self.options.kv_cache_tokens is not None:
@@ -107,7 +121,7 @@ class EngineCore:
                                    seed=seed if index == 0 else child_seed(seed, index), index=index,
                                    namespace=namespace, leader=leader))
             if params.stop:
-                samples[-1].extras["stop"] = _StopWatch(self.tokenizer, prompt_ids, params)
+                samples[-1].extras[STOP_WATCH] = StopWatch(self.tokenizer, prompt_ids, params)
         if constraint_of(params) is not None:
             self.constraints.start(samples)
         else:
@@ -139,7 +153,7 @@ class EngineCore:
         return events
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self.constraints.has_pending()
+        return self.scheduler.has_work() or self.constraints.has_pending() or self._inflight is not None
 
     def stats(self) -> dict[str, float]:
         """Gauges and counters for metrics: queue lengths, KV pool use, prefix-cache hits."""
@@ -161,12 +175,15 @@ class EngineCore:
             "cache_queried_tokens": self.cache.queried_tokens,
             "cache_hit_rate": self.cache.hit_tokens / self.cache.queried_tokens if self.cache.queried_tokens else 0.0,
             "retractions": self.scheduler.num_retractions,
+            "overlapped_steps": self.overlapped_steps,
         }
 
     # ---- one step -----------------------------------------------------------------------------------
 
     def step(self) -> list[SampleEvent]:
         events = self._release_constrained()
+        if self._inflight is not None:
+            return events + self._continue_overlapped()
         batch = self.scheduler.schedule()
         if batch is None:
             if self.constraints.has_pending():
@@ -178,12 +195,55 @@ class EngineCore:
         if not lists.sampled:
             return events
         requests = [c.request for c in lists.sampled]
-        if greedy is not None and all(_plain_greedy(r) for r in requests):
+        if greedy is not None and all(plain_greedy(r) for r in requests):
+            if self.overlap:
+                # Read these tokens next step, after the step that follows is already launched.
+                self._inflight = _Inflight(lists, greedy.clone())
+                return events
             out = SamplerOutput(greedy, None, None, None)  # argmax already ran inside the graph
         else:
             rows = [SamplingRow(r.params, r.seed, len(r.output_ids), r.prompt_ids, r.output_ids) for r in requests]
             mask = Constraints.mask(requests, logits.shape[1], logits.device)
             out = self.runner.sample(logits, SamplingBatch.pack(rows, self.vocab_size, logits.device), mask)
+        return events + self._apply(lists, out)
+
+    def _continue_overlapped(self) -> list[SampleEvent]:
+        """Launches the step after an in-flight decode step when nothing else needs scheduling (its
+        input ids taken on the device from the in-flight step's output), then reads and applies the
+        in-flight step's tokens while the new one runs."""
+        inflight, self._inflight = self._inflight, None
+        follow_up = self._follow_up_lists(inflight)
+        if follow_up is not None:
+            lists, batch, rows = follow_up
+            _, greedy = self.runner.forward(lists, tokens_from=inflight.tokens.index_select(0, rows))
+            self.scheduler.complete_step(batch)
+            self._inflight = _Inflight(lists, greedy.clone())
+            self.overlapped_steps += 1
+        return self._apply(inflight.lists, SamplerOutput(inflight.tokens, None, None, None))
+
+    def _follow_up_lists(self, inflight: "_Inflight"):
+        """The next decode step of exactly the in-flight requests, or None when it must wait for the
+        host: other work to schedule, a request aborted, a page short, or the context full."""
+        requests = [c.request for c in inflight.lists.sampled]
+        scheduler = self.scheduler
+        if scheduler.waiting or self.constraints.has_pending() or len(scheduler.running) != len(requests) \
+                or any(r.done for r in requests) or any(r.total_len + 1 > self.max_seq_len for r in requests):
+            return None
+        new_pages = sum(1 for r in requests if r.total_len % self.page_size == 0)
+        if self.allocator.free_count < new_pages:
+            return None  # growing would need eviction or retraction: leave that to a normal step
+        for request in requests:
+            request.output_ids.append(PENDING)
+        batch = scheduler.schedule()
+        lists = build_step_lists(batch, self.page_size)
+        row_of = {id(r): i for i, r in enumerate(requests)}
+        rows = torch.tensor([row_of[id(c.request)] for c in lists.sampled], device=inflight.tokens.device)
+        return lists, batch, rows
+
+    def _apply(self, lists: StepLists, out: SamplerOutput) -> list[SampleEvent]:
+        """Appends each sampled token (filling the PENDING slot an overlapped step left for it),
+        applies the stop rules and makes the events."""
+        events: list[SampleEvent] = []
         tokens = out.token_ids.tolist()
         chosen = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
@@ -191,15 +251,18 @@ class EngineCore:
         for row, chunk in enumerate(lists.sampled):
             request = chunk.request
             if request.done:
-                continue  # a sibling sample's failure aborted the whole request in this step
+                continue  # aborted meanwhile, or a sibling sample's failure ended the whole request
             token = tokens[row]
-            request.output_ids.append(token)
+            if request.output_ids and request.output_ids[-1] == PENDING:
+                request.output_ids[-1] = token
+            else:
+                request.output_ids.append(token)
             logprobs: tuple[TokenLogprob, ...] = ()
             if chosen is not None and (request.params.logprobs or request.params.top_logprobs):
                 k = request.params.top_logprobs
                 top = tuple(zip(top_ids[row][:k], top_values[row][:k])) if k else ()
                 logprobs = (TokenLogprob(token, chosen[row], top),)
-            reason = self._finish_reason(request, token)
+            reason = finish_reason(request, token, self.eos_ids, self.max_seq_len)
             if reason == "error":
                 events.extend(self.abort(request.rid, f"the grammar rejected token {token}"))
                 continue
@@ -224,20 +287,6 @@ class EngineCore:
                 events.append(self._event(sample, (), (), "abort", error))
         return events
 
-    def _finish_reason(self, request: Request, token: int) -> str | None:
-        grammar_reason = Constraints.advance(request, token)
-        if grammar_reason is not None:
-            return grammar_reason
-        params = request.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
-            return "stop"
-        watch = request.extras.get("stop")
-        if watch is not None and watch.push(token):
-            return "stop"
-        if len(request.output_ids) >= params.max_new_tokens or request.total_len >= self.max_seq_len:
-            return "length"
-        return None
-
     def _forget_if_done(self, rid: str) -> None:
         if all(r.done for r in self._requests.get(rid, [])):
             self._requests.pop(rid, None)
@@ -248,19 +297,9 @@ class EngineCore:
                            prompt_tokens=len(request.prompt_ids), cached_tokens=request.cached_tokens)
 
 
-def _plain_greedy(request: Request) -> bool:
-    """Argmax of the raw logits is this request's next token (nothing reshapes its distribution)."""
-    p = request.params
-    return (p.greedy and not p.logprobs and not p.top_logprobs and not p.logit_bias and p.repetition_penalty == 1
-            and not p.frequency_penalty and not p.presence_penalty and constraint_of(p) is None)
+@dataclass(frozen=True)
+class _Inflight:
+    """A launched decode step whose greedy tokens (on the device) the host has not read yet."""
 
-
-class _StopWatch:
-    """Stop-string detection inside the core (the text itself is produced by the output side)."""
-
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
-        self._checker = StopChecker(params.stop)
-
-    def push(self, token: int) -> bool:
-        return self._checker.push(self._detok.add(token)).stopped
+    lists: StepLists
+    tokens: torch.Tensor

@@ -34,11 +34,15 @@ class ModelRunner:
         buckets = [b for b in decode_buckets if b <= min(bounds["T"], bounds["B"], bounds["N"])]
         self.decode_graphs = DecodeGraphs(self.executor, self.kv_views, buckets, bounds["P"]) if buckets else None
 
-    def forward(self, lists: StepLists) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, lists: StepLists, tokens_from: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits ``[len(lists.logits_index), V]`` (f32) and, for decode steps run as graphs, their
-        greedy tokens; both views valid until the next step."""
+        greedy tokens; both views valid until the next step. ``tokens_from``: see DecodeGraphs.run
+        (only graph steps take their input ids from the device)."""
         if self.decode_graphs is not None and self.decode_graphs.fits(lists):
-            return self.decode_graphs.run(lists)
+            return self.decode_graphs.run(lists, tokens_from)
+        if tokens_from is not None:
+            raise ValueError("input ids from the device need a decode-graph step")
         return self.forward_eager(lists)
 
     def forward_eager(self, lists: StepLists) -> tuple[torch.Tensor, None]:

@@ -194,3 +194,42 @@ def test_padded_decode_buckets_give_the_same_tokens(model, hf_greedy):
         assert outputs[f"r{i}"][0] == hf_greedy(prompt)
     assert outputs["s"] == run_all(make_core(model), {"s": (PROMPTS[2], sampled)})["s"]
     assert_no_leaks(core)
+
+
+def test_overlapped_decode_steps_give_the_same_results(model, hf_greedy):
+    # Each decode step is launched before the previous one's tokens are read; requests arrive,
+    # finish (by length and by a stop token) and are aborted in the middle of such chains.
+    plain = make_core(model)
+    overlapped = make_core(model, decode_buckets=(1, 2, 4, 8), overlap_schedule=True)
+    stop_at = hf_greedy(PROMPTS[1])[4]
+    requests = {
+        "a": (PROMPTS[0], GREEDY),
+        "b": (PROMPTS[1], SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=[stop_at])),
+        "c": (PROMPTS[2], SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)),
+    }
+    late = {"d": (PROMPTS[3], GREEDY), "e": (PROMPTS[4], GREEDY)}
+    results = []
+    for core in (plain, overlapped):
+        outputs = {rid: [] for rid in [*requests, *late, "gone"]}
+        for rid, (prompt, params) in requests.items():
+            core.add_request(rid, prompt, params)
+        core.add_request("gone", PROMPTS[5], GREEDY)
+        steps = 0
+        while core.has_work():
+            for event in core.step():
+                outputs[event.rid].extend(event.token_ids)
+            steps += 1
+            if steps == 5:
+                for rid, (prompt, params) in late.items():
+                    core.add_request(rid, prompt, params)
+            if steps == 8:
+                core.abort("gone")
+        results.append(outputs)
+    assert overlapped.overlapped_steps > 5
+    plain_out, overlapped_out = results
+    for rid in [*requests, *late]:
+        assert overlapped_out[rid] == plain_out[rid], rid
+    expected_b = hf_greedy(PROMPTS[1])
+    assert overlapped_out["b"] == expected_b[:expected_b.index(stop_at) + 1]
+    assert overlapped_out["a"] == hf_greedy(PROMPTS[0])
+    assert_no_leaks(overlapped)

@@ -29,6 +29,9 @@ class RequestState(enum.Enum):
 
 
 _arrival = itertools.count()
+# The output slot of a token still being computed on the device: an overlapped step is launched with
+# its input taken from the previous step's device output before the host has read that token.
+PENDING = -1
 
 
 @dataclass(eq=False)
@@ -62,6 +65,11 @@ class Request:
     @property
     def total_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def known_len(self) -> int:
+        """Tokens whose ids the host knows (a trailing PENDING slot excluded)."""
+        return self.total_len - (1 if self.output_ids and self.output_ids[-1] == PENDING else 0)
 
     @property
     def remaining(self) -> int:

@@ -229,7 +229,9 @@ class Scheduler:
         """Gives back a request's KV: computed full pages to the cache, the rest to the pool."""
         owned_from = len(request.prefix.pages) if request.prefix is not None else 0
         if self.config.enable_prefix_cache and request.prefix is not None:
-            full = min(request.num_computed // self.config.page_size, len(request.pages)) if keep_in_cache else owned_from
+            # Only tokens whose ids are known may key the cache (an overlapped step's slot is not).
+            computed = min(request.num_computed, request.known_len)
+            full = min(computed // self.config.page_size, len(request.pages)) if keep_in_cache else owned_from
             self.cache.insert(request.namespace, request.all_ids[:full * self.config.page_size], request.pages[:full])
             self.allocator.free(request.pages[full:])
             self.cache.unlock(request.prefix.node)

@@ -1,0 +1,49 @@
+"""When a sample stops, decided token by token inside the engine core: the grammar's end, stop
+token ids, EOS (unless ignored), stop strings (detected on the detokenized text; the output side
+cuts the text itself), max_new_tokens and the context length."""
+
+from __future__ import annotations
+
+from .constraints import Constraints, constraint_of
+from .detokenizer import IncrementalDetokenizer, StopChecker
+from .sampling import SamplingParams
+from .scheduler.request import Request
+from .tokenizer import Tokenizer
+
+STOP_WATCH = "stop"
+
+
+class StopWatch:
+    """Stop-string detection for one sample."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self._checker = StopChecker(params.stop)
+
+    def push(self, token: int) -> bool:
+        return self._checker.push(self._detok.add(token)).stopped
+
+
+def finish_reason(request: Request, token: int, eos_ids: set[int], max_seq_len: int) -> str | None:
+    """Why ``request`` ends with ``token`` just appended: "stop", "length", "error" (the grammar
+    rejected the token), or None to go on."""
+    grammar_reason = Constraints.advance(request, token)
+    if grammar_reason is not None:
+        return grammar_reason
+    params = request.params
+    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids):
+        return "stop"
+    watch = request.extras.get(STOP_WATCH)
+    if watch is not None and watch.push(token):
+        return "stop"
+    if len(request.output_ids) >= params.max_new_tokens or request.total_len >= max_seq_len:
+        return "length"
+    return None
+
+
+def plain_greedy(request: Request) -> bool:
+    """Argmax of the raw logits is this request's next token (nothing reshapes its distribution),
+    so the decode graph's in-graph argmax serves it and its next step can be launched ahead."""
+    p = request.params
+    return (p.greedy and not p.logprobs and not p.top_logprobs and not p.logit_bias and p.repetition_penalty == 1
+            and not p.frequency_penalty and not p.presence_penalty and constraint_of(p) is None)
