@@ -215,7 +215,8 @@ class EngineCore:
         follow_up = self._follow_up_lists(inflight)
         if follow_up is not None:
             lists, batch, rows = follow_up
-            _, greedy = self.runner.forward(lists, tokens_from=inflight.tokens.index_select(0, rows))
+            tokens = inflight.tokens if rows is None else inflight.tokens.index_select(0, rows)
+            _, greedy = self.runner.forward(lists, tokens_from=tokens)
             self.scheduler.complete_step(batch)
             self._inflight = _Inflight(lists, greedy.clone())
             self.overlapped_steps += 1
@@ -237,7 +238,9 @@ class EngineCore:
         batch = scheduler.schedule()
         lists = build_step_lists(batch, self.page_size)
         row_of = {id(r): i for i, r in enumerate(requests)}
-        rows = torch.tensor([row_of[id(c.request)] for c in lists.sampled], device=inflight.tokens.device)
+        order = [row_of[id(c.request)] for c in lists.sampled]
+        # The scheduler keeps running requests in order, so the rows usually line up already.
+        rows = None if order == list(range(len(order))) else torch.tensor(order, device=inflight.tokens.device)
         return lists, batch, rows
 
     def _apply(self, lists: StepLists, out: SamplerOutput) -> list[SampleEvent]:
