@@ -2,12 +2,12 @@
 
 from .builder import GraphBuilder
 from .graph import FrozenAttrs, Graph, Node, Param, make_node
-from .ops import AttrSpec, IRTypeError, OpDef, all_ops, get_op, register_op
+from .ops import AttrSpec, IRTypeError, OpDef, get_op, register_op
 from .printer import parse_graph, print_graph
 from .types import Dim, DType, TensorType
 from .verify import VerifyError, verify
 
 __all__ = [
     "AttrSpec", "Dim", "DType", "FrozenAttrs", "Graph", "GraphBuilder", "IRTypeError", "Node", "OpDef", "Param",
-    "TensorType", "VerifyError", "all_ops", "get_op", "make_node", "parse_graph", "print_graph", "register_op", "verify",
+    "TensorType", "VerifyError", "get_op", "make_node", "parse_graph", "print_graph", "register_op", "verify",
 ]

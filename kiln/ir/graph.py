@@ -99,16 +99,6 @@ class Graph:
             types.update(zip(node.outputs, node.types))
         return types
 
-    def type_of(self, name: str) -> TensorType:
-        if name in self.inputs:
-            return self.inputs[name]
-        if name in self.params:
-            return self.params[name].type
-        for node in self.nodes:
-            if name in node.outputs:
-                return node.types[node.outputs.index(name)]
-        raise KeyError(f"no value named {name!r} in graph {self.name}")
-
     def producers(self) -> dict[str, Node]:
         """Each node output's name mapped to the node that makes it."""
         return {out: node for node in self.nodes for out in node.outputs}
@@ -120,12 +110,6 @@ class Graph:
             for name in node.inputs:
                 result.setdefault(name, []).append(node)
         return result
-
-    def ops_used(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for node in self.nodes:
-            counts[node.op] = counts.get(node.op, 0) + 1
-        return counts
 
 
 def make_node(op: str, inputs: tuple[str, ...] | list[str], outputs: tuple[str, ...] | list[str],

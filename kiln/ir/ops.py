@@ -125,11 +125,6 @@ def get_op(name: str) -> OpDef:
         raise IRTypeError(f"unknown op {name!r}") from None
 
 
-def all_ops() -> dict[str, OpDef]:
-    _load_families()
-    return dict(_REGISTRY)
-
-
 def _load_families() -> None:
     # Imported lazily so the op families can import this module's helpers.
     from . import ops_core, ops_fused  # noqa: F401

@@ -74,10 +74,5 @@ def get_impl(name: str) -> KernelImpl:
         raise LookupError(f"no kernel named {name!r}; known: {sorted(_BY_NAME)}") from None
 
 
-def impls_of(op: str) -> list[KernelImpl]:
-    _load_families()
-    return list(_IMPLS.get(op, []))
-
-
 def _load_families() -> None:
     from . import families  # noqa: F401  (registers every kernel family on import)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from kiln.artifact_format import FORMAT_VERSION, GRAPH_JSON, MANIFEST, PROGRAM
+from kiln.artifact_format import FORMAT_VERSION, MANIFEST, PROGRAM
 
 
 class ArtifactError(ValueError):
@@ -36,10 +36,6 @@ class Artifact:
     def tokenizer_dir(self) -> Path | None:
         name = self.manifest.get("tokenizer")
         return self.path / name if name else None
-
-    @property
-    def graph_json(self) -> dict[str, Any]:
-        return json.loads((self.path / GRAPH_JSON).read_text())
 
     def load_weights(self, device: torch.device | str, rank: int = 0) -> dict[str, torch.Tensor]:
         file = self.path / self.manifest["weights"][rank]

@@ -85,3 +85,37 @@ def test_bf16_compile_runs_and_stays_close(tmp_path):
         results[dtype] = run.step(PROMPTS)
     assert results["bf16"].dtype == torch.float32
     assert (results["bf16"] - results["fp32"]).abs().max().item() < 0.1
+
+
+def test_triton_artifact_falls_back_to_torch_on_a_cpu_without_the_interpreter(tmp_path):
+    # `kiln serve` of a GPU-compiled artifact on a CPU: Triton and generated kernels are replaced by
+    # their op's torch reference (kernels asking for `sizes` get it dropped).
+    source = make_hf_model("qwen3", tmp_path / "src")
+    artifacts = {backend: compile_model(source, tmp_path / f"{backend}.kiln", CompileOptions(
+        dtype="fp32", page_size=4, max_batch_tokens=32, max_logit_rows=32, backend=backend))
+        for backend in ("torch", "triton")}
+    manifest = json.loads((artifacts["triton"] / "manifest.json").read_text())
+    assert manifest["generated_kernels"] and "triton.paged_attention" in manifest["kernels"]
+    out = tmp_path / "logits.pt"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, "-c", RUN_IN_FRESH_PROCESS, str(artifacts["triton"]), str(out)], check=True,
+                   env=env, cwd=tmp_path)
+    run = PagedRun(Executor(load_artifact(artifacts["torch"]), "cpu"), num_pages=64)
+    run.add_sequences(2)
+    torch.testing.assert_close(torch.load(out), run.step(PROMPTS, all_logits=True), atol=1e-5, rtol=1e-5)
+
+
+def test_in_memory_source_compiles_like_its_directory(tmp_path):
+    from kiln.compiler.sources.hf import MemoryTensors, ModelSource, load_hf_dir
+
+    source_dir = make_hf_model("llama3", tmp_path / "src")
+    on_disk = load_hf_dir(source_dir)
+    in_memory = ModelSource(tmp_path / "memory", on_disk.config,
+                            MemoryTensors({n: on_disk.tensors.get(n) for n in on_disk.tensors.names()}), (), "x")
+    logits = []
+    for name, source in (("disk", source_dir), ("memory", in_memory)):
+        artifact = compile_model(source, tmp_path / f"{name}.kiln", CompileOptions(dtype="fp32", max_batch_tokens=32))
+        run = PagedRun(Executor(load_artifact(artifact), "cpu"), num_pages=64)
+        run.add_sequences(2)
+        logits.append(run.step(PROMPTS))
+    assert torch.equal(logits[0], logits[1])

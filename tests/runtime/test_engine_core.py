@@ -10,6 +10,7 @@ from kiln.compiler.compile import compile_model
 from kiln.compiler.options import CompileOptions
 from kiln.runtime.engine_core import EngineCore, EngineOptions
 from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.scheduler.request import PENDING
 from tests.support.hf_models import hf_greedy as greedy_continuation
 from tests.support.hf_models import load_hf, make_hf_model
 
@@ -233,3 +234,22 @@ def test_overlapped_decode_steps_give_the_same_results(model, hf_greedy):
     assert overlapped_out["b"] == expected_b[:expected_b.index(stop_at) + 1]
     assert overlapped_out["a"] == hf_greedy(PROMPTS[0])
     assert_no_leaks(overlapped)
+
+
+@pytest.mark.parametrize("abort_after", [4, 5, 6, 7])
+def test_abort_during_overlap_never_caches_a_pending_slot(model, abort_after):
+    # Aborted after 4..7 steps, the request's in-flight slot lands at every offset in its page once.
+    core = make_core(model, decode_buckets=(1, 2), overlap_schedule=True)
+    core.add_request("r", PROMPTS[0], GREEDY)
+    for _ in range(abort_after):
+        core.step()
+    assert core._inflight is not None
+    core.abort("r")
+    while core.has_work():
+        core.step()
+    stack = list(core.cache._roots.values())
+    while stack:
+        node = stack.pop()
+        assert PENDING not in node.key
+        stack.extend(node.children.values())
+    assert_no_leaks(core)

@@ -29,10 +29,6 @@ class MemoryPlan:
     def to_json(self) -> dict:
         return {"arena_bytes": self.arena_bytes, "offsets": self.offsets, "roots": self.roots, "bounds": self.bounds}
 
-    @staticmethod
-    def from_json(data: dict) -> "MemoryPlan":
-        return MemoryPlan(data["arena_bytes"], data["offsets"], data["roots"], data["bounds"])
-
 
 def plan_memory(graph: Graph, ctx: PassContext) -> Graph:
     roots: dict[str, str] = {}

@@ -34,14 +34,13 @@ def build_step_lists(batch: ScheduleBatch, page_size: int) -> StepLists:
     sampled: list[ScheduledChunk] = []
     for chunk in batch.chunks:
         request = chunk.request
-        ids = request.all_ids
         pages = request.pages
         q_start.append(len(token_ids))
         q_len.append(chunk.end - chunk.start)
         kv_len.append(chunk.end)
         page_rows.append(pages)
+        token_ids.extend(request.tokens(chunk.start, chunk.end))
         for pos in range(chunk.start, chunk.end):
-            token_ids.append(ids[pos])
             positions.append(pos)
             slots.append(pages[pos // page_size] * page_size + pos % page_size)
         if chunk.wants_logits:

@@ -30,7 +30,8 @@ class RequestState(enum.Enum):
 
 _arrival = itertools.count()
 # The output slot of a token still being computed on the device: an overlapped step is launched with
-# its input taken from the previous step's device output before the host has read that token.
+# its input taken from the previous step's device output before the host has read that token. The
+# slot is filled within the same EngineCore.step, so no release, abort or cache insert ever sees it.
 PENDING = -1
 
 
@@ -62,14 +63,19 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """``all_ids[start:end]`` without building ``all_ids`` (a decode step needs one token, and
+        copying a long prompt for it every step is the hot path's largest cost)."""
+        split = len(self.prompt_ids)
+        if end <= split:
+            return self.prompt_ids[start:end]
+        if start >= split:
+            return self.output_ids[start - split:end - split]
+        return self.prompt_ids[start:] + self.output_ids[:end - split]
+
     @property
     def total_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def known_len(self) -> int:
-        """Tokens whose ids the host knows (a trailing PENDING slot excluded)."""
-        return self.total_len - (1 if self.output_ids and self.output_ids[-1] == PENDING else 0)
 
     @property
     def remaining(self) -> int:

@@ -59,14 +59,6 @@ class ScheduledChunk:
 class ScheduleBatch:
     chunks: list[ScheduledChunk]
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.end - c.start for c in self.chunks)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return all(c.end - c.start == 1 and c.request.state == RequestState.DECODING for c in self.chunks)
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, cache: RadixCache) -> None:
@@ -229,9 +221,7 @@ class Scheduler:
         """Gives back a request's KV: computed full pages to the cache, the rest to the pool."""
         owned_from = len(request.prefix.pages) if request.prefix is not None else 0
         if self.config.enable_prefix_cache and request.prefix is not None:
-            # Only tokens whose ids are known may key the cache (an overlapped step's slot is not).
-            computed = min(request.num_computed, request.known_len)
-            full = min(computed // self.config.page_size, len(request.pages)) if keep_in_cache else owned_from
+            full = min(request.num_computed // self.config.page_size, len(request.pages)) if keep_in_cache else owned_from
             self.cache.insert(request.namespace, request.all_ids[:full * self.config.page_size], request.pages[:full])
             self.allocator.free(request.pages[full:])
             self.cache.unlock(request.prefix.node)
