@@ -1,11 +1,31 @@
 #!/usr/bin/env bash
-# One device session: GPU tests, then the decode/prefill benchmark, logs under $OUT (or ./out).
-# Usage on the GPU machine, from the repository root: bench/gpu_session.sh [decode.py args...]
+# One device session, in stages, logs under $OUT (or ./out). Run on the GPU machine from the repository root:
+#   bench/gpu_session.sh tests kernels breakdown structured     # ~4 min
+#   bench/gpu_session.sh decode                                 # ~5 min: bench/decode.py, both shapes, HF in the same run
+# Stages: tests (GPU tests), kernels (bench/kernels.py), breakdown (bench/step_breakdown.py, SmolLM2 batch 1 and
+# Llama-3-8B shape with 8 layers), structured (bench/structured.py on random SmolLM2 weights; needs the real
+# tokenizer files in $TOKENIZER_DIR, default .bench-tokenizer), decode (bench/decode.py).
 set -uo pipefail
 out="${OUT:-out}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$out/gpu.txt"
-python3 -m pytest tests/e2e/test_gpu.py tests/kernels -m gpu -q -p no:cacheprovider --timeout 400 2>&1 \
-  | tee "$out/gpu_tests.log" | tail -25
-python3 bench/decode.py --out "$out/decode.json" "$@" 2>&1 | tee "$out/decode.log" | grep -v "^{"
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv > "$out/gpu.txt"
+for stage in "$@"; do
+  echo "== $stage $(date +%T)"
+  case "$stage" in
+    tests) python3 -m pytest tests/e2e/test_gpu.py tests/kernels -m gpu -q -p no:cacheprovider --timeout 400 2>&1 \
+             | tee "$out/gpu_tests.log" | tail -25 ;;
+    kernels) python3 bench/kernels.py 2>&1 | tee "$out/kernels.log" | grep -v Warning ;;
+    breakdown) for args in "--shape smollm2-135m --batch 1" "--shape smollm2-135m --batch 64 --top 8" \
+                           "--shape llama3-8b --layers 8 --batch 1 --top 8"; do
+                 python3 bench/step_breakdown.py $args 2>&1 | grep -v Warning
+                 # The same without programmatic dependent launch, to measure what it gives.
+                 KILN_PDL=0 python3 bench/step_breakdown.py $args --top 0 2>&1 | grep -v Warning | head -1 | sed 's/^/KILN_PDL=0 /'
+               done | tee "$out/breakdown.log" ;;
+    structured) python3 bench/structured.py --random-shape smollm2-135m --tokenizer-dir "${TOKENIZER_DIR:-.bench-tokenizer}" \
+                  --batches 1 16 2>&1 | tee "$out/structured.log" | tail -6 ;;
+    decode) python3 bench/decode.py --shapes smollm2-135m llama3-8b --batches 1 8 64 --static-batches 1 \
+              --out "$out/decode.json" 2>&1 | tee "$out/decode.log" | grep -v "^{" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done

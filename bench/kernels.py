@@ -1,5 +1,10 @@
 """Kernel benchmark: each Triton kernel against its torch reference at Llama-3-8B shapes, on the GPU.
 
+The fused decode GEMVs (``linear_fused``) run at Llama-3-8B and SmolLM2-135M shapes against the
+composition they replace (Triton rmsnorm, cuBLAS, Triton silu_mul; cuBLAS addmm for the residual).
+The row-wise argmax (greedy decode's token pick) runs on f32 logits of SmolLM2's and Llama 3's
+vocabularies against ``torch.argmax``.
+
 Every case is timed with ``triton.testing.do_bench`` (median; eager calls, launch overhead included),
 and the Triton launcher also with ``do_bench_cudagraph`` (replayed in a CUDA graph, as decode runs in
 kiln; the torch references sync with the host and cannot be captured). Achieved bandwidth counts the bytes
@@ -179,6 +184,75 @@ def _attention_cases(quick: bool) -> list[Case]:
     return cases
 
 
+# The GEMMs of one decoder layer and the LM head: (model, GEMM, fused op, out features N, in features K).
+FUSED_GEMMS = [
+    ("llama3-8b", "qkv", "rmsnorm_linear", HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN),
+    ("llama3-8b", "o", "linear_residual", HIDDEN, HIDDEN),
+    ("llama3-8b", "gate_up", "rmsnorm_linear_silu_mul", 2 * INTERMEDIATE, HIDDEN),
+    ("llama3-8b", "down", "linear_residual", HIDDEN, INTERMEDIATE),
+    ("llama3-8b", "lm_head", "rmsnorm_linear", 128256, HIDDEN),
+    ("smollm2-135m", "qkv", "rmsnorm_linear", 960, 576),
+    ("smollm2-135m", "o", "linear_residual", 576, 576),
+    ("smollm2-135m", "gate_up", "rmsnorm_linear_silu_mul", 3072, 576),
+    ("smollm2-135m", "down", "linear_residual", 576, 1536),
+    ("smollm2-135m", "lm_head", "rmsnorm_linear", 49152, 576),
+]
+
+
+def _linear_fused_case(op: str, label: str, weight: torch.Tensor, tokens: int) -> Case:
+    from kiln.kernels import linear_fused as lf
+
+    n, k = weight.shape
+    x = torch.randn(tokens, k, device="cuda", dtype=DTYPE)
+    norm_weight = torch.randn(k, device="cuda", dtype=DTYPE)
+    residual = torch.randn(tokens, n, device="cuda", dtype=DTYPE)
+    width = n // 2 if op == "rmsnorm_linear_silu_mul" else n
+    out, want = (torch.empty(tokens, width, device="cuda", dtype=DTYPE) for _ in range(2))
+    if op == "linear_residual":
+        fused = partial(lf.triton_linear_residual, x, weight, residual, out=out)
+        composed = partial(lf.composed_linear_residual, x, weight, residual, out=want)
+        inputs = (x, weight, residual)
+    else:
+        fused_fn, composed_fn = ((lf.triton_rmsnorm_linear, lf.composed_rmsnorm_linear) if op == "rmsnorm_linear"
+                                 else (lf.triton_rmsnorm_linear_silu_mul, lf.composed_rmsnorm_linear_silu_mul))
+        fused = partial(fused_fn, x, norm_weight, weight, out=out, eps=1e-5)
+        composed = partial(composed_fn, x, norm_weight, weight, out=want, eps=1e-5)
+        inputs = (x, norm_weight, weight)
+
+    def reference() -> torch.Tensor:
+        composed()
+        return want
+
+    return Case(f"{op} (gemv)", f"{label} T={tokens} [{n}, {k}]", _nbytes(*inputs, out), fused, reference,
+                _compare(fused, out, reference))
+
+
+def _linear_fused_cases(quick: bool) -> list[Case]:
+    from kiln.kernels.linear_fused import GEMV_MAX_ROWS
+
+    # Decode's batch sizes; GEMV_MAX_ROWS (the tl.dot path at its largest) shows where cuBLAS should take over.
+    tokens_list = [1] if quick else [1, 8, GEMV_MAX_ROWS]
+    cases = []
+    for model, gemm, op, n, k in FUSED_GEMMS:
+        weight = torch.randn(n, k, device="cuda", dtype=DTYPE) * k ** -0.5
+        cases += [_linear_fused_case(op, f"{model} {gemm}", weight, tokens) for tokens in tokens_list]
+    return cases
+
+
+def _argmax_cases(quick: bool) -> list[Case]:
+    from kiln.kernels.argmax import ref_argmax_rows, triton_argmax_rows
+
+    # Greedy decode's argmax over f32 logits: SmolLM2's and Llama 3's vocabularies, batch 1 to 256.
+    shapes = [(1, 49152), (1, 128256), (64, 128256)] + ([] if quick else [(256, 128256)])
+    cases = []
+    for rows, vocab in shapes:
+        x = torch.randn(rows, vocab, device="cuda", dtype=torch.float32)
+        out = torch.empty(rows, device="cuda", dtype=torch.int64)
+        fn, ref = partial(triton_argmax_rows, x, out), partial(ref_argmax_rows, x)
+        cases.append(Case("argmax", f"[{rows}, {vocab}] f32", _nbytes(x, out), fn, ref, _compare(fn, out, ref)))
+    return cases
+
+
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Bytes per second of a large device-to-device copy, counting the read and the write."""
     import triton.testing
@@ -209,7 +283,8 @@ def run(quick: bool = False, log: Callable[[str], None] = print) -> str:
     for line in lines:
         log(line)
     builders = [lambda: _norm_cases(tokens), lambda: _silu_mul_cases(tokens), lambda: _rope_cases(tokens),
-                lambda: _kv_store_cases(tokens), lambda: _attention_cases(quick)]
+                lambda: _kv_store_cases(tokens), lambda: _attention_cases(quick), lambda: _linear_fused_cases(quick),
+                lambda: _argmax_cases(quick)]
     for build in builders:
         for case in build():
             err = case.check()
@@ -230,7 +305,8 @@ def run(quick: bool = False, log: Callable[[str], None] = print) -> str:
         "",
         "graph: the Triton launcher replayed in a CUDA graph (how decode runs); eager: called from Python, launch "
         "overhead included; speedup is eager over eager. GB/s counts each input read once and each output written "
-        "once, over the graph time; (L2): the data fits in L2 and stays there across replays.",
+        "once, over the graph time; (L2): the data fits in L2 and stays there across replays. For the (gemv) rows the "
+        "torch column is the composition the fused op replaces (Triton rmsnorm and silu_mul, cuBLAS).",
     ]
     for line in notes:
         log(line)

@@ -1,7 +1,7 @@
 """Where a decode step's time goes: the captured graph's replay alone against the whole engine step
-(scheduling, staging inputs, replay, reading tokens back), at batch 1.
+(scheduling, staging inputs, replay, reading tokens back), and the replay's kernels one by one.
 
-    python bench/step_breakdown.py --shape smollm2-135m
+    python bench/step_breakdown.py --shape smollm2-135m --batch 1
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import argparse
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -23,20 +24,46 @@ from kiln.runtime.engine_core import EngineCore, EngineOptions  # noqa: E402
 from kiln.runtime.sampling import SamplingParams  # noqa: E402
 
 
+def kernel_table(replay, steps: int, top: int) -> str:
+    """Per-kernel GPU time per replay, from the profiler's trace of ``steps`` replays."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            replay()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, list[float]] = defaultdict(list)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name[:90]].append(event.device_time)
+    total = sum(sum(v) for v in per_kernel.values()) / steps
+    lines = [f"kernels per replay: {sum(len(v) for v in per_kernel.values()) / steps:.0f}, "
+             f"GPU busy {total:.1f} us per replay",
+             "| kernel | calls/step | us/step | us/call |", "|---|---:|---:|---:|"]
+    for name, times in sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"| {name} | {len(times) / steps:.0f} | {sum(times) / steps:.1f} | {sum(times) / len(times):.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="smollm2-135m")
     parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args()
     _, source = random_model(args.shape, layers=args.layers)
     with tempfile.TemporaryDirectory() as tmp:
         artifact = compile_model(source, Path(tmp) / "m.kiln", CompileOptions(
-            dtype="bf16", backend="triton", max_batch_tokens=512, max_batch_size=1, max_seq_len=1024))
-        core = EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=2048,
-                                                       enable_prefix_cache=False, decode_buckets=(1,)))
-    core.add_request("r", list(range(1, 129)), SamplingParams(temperature=0, max_new_tokens=args.steps + 50,
-                                                              ignore_eos=True))
+            dtype="bf16", backend="triton", max_batch_tokens=max(512, args.batch * args.prompt_len),
+            max_batch_size=args.batch, max_seq_len=args.prompt_len + args.steps + 128))
+        core = EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=args.batch * 1024,
+                                                       enable_prefix_cache=False, decode_buckets=(args.batch,)))
+    params = SamplingParams(temperature=0, max_new_tokens=args.steps + 100, ignore_eos=True)
+    for i in range(args.batch):
+        core.add_request(f"r{i}", list(range(1 + i, args.prompt_len + 1 + i)), params)
     for _ in range(10):
         core.step()
     torch.cuda.synchronize()
@@ -45,14 +72,15 @@ def main() -> None:
         core.step()
     torch.cuda.synchronize()
     step_ms = 1e3 * (time.perf_counter() - start) / args.steps
-    graph = core.runner.decode_graphs._graphs[1]
+    graph = core.runner.decode_graphs._graphs[args.batch]
     start = time.perf_counter()
     for _ in range(args.steps):
         graph.replay()
     torch.cuda.synchronize()
     replay_ms = 1e3 * (time.perf_counter() - start) / args.steps
-    print(f"{args.shape}: engine step {step_ms:.3f} ms, graph replay alone {replay_ms:.3f} ms, "
+    print(f"{args.shape} batch {args.batch}: engine step {step_ms:.3f} ms, graph replay alone {replay_ms:.3f} ms, "
           f"host share {step_ms - replay_ms:.3f} ms")
+    print(kernel_table(graph.replay, 20, args.top))
 
 
 if __name__ == "__main__":

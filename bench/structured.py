@@ -5,18 +5,30 @@ both ways; the schema's grammar is compiled once before timing (a warm cache, as
 repeated schema). Reports ms per output token and the overhead of the constraint.
 
     python bench/structured.py --batches 1 16
+    python bench/structured.py --random-shape smollm2-135m --tokenizer-dir DIR   # GPU: random weights
+
+``--random-shape`` builds random bf16 weights of a real shape in memory (for the GPU machine, which
+cannot hold the real checkpoint) and takes the tokenizer files from ``--tokenizer-dir``; the
+constraint then decides what is generated, which is what this measures.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from kiln import Engine, SamplingParams
+from kiln.compiler.compile import compile_model
+from kiln.compiler.options import CompileOptions
+from kiln.compiler.sources.hf import TOKENIZER_FILES
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40},
@@ -33,15 +45,35 @@ def timed(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> t
     return seconds, sum(o.usage.completion_tokens for o in outputs)
 
 
+def random_artifact(shape: str, tokenizer_dir: Path | None, workdir: Path, on_gpu: bool) -> Path:
+    """An artifact of random ``shape`` weights with the tokenizer files found in ``tokenizer_dir``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from models import random_model
+
+    if tokenizer_dir is None or not (tokenizer_dir / "tokenizer.json").is_file():
+        sys.exit("--random-shape needs --tokenizer-dir holding tokenizer.json (and tokenizer_config.json)")
+    _, source = random_model(shape, dtype=torch.bfloat16 if on_gpu else torch.float32,
+                             device="cuda" if on_gpu else "cpu")
+    files = tuple(tokenizer_dir / n for n in TOKENIZER_FILES if (tokenizer_dir / n).is_file())
+    return compile_model(dataclasses.replace(source, tokenizer_files=files), workdir / "model.kiln", CompileOptions(
+        dtype="bf16" if on_gpu else "fp32", backend="triton" if on_gpu else "torch", max_seq_len=2048))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--device", default=None)
+    parser.add_argument("--random-shape", default=None, help="random weights of this shape (bench/models.py)")
+    parser.add_argument("--tokenizer-dir", type=Path, default=None, help="tokenizer files for --random-shape")
     args = parser.parse_args()
     on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    with Engine(args.model, dtype="bf16" if on_gpu else "fp32", device=args.device, max_seq_len=2048,
+    model = args.model
+    if args.random_shape:
+        model = random_artifact(args.random_shape, args.tokenizer_dir, Path(tempfile.mkdtemp()), on_gpu)
+        args.model = f"random {args.random_shape}"
+    with Engine(model, dtype="bf16" if on_gpu else "fp32", device=args.device, max_seq_len=2048,
                 kv_cache_tokens=None if on_gpu else 65536, enable_prefix_cache=False) as engine:
         rows = []
         for batch in args.batches:

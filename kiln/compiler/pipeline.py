@@ -2,7 +2,8 @@
 
 Transforms rewrite the graph; analyses (kernel selection, memory planning) leave their results in
 the context for codegen. The order matters: the linear fusions must see the unfused projections,
-silu·mul must see the split the gate/up fusion made, rope+KV store must see the q/k norms before
+silu·mul must see the split the gate/up fusion made, the residual adds must join their GEMMs
+before the norms join theirs (and the gate/up GEMM's silu·mul with them), rope+KV store must see the q/k norms before
 anything else touches them, and planning runs last on the final graph.
 """
 
@@ -16,7 +17,9 @@ from kiln.ir import Graph, print_graph, verify
 from .passes.base import Pass, PassContext
 from .passes.dce import eliminate_dead_code
 from .passes.fuse_add_rmsnorm import fuse_add_rmsnorm
+from .passes.fuse_linear_residual import fuse_linear_residual
 from .passes.fuse_linears import fuse_gate_up, fuse_qkv
+from .passes.fuse_norm_linear import fuse_norm_linear
 from .passes.fuse_rope_kv_store import fuse_rope_kv_store
 from .passes.fuse_silu_mul import fuse_silu_mul
 from .passes.plan_memory import plan_memory
@@ -33,6 +36,8 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("fuse_qkv", fuse_qkv),
     ("fuse_gate_up", fuse_gate_up),
     ("fuse_silu_mul", fuse_silu_mul),
+    ("fuse_linear_residual", fuse_linear_residual),
+    ("fuse_norm_linear", fuse_norm_linear),
     ("fuse_add_rmsnorm", fuse_add_rmsnorm),
     ("fuse_rope_kv_store", fuse_rope_kv_store),
     ("dce", eliminate_dead_code),

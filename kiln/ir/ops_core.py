@@ -44,7 +44,7 @@ def _unary(t: Types, a: Attrs) -> tuple[TensorType, ...]:
     return (t[0],)
 
 
-def _linear(t: Types, a: Attrs) -> tuple[TensorType, ...]:
+def infer_linear(t: Types, a: Attrs) -> tuple[TensorType, ...]:
     x, w = t[0], t[1]
     expect_rank("linear", "x", x, 2)
     expect_rank("linear", "weight", w, 2)
@@ -144,7 +144,7 @@ register_op(OpDef("rmsnorm", ("x", "weight"), {"eps": AttrSpec("float")}, infer_
 register_op(OpDef("add", ("a", "b"), {}, _elementwise_binary("add")))
 register_op(OpDef("mul", ("a", "b"), {}, _elementwise_binary("mul")))
 register_op(OpDef("silu", ("x",), {}, _unary))
-register_op(OpDef("linear", ("x", "weight", "bias?"), {}, _linear, doc="x @ weight.T (+ bias)"))
+register_op(OpDef("linear", ("x", "weight", "bias?"), {}, infer_linear, doc="x @ weight.T (+ bias)"))
 register_op(OpDef("reshape", ("x",), {"shape": AttrSpec("dims")}, _reshape, aliases=(0,), doc="a view with another shape"))
 register_op(OpDef("split", ("x",), {"sizes": AttrSpec("ints")}, _split, num_outputs=None, aliases=(0,),
                   doc="views of consecutive column ranges of the last dim"))

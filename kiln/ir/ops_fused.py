@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from .ops import AttrSpec, OpDef, expect, expect_same, register_op
-from .ops_core import infer_kv_store, infer_rmsnorm, infer_rope
+from .ops_core import infer_kv_store, infer_linear, infer_rmsnorm, infer_rope
 from .types import TensorType
 
 
@@ -51,4 +51,45 @@ register_op(OpDef(
     _rope_kv_store, num_outputs=3, aliases=(None, 5, 6), has_effect=True,
     doc="with norms: q, k = rmsnorm(q, q_norm), rmsnorm(k, k_norm); then returns (rope(q), "
         "*kv_store(k_cache, v_cache, rope(k), v, slots))",
+))
+
+
+# GEMMs with their neighbours folded in: at decode's few rows one launch reads the weights once and
+# applies the norm before and the residual or activation after; at prefill's many rows the kernels
+# compose the unfused parts. The residual add moves into the GEMM before it (``linear_residual``),
+# which leaves each RMSNorm reading that sum directly, free to join the GEMM after it.
+
+def _rmsnorm_linear(t: Sequence[TensorType], a: Mapping[str, Any]) -> tuple[TensorType, ...]:
+    x, norm_weight, weight = t[:3]
+    (normed,) = infer_rmsnorm((x, norm_weight), a)
+    return infer_linear((normed,) + tuple(t[2:]), {})
+
+
+def _rmsnorm_linear_silu_mul(t: Sequence[TensorType], a: Mapping[str, Any]) -> tuple[TensorType, ...]:
+    (both,) = _rmsnorm_linear(t, a)
+    rows, width = both.shape
+    expect(isinstance(width, int) and width % 2 == 0,
+           f"rmsnorm_linear_silu_mul: weight {t[2]} must stack gate and up rows (an even, static count)")
+    return (both.with_shape((rows, width // 2)),)
+
+
+def _linear_residual(t: Sequence[TensorType], a: Mapping[str, Any]) -> tuple[TensorType, ...]:
+    x, weight, residual = t
+    (y,) = infer_linear((x, weight), {})
+    expect_same("linear_residual", y, residual)
+    return (y,)
+
+
+register_op(OpDef(
+    "rmsnorm_linear", ("x", "norm_weight", "weight", "bias?"), {"eps": AttrSpec("float")},
+    _rmsnorm_linear, doc="linear(rmsnorm(x, norm_weight), weight, bias)",
+))
+register_op(OpDef(
+    "rmsnorm_linear_silu_mul", ("x", "norm_weight", "weight"), {"eps": AttrSpec("float")},
+    _rmsnorm_linear_silu_mul,
+    doc="h = linear(rmsnorm(x, norm_weight), weight); gate, up = split(h, 2 halves); silu_mul(gate, up)",
+))
+register_op(OpDef(
+    "linear_residual", ("x", "weight", "residual"), {}, _linear_residual,
+    doc="add(linear(x, weight), residual)",
 ))

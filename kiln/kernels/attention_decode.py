@@ -1,16 +1,23 @@
-"""Paged attention for decode steps (every sequence has at most one new token): split-KV flash decoding.
+"""Paged attention for decode steps (every sequence has at most one new token): split-KV flash decoding
+in one launch.
 
 Grid ``(sequences, kv_heads, splits)``: program ``(b, g, s)`` takes the ``s``-th of ``splits`` equal
 slices of sequence ``b``'s context and attends *all* query heads of KV group ``g`` to it at once, so
 each K/V entry is read from memory once per step (the query heads form the rows of one tile, padded
-to 16 for the tensor cores). With one split the program writes the output itself; with several it
-writes an f32 partial output and its log-sum-exp per head, and ``_combine_kernel`` merges the splits.
+to 16 for the tensor cores). With one split the program writes the output itself. With several it
+writes an f32 partial output and its log-sum-exp per head, then takes a ticket from the group's
+counter; the program that draws the last ticket merges the group's splits into ``out`` and puts the
+counter back to zero. A decode step is launch-bound at small batch (a CUDA-graph replay pays a few
+microseconds per kernel, every layer), so this serial fix-up replaces a second, merging launch.
 The split count is a runtime argument (not a compile-time constant) so that batches of every size
 share one compiled kernel.
 
 Splitting a long context is what keeps the GPU busy at small batch (B * kv_heads programs alone
 would leave most SMs idle); how many splits is a host-side choice (``decode_splits``) that never
 changes the result, so a CUDA graph captured with one split count stays correct for any lengths.
+
+The counters are the device's shared semaphore counters (``triton_support.semaphore_counters``,
+whose docstring says why kernels in one stream can share them), one per sequence and KV group.
 """
 
 from __future__ import annotations
@@ -20,27 +27,70 @@ import triton
 import triton.language as tl
 
 from .attention_block import attend_block
-from .triton_support import dot_in_f32, pow2
+from .triton_support import await_previous_kernel, dot_in_f32, pdl_launch, pow2, semaphore_counters
 
-# Below this many context tokens per split the fixed per-program cost (loading q, the combine
-# traffic) outweighs the extra parallelism.
+# Below this many context tokens per split the fixed per-program cost (loading q, the partials and
+# their merge) outweighs the extra parallelism.
 MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 64
 # Keys per loop step. Measured on an H200 (B=64 and B=8, 4096-token contexts, 8 KV heads of 128):
 # 64 keys at 4 warps and 2 stages read 4.4 TB/s; 32 keys, 8 warps or 3 stages were slower.
 DECODE_BLOCK_N = 64
+# Elements of one [heads, splits, head_dim] tile of partials in the merge: 64 f32 registers a thread
+# at 4 warps, so the merge needs no more registers than the attention loop before it.
+MERGE_TILE = 8192
 
 
 @triton.jit
-def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+def _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, b, kv_head, row, o_st, o_sh, num_heads, group, head_dim,
+                  num_splits, BLOCK_H: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    # out = sum_s w_s o_s / sum_s w_s over the splits of each query head of the group, with
+    # w_s = 2^(lse_s - max lse), the softmax over the splits' log-sum-exps. Splits come MERGE_S at a
+    # time, so the max is a running one (m starts finite, as in attend_block, so that the -inf lse
+    # of an empty split, or of a padded head, weighs exactly 0 instead of making -inf - -inf).
+    h = tl.arange(0, BLOCK_H)
+    h_mask = h < group
+    heads = kv_head * group + h
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    first = (b.to(tl.int64) * num_heads + heads) * num_splits
+    m = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    den = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, MERGE_S):
+        s = s0 + tl.arange(0, MERGE_S)
+        hs_mask = h_mask[:, None] & (s < num_splits)[None, :]
+        part = first[:, None] + s[None, :]
+        # .cg reads L2, where the other programs' partials are, never a stale L1 line.
+        lse = tl.load(part_lse_ptr + part, mask=hs_mask, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(part_o_ptr + part[:, :, None] * head_dim + offs_d[None, None, :],
+                    mask=hs_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new[:, None])
+        den = den * alpha + tl.sum(w, 1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
+        m = m_new
+    # Split 0 of a sequence is never empty, so den > 0 for every real head; padded heads are not stored.
+    out = acc / tl.where(den > 0, den, 1.0)[:, None]
+    tl.store(out_ptr + row * o_st + heads[:, None] * o_sh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=h_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
                    q_start_ptr, q_len_ptr, kv_len_ptr, pt_ptr,
                    q_st, q_sh, o_st, o_sh, slot_stride, head_stride, pt_stride,
                    num_heads, group, head_dim, page_size, scale, soft_cap, window, num_splits,
-                   SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr):
+                   SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr, MERGE_S: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    await_previous_kernel(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # Every split of a padding row returns here, so none of them takes a ticket and the row's
+    # counters stay at zero.
     if tl.load(q_len_ptr + b) == 0:
         return
     q_start = tl.load(q_start_ptr + b).to(tl.int64)
@@ -51,7 +101,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     else:
         lo = 0
     # Splits are whole key blocks; trailing splits of a short context may be empty, and then write
-    # a zero output with log-sum-exp -inf, which the combine weighs as nothing.
+    # a zero output with log-sum-exp -inf, which the merge weighs as nothing.
     per_split = tl.cdiv(tl.cdiv(kv_len - lo, num_splits), BLOCK_N) * BLOCK_N
     start = lo + split * per_split
     end = tl.minimum(start + per_split, kv_len)
@@ -86,32 +136,30 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         tl.store(part_o_ptr + part[:, None] * head_dim + offs_d[None, :], out, mask=mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=g_mask)
+        # Why the last ticket sees every split's partials on a GPU:
+        # - Release: the barrier orders the stores of all this program's threads before the
+        #   atomic, which one thread issues (Triton predicates a scalar atomic to a single thread);
+        #   its gpu-scope release is cumulative, so it publishes the whole CTA's partials (the
+        #   pattern of cooperative groups' grid sync: bar.sync, then one thread's fence + atomic).
+        # - Acquire: the tickets form one release sequence of read-modify-writes, so the atomic that
+        #   returns num_splits - 1 reads from, and synchronizes with, every other split's release.
+        #   Triton hands a scalar atomic's result to all threads through shared memory behind a
+        #   barrier, so every thread of the merging program sees the same ticket (the branch below,
+        #   whose reductions use barriers, is uniform) and reads after the acquire; the merge's
+        #   loads also go to L2 (.cg).
+        # - Reset: every split has taken its ticket by then and none touches the counter again in
+        #   this launch; the next launch (the next layer, or the next graph replay) is ordered after
+        #   this one by the stream.
+        tl.debug_barrier()
+        counter = counter_ptr + b * tl.num_programs(1) + kv_head
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == num_splits - 1:
+            _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, b, kv_head, q_start, o_st, o_sh, num_heads, group,
+                          head_dim, num_splits, BLOCK_H=BLOCK_H, MERGE_S=MERGE_S, BLOCK_D=BLOCK_D)
+            tl.store(counter, 0)
     else:
         tl.store(out_ptr + q_start * o_st + heads[:, None] * o_sh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _combine_kernel(part_o_ptr, part_lse_ptr, out_ptr, q_start_ptr, q_len_ptr, o_st, o_sh, num_heads, head_dim,
-                    num_splits, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    # Program (b, h) merges the splits of one head: out = sum_s w_s o_s / sum_s w_s with
-    # w_s = 2^(lse_s - max lse), the softmax over the splits' log-sum-exps.
-    b = tl.program_id(0)
-    head = tl.program_id(1)
-    if tl.load(q_len_ptr + b) == 0:
-        return
-    s = tl.arange(0, BLOCK_S)
-    s_mask = s < num_splits
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < head_dim
-    part = (b.to(tl.int64) * num_heads + head) * num_splits + s
-    lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))
-    o = tl.load(part_o_ptr + part[:, None] * head_dim + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :],
-                other=0.0)
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    q_start = tl.load(q_start_ptr + b).to(tl.int64)
-    tl.store(out_ptr + q_start * o_st + head * o_sh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def decode_splits(batch: int, kv_heads: int, kv_bound: int, sm_count: int) -> int:
@@ -133,19 +181,19 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return
     group = heads // kv_heads
     block_d = pow2(head_dim, 16)
+    block_h = pow2(group)
     if num_splits > 1:
         part_o = torch.empty((batch, heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=q.device)
+        counters = semaphore_counters(q.device, batch * kv_heads)
     else:
-        # Never touched with one split (the kernel writes `out` directly); any f32 tensor will do.
-        part_o = part_lse = out.new_empty(0, dtype=torch.float32)
+        # Never touched with one split (the kernel writes `out` directly); any tensor will do.
+        part_o = part_lse = counters = out.new_empty(0, dtype=torch.float32)
     _decode_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_o, part_lse, q_start, q_len, kv_len, page_table,
+        q, k_cache, v_cache, out, part_o, part_lse, counters, q_start, q_len, kv_len, page_table,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         page_table.stride(0), heads, group, head_dim, page_size, scale, soft_cap, sliding_window, num_splits,
-        SPLIT=num_splits > 1, BLOCK_G=pow2(group, 16), BLOCK_N=block_n, BLOCK_D=block_d,
-        SOFT_CAP=soft_cap > 0, SLIDING=sliding_window > 0, DOT_F32=dot_in_f32(q.dtype), num_warps=4, num_stages=2)
-    if num_splits > 1:
-        _combine_kernel[(batch, heads)](
-            part_o, part_lse, out, q_start, q_len, out.stride(0), out.stride(1), heads, head_dim, num_splits,
-            BLOCK_S=pow2(num_splits), BLOCK_D=block_d, num_warps=4)
+        SPLIT=num_splits > 1, BLOCK_G=pow2(group, 16), BLOCK_H=block_h,
+        MERGE_S=min(MAX_SPLITS, max(1, MERGE_TILE // (block_h * block_d))), BLOCK_N=block_n, BLOCK_D=block_d,
+        SOFT_CAP=soft_cap > 0, SLIDING=sliding_window > 0, DOT_F32=dot_in_f32(q.dtype), num_warps=4, num_stages=2,
+        **pdl_launch(q))

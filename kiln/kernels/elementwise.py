@@ -16,7 +16,7 @@ import triton.language as tl
 from kiln.ir.types import TensorType
 
 from .registry import register_impl
-from .triton_support import IR_FLOATS, pow2, require, require_device, require_float, require_unit_last_stride
+from .triton_support import IR_FLOATS, await_previous_kernel, pdl_launch, pow2, require, require_device, require_float, require_unit_last_stride
 
 
 def ref_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -73,9 +73,10 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, width, g_st, u_st, o_st, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, width, g_st, u_st, o_st, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # Program (row, j) computes columns j*BLOCK .. +BLOCK of one row. gate and up are usually the two
     # halves of one [T, 2I] GEMM output (views from split), hence their own row strides.
+    await_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -100,7 +101,8 @@ def triton_silu_mul(gate: torch.Tensor, up: torch.Tensor, *, out: torch.Tensor) 
         return
     block = min(_BLOCK, pow2(width))
     _silu_mul_kernel[(rows, triton.cdiv(width, block))](
-        gate, up, out, width, gate.stride(0), up.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+        gate, up, out, width, gate.stride(0), up.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+        **pdl_launch(gate))
 
 
 def _silu_mul_checker(types: Sequence[TensorType], attrs: Mapping[str, Any]) -> bool:

@@ -16,7 +16,7 @@ import triton.language as tl
 from kiln.ir.types import TensorType
 
 from .registry import register_impl
-from .triton_support import IR_FLOATS, pow2, require, require_device, require_float, require_unit_last_stride
+from .triton_support import IR_FLOATS, await_previous_kernel, pdl_launch, pow2, require, require_device, require_float, require_unit_last_stride
 
 
 def ref_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,9 +59,10 @@ _ELEMENTS_PER_PROGRAM = 4096
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
                     n_rows, heads, hidden, eps,
                     x_st, x_sh, r_st, r_sh, o_st, o_sh, s_st, s_sh,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     # Program i normalizes rows i*BLOCK_R .. +BLOCK_R of the [T, heads, hidden] view; row r is
     # (token r // heads, head r % heads), addressed through each tensor's own token/head strides.
+    await_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_H)
     token = (rows // heads).to(tl.int64)
@@ -125,7 +126,8 @@ def _launch(kernel: str, x: torch.Tensor, residual: torch.Tensor | None, weight:
     _rmsnorm_kernel[(triton.cdiv(n_rows, block_r),)](
         x, res, weight, out, sm, n_rows, heads, hidden, eps,
         *_token_head_strides(x), *_token_head_strides(res), *_token_head_strides(out), *_token_head_strides(sm),
-        HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps)
+        HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps,
+        **pdl_launch(x))
 
 
 def triton_rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor, eps: float) -> None:

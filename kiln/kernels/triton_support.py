@@ -1,4 +1,6 @@
-"""What every Triton launcher shares: input checks, the interpreter switch, dtype sets, device facts.
+"""What every Triton launcher shares: input checks, the interpreter switch, dtype sets, device facts,
+programmatic dependent launch, and the semaphore counters of kernels whose last program finishes
+the work of the others.
 
 Launchers check their tensors with ``require`` (raising ``ValueError`` that names the kernel and the
 input) because a wrong stride or dtype in a Triton kernel gives silently wrong numbers, not an error.
@@ -14,6 +16,7 @@ from typing import Callable
 import torch
 import triton
 import triton.language as tl
+import triton.language.extra.cuda  # noqa: F401  (tl.extra.cuda: grid dependency control)
 
 from kiln.ir.types import DType
 
@@ -113,9 +116,84 @@ def sm_count(t: torch.Tensor) -> int:
     return multiprocessor_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
+# Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the
+# kernel before it in the stream is still running, once every program of that kernel has signalled
+# (``griddepcontrol.launch_dependents``); it then waits (``griddepcontrol.wait``) until that kernel
+# has finished and its writes are visible. Decode steps of small models are chains of ~200 kernels of
+# a few microseconds each, where the gap between one kernel's end and the next one's start is a large
+# share of the step; with PDL the next kernel is already resident when the previous one ends.
+# KILN_PDL=0 turns it off (to measure it, or to rule it out).
+PDL_ENV = "KILN_PDL"
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9 and os.environ.get(PDL_ENV, "1") != "0"
+
+
+def pdl_launch(t: torch.Tensor) -> dict[str, bool]:
+    """Launch options for a kernel that starts with ``await_previous_kernel(PDL)``: PDL on for CUDA
+    tensors of a Hopper or later GPU, off under the interpreter and elsewhere."""
+    if INTERPRET or t.device.type != "cuda":
+        return {"PDL": False}
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return {"PDL": True, "launch_pdl": True} if _pdl_capable(index) else {"PDL": False}
+
+
+@triton.jit
+def await_previous_kernel(PDL: tl.constexpr):
+    """The first statement of a PDL-launched kernel, before it touches memory: waits until the kernel
+    before it has finished (so its outputs are complete and nothing it still reads gets overwritten),
+    then lets the kernel after it launch early in turn."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 def pow2(n: int, least: int = 1) -> int:
     """The smallest power of two >= max(n, least): Triton block shapes must be powers of two."""
     return max(triton.next_power_of_2(max(n, 1)), least)
+
+
+# The fewest counters allocated: 64 KiB covers 16384 of them (decode attention takes one per
+# sequence and KV head, argmax one per row), more than any decode graph captures, so in practice the
+# buffer never grows after its first use.
+MIN_COUNTERS = 1 << 14
+
+# The counter buffer of each device. Outgrown buffers are retired, never freed: a graph captured
+# before the growth still reads and resets the old one on every replay.
+_counters: dict[torch.device, torch.Tensor] = {}
+_retired: list[torch.Tensor] = []
+
+
+def semaphore_counters(device: torch.device, needed: int) -> torch.Tensor:
+    """The device's zeroed int32 counter buffer, with at least ``needed`` entries.
+
+    Kernels that split a unit of work (a sequence's KV group in decode attention, a row in argmax)
+    over several programs give each unit a counter here: every program takes a ticket from it, the
+    one that draws the last ticket finishes the unit and puts the counter back to zero. So every
+    launch leaves the buffer all zeros, and the buffer lives as long as the process so that captured
+    CUDA graphs can bake in its address.
+
+    All such kernels share this one buffer, unit ``i`` of every kernel using entry ``i``. That is safe
+    because a device's launches run one after another (one stream: a kernel's programs all finish,
+    the counters back at zero, before the next kernel's start); kernels launched concurrently on two
+    streams would count on each other's tickets. The buffer never grows inside a CUDA-graph capture
+    (growing there raises): it is sized generously, and the engine runs every captured shape eagerly
+    first.
+    """
+    counters = _counters.get(device)
+    if counters is None or counters.numel() < needed:
+        # Allocated inside a capture, the zeros would only be written when the graph replays (and
+        # from the graph's private pool), so an eager launch in between would count from garbage.
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"a kernel needs {needed} semaphore counters on {device} during a CUDA-graph "
+                               "capture; run the captured shape eagerly once before capturing it")
+        if counters is not None:
+            _retired.append(counters)
+        counters = torch.zeros(pow2(needed, MIN_COUNTERS), dtype=torch.int32, device=device)
+        _counters[device] = counters
+    return counters
 
 
 @triton.jit

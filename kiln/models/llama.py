@@ -135,10 +135,12 @@ def _build_graph(cfg: LlamaConfig, options: BuildOptions, max_positions: int) ->
         act = b.op("mul", b.op("silu", gate, name=f"{n}.gate_act"), up, name=f"{n}.act")
         down = linear(act, f"{p}.mlp.down_proj", H, cfg.intermediate_size, cfg.mlp_bias, f"{n}.down")
         hidden = b.op("add", hidden, down, name=f"{n}.resid_mlp")
-    normed = b.op("rmsnorm", hidden, weight("model.norm.weight", H), eps=cfg.rms_norm_eps, name="final_norm")
-    rows = b.op("gather_rows", normed, logits_index, name="last_rows")
+    # Rows first, then the norm (it is per row): only the rows that give logits are normalized, and
+    # the norm sits right before the head's GEMM, where fuse_norm_linear can fold it in.
+    rows = b.op("gather_rows", hidden, logits_index, name="last_rows")
+    normed = b.op("rmsnorm", rows, weight("model.norm.weight", H), eps=cfg.rms_norm_eps, name="final_norm")
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    logits = b.op("linear", rows, weight(head, cfg.vocab_size, H), name="lm_logits")
+    logits = b.op("linear", normed, weight(head, cfg.vocab_size, H), name="lm_logits")
     b.output(b.op("cast", logits, dtype="f32", name="logits"))
     return b.build()
 

@@ -93,10 +93,11 @@ class Constraints:
         states = [r.extras.get(GRAMMAR) for r in requests]
         if not any(states):
             return None
+        from .grammar.matcher import GrammarState
+
         bitmask = allocate_bitmask(len(requests), vocab_size)
-        for row, state in enumerate(states):
-            if state is not None:
-                state.fill_bitmask(bitmask, row)
+        rows = [row for row, state in enumerate(states) if state is not None]
+        GrammarState.fill_bitmasks([states[row] for row in rows], bitmask, rows)
         return bitmask.to(device, non_blocking=True)
 
     @staticmethod

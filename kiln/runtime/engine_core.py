@@ -33,6 +33,7 @@ from .scheduler.batch import StepLists, build_step_lists
 from .scheduler.request import PENDING, Request, RequestState
 from .scheduler.scheduler import Scheduler, SchedulerConfig
 from .stop_rules import STOP_WATCH, StopWatch, finish_reason, plain_greedy
+from .token_readback import InflightStep, TokenReadback
 from .tokenizer import Tokenizer
 
 
@@ -93,7 +94,8 @@ class EngineCore:
         self._requests: dict[str, list[Request]] = {}
         overlap = self.options.overlap_schedule
         self.overlap = bool(buckets) if overlap is None else overlap and bool(buckets)
-        self._inflight: _Inflight | None = None
+        self._inflight: InflightStep | None = None
+        self._readback = TokenReadback(max(buckets, default=1), device)
         self.overlapped_steps = 0
 
     def _num_pages(self, device: torch.device, rt: dict[str, Any]) -> int:
@@ -198,7 +200,7 @@ class EngineCore:
         if greedy is not None and all(plain_greedy(r) for r in requests):
             if self.overlap:
                 # Read these tokens next step, after the step that follows is already launched.
-                self._inflight = _Inflight(lists, greedy.clone())
+                self._inflight = self._readback.launch(lists, greedy)
                 return events
             out = SamplerOutput(greedy, None, None, None)  # argmax already ran inside the graph
         else:
@@ -218,11 +220,11 @@ class EngineCore:
             tokens = inflight.tokens if rows is None else inflight.tokens.index_select(0, rows)
             _, greedy = self.runner.forward(lists, tokens_from=tokens)
             self.scheduler.complete_step(batch)
-            self._inflight = _Inflight(lists, greedy.clone())
+            self._inflight = self._readback.launch(lists, greedy)
             self.overlapped_steps += 1
-        return self._apply(inflight.lists, SamplerOutput(inflight.tokens, None, None, None))
+        return self._apply(inflight.lists, SamplerOutput(inflight.host_tokens(), None, None, None))
 
-    def _follow_up_lists(self, inflight: "_Inflight"):
+    def _follow_up_lists(self, inflight: InflightStep):
         """The next decode step of exactly the in-flight requests, or None when it must wait for the
         host: other work to schedule, a request aborted, a page short, or the context full."""
         requests = [c.request for c in inflight.lists.sampled]
@@ -298,11 +300,3 @@ class EngineCore:
                reason: str | None, error: str | None = None) -> SampleEvent:
         return SampleEvent(request.rid, request.index, tokens, logprobs, reason, error,
                            prompt_tokens=len(request.prompt_ids), cached_tokens=request.cached_tokens)
-
-
-@dataclass(frozen=True)
-class _Inflight:
-    """A launched decode step whose greedy tokens (on the device) the host has not read yet."""
-
-    lists: StepLists
-    tokens: torch.Tensor

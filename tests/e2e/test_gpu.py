@@ -71,12 +71,13 @@ def test_greedy_with_graphs_matches_hf(tmp_path, shape, layers, dtype):
             assert tokens == hf_greedy(model, prompt, NEW_TOKENS)
             continue
         # bf16: rounding differs between any two implementations, so greedy paths may part at a near
-        # tie. Teacher-forced instead: each kiln token is (within bf16 noise) HF's argmax there.
+        # tie. Teacher-forced instead: each kiln token is HF's argmax there within the noise the
+        # prefill check above allows (0.1 std; two bf16 ulps of a logit near 10 are 0.05 std).
         with torch.no_grad():
             logits = model(torch.tensor([prompt + tokens], device="cuda")).logits[0].float()
         for i, token in enumerate(tokens):
             row = logits[len(prompt) - 1 + i]
-            assert row[token] >= row.max() - 0.05 * row.std(), (i, token, int(row.argmax()))
+            assert row[token] >= row.max() - 0.1 * row.std(), (i, token, int(row.argmax()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kiln.ir.types import DType, TensorType
-from kiln.kernels import attention, select_impl
+from kiln.kernels import attention, attention_decode, select_impl, triton_support
 from kiln.kernels.attention import ref_paged_attention, triton_paged_attention
 from kiln.kernels.attention_decode import decode_splits, launch_decode
 from kiln.kernels.attention_extend import launch_extend
@@ -114,6 +114,82 @@ def test_decode_kernel(case, dtype, device, poisoned, assert_matches):
     launch_decode(*batch.inputs(), out, num_splits=splits, block_n=16, **attrs(head_dim, page_size, window, cap))
     check_rows(out, batch, ref_paged_attention(*batch.inputs(), **attrs(head_dim, page_size, window, cap)),
                assert_matches)
+
+
+@pytest.fixture
+def fresh_counters(monkeypatch) -> dict:
+    """An empty semaphore-counter cache for this test, with a tiny minimum size so that it grows."""
+    monkeypatch.setattr(triton_support, "_counters", {})
+    monkeypatch.setattr(triton_support, "_retired", [])
+    monkeypatch.setattr(triton_support, "MIN_COUNTERS", 4)
+    return triton_support._counters
+
+
+def assert_counters_zero() -> None:
+    """Every launch must leave every counter buffer (current and outgrown) at zero."""
+    for counters in [*triton_support._counters.values(), *triton_support._retired]:
+        assert not counters.any(), f"split counters left at {counters.tolist()}"
+
+
+def run_decode(batch: Batch, splits: int, head_dim: int, page_size: int, poisoned, assert_matches) -> None:
+    out = poisoned(tuple(batch.q.shape), batch.q.dtype)
+    launch_decode(*batch.inputs(), out, num_splits=splits, block_n=16, **attrs(head_dim, page_size))
+    check_rows(out, batch, ref_paged_attention(*batch.inputs(), **attrs(head_dim, page_size)), assert_matches)
+    assert_counters_zero()
+
+
+def test_decode_launches_share_counters(fresh_counters, device, poisoned, assert_matches):
+    # Launch after launch (as layer after layer, or graph replay after replay) against one counter
+    # cache, with batch sizes and split counts changing: each merge happens, each leaves the counters
+    # at zero, and the cache grows only when too small, keeping what it outgrew alive.
+    launch_decode(*make_batch([1], [20], 4, 2, 64, 4, torch.float32, device).inputs(),
+                  torch.empty(1, 4, 64, device=device), num_splits=1, **attrs(64, 4))
+    assert not fresh_counters, "one split must not need counters"
+    buffers = []
+    for size, splits in [(2, 3), (1, 4), (5, 2), (6, 5), (3, 3), (6, 2)]:
+        kv_lens = torch.randint(1, 50, (size,)).tolist()
+        batch = make_batch([1] * size, kv_lens, 4, 2, 64, 4, torch.float16, device, gap=1)
+        run_decode(batch, splits, 64, 4, poisoned, assert_matches)
+        buffers.append(fresh_counters[batch.q.device])
+        assert buffers[-1].numel() >= size * 2
+    assert [b.numel() for b in buffers] == [4, 4, 16, 16, 16, 16]
+    assert triton_support._retired == [buffers[0]]
+
+
+def test_decode_padding_rows_between_split_rows(fresh_counters, device, poisoned, assert_matches):
+    # q_len 0 rows (one with no context at all) among real ones: all their splits skip the counter.
+    batch = make_batch([0, 1, 0, 1, 1, 0], [7, 45, 0, 1, 30, 60], 6, 2, 64, 4, torch.bfloat16, device, gap=1)
+    for splits in (4, 2, 4):
+        run_decode(batch, splits, 64, 4, poisoned, assert_matches)
+
+
+def test_decode_counter_per_sequence_and_group(fresh_counters, device, poisoned):
+    # The interpreter runs programs one at a time, so counters shared between groups would still
+    # count right there; a counter that never reaches its last ticket shows which outputs it owns.
+    batch = make_batch([1, 1], [40, 40], 6, 2, 64, 4, torch.float32, device)
+    counters = triton_support.semaphore_counters(batch.q.device, 4)
+    counters[1 * 2 + 0] = 1000  # sequence 1, KV group 0: query heads 0-2
+    out = poisoned(tuple(batch.q.shape), torch.float32)
+    launch_decode(*batch.inputs(), out, num_splits=3, block_n=16, **attrs(64, 4))
+    assert counters.tolist()[:4] == [0, 0, 1003, 0]
+    assert torch.isnan(out[1, :3]).all() and not torch.isnan(out[0]).any() and not torch.isnan(out[1, 3:]).any()
+
+
+def test_decode_merge_in_chunks(fresh_counters, monkeypatch, device, poisoned, assert_matches):
+    # A merge tile of 2 splits: the merge's running max crosses chunks, the last one partial.
+    monkeypatch.setattr(attention_decode, "MERGE_TILE", 2 * 4 * 64)
+    batch = make_batch([1, 1, 1], [90, 3, 50], 6, 2, 64, 4, torch.float32, device, gap=1)
+    run_decode(batch, 5, 64, 4, poisoned, assert_matches)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_decode_split_merge(group, head_dim, dtype, fresh_counters, device, poisoned, assert_matches):
+    # Six splits of 16-key blocks: contexts of 1 and 3 tokens fill only split 0, 40 tokens only the
+    # first three; the empty trailing splits must weigh nothing.
+    batch = make_batch([1, 1, 1], [3, 40, 1], 2 * group, 2, head_dim, 8, dtype, device, gap=1)
+    run_decode(batch, 6, head_dim, 8, poisoned, assert_matches)
 
 
 @pytest.mark.parametrize("sizes,path", [
@@ -244,3 +320,39 @@ def test_decode_replays_in_a_cuda_graph(device, assert_matches):
     graph.replay()
     torch.cuda.synchronize()
     assert_matches(out, ref_paged_attention(*batch.inputs(), **attrs(128, 16)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_decode_split_counters_across_graph_replays(batch_size, device, assert_matches):
+    # SmolLM2-135M's attention (9 heads over 3 KV heads of 64) at 64 and 22 splits, 30 launches per
+    # graph as 30 layers, replayed with new lengths each time: a merge that starts before every split
+    # has published its partials, or a counter not back at zero for the next launch, shows here.
+    layers, width, page = 30, 512, 16
+    batch = make_batch([1] * batch_size, [1] * batch_size, 9, 3, 64, page, torch.bfloat16, device)
+    batch.page_table = torch.arange(1, batch_size * width + 1, device=device, dtype=torch.int32).view(batch_size, width)
+    batch.k_cache = torch.randn((batch_size * width + 1) * page, 3, 64, device=device, dtype=torch.bfloat16)
+    batch.v_cache = torch.randn_like(batch.k_cache)
+    outs = [torch.empty_like(batch.q) for _ in range(layers)]
+    sizes = {"T": batch_size, "B": batch_size, "max_q_len": 1}
+
+    def step() -> None:
+        for out in outs:
+            triton_paged_attention(*batch.inputs(), out=out, sizes=sizes, **attrs(64, page))
+
+    step()  # compiles, and sizes the counters, outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for replay in range(101):
+        batch.kv_len.copy_(torch.randint(1, width * page + 1, (batch_size,), dtype=torch.int32))
+        for out in outs:
+            out.fill_(float("nan"))
+        if replay < 100:
+            graph.replay()
+        else:  # launches outside the graph share its counters
+            step()
+        want = ref_paged_attention(*batch.inputs(), **attrs(64, page))
+        for out in outs:
+            assert_matches(out, want)
+    assert not triton_support._counters[batch.q.device].any()

@@ -59,6 +59,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.triton_support import await_previous_kernel, pdl_launch
+
 # Globals a @triton.jit function reads must be constexpr objects.
 HAS_NORM = tl.constexpr({has_norm})
 EPS = tl.constexpr({eps!r})
@@ -109,7 +111,9 @@ def _rotate(x_ptr, row, out_ptr, out_row, pos, cs_ptr, norm_ptr, nheads, NH: tl.
 
 @triton.jit
 def _kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, qn_ptr, kn_ptr, out_ptr,
-            q_tok, q_head, k_tok, k_head, v_tok, v_head, out_tok, out_head, cache_slot, cache_head):
+            q_tok, q_head, k_tok, k_head, v_tok, v_head, out_tok, out_head, cache_slot, cache_head,
+            PDL: tl.constexpr):
+    await_previous_kernel(PDL)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -140,5 +144,5 @@ def launch(q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_norm=None, k_
                        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
                        # An fma would skip the rounding of a product to the dtype that the reference does.
-                       enable_fp_fusion=False)
+                       enable_fp_fusion=False, **pdl_launch(q))
 '''

@@ -115,3 +115,18 @@ def test_replay_of_tokens_outside_the_grammar_fails(grammar_compiler, smollm2_to
     tokens = smollm2_tokenizer.encode("12x", add_special_tokens=False)
     with pytest.raises(ValueError, match=r"output token 2 \(id \d+\) does not follow it"):
         GrammarState.replay(grammar, tokens)
+
+
+def test_batch_fill_equals_one_row_at_a_time(grammar_compiler):
+    """fill_bitmasks (xgrammar's threaded batch fill) writes the rows the single-row fill writes."""
+    schemas = ['{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}',
+               '{"type": "array", "items": {"type": "string"}}', '{"type": "boolean"}']
+    states = [GrammarState(grammar_compiler.compile("json_schema", s)) for s in schemas]
+    rows = [2, 0, 3]
+    batched = allocate_bitmask(4, PADDED_VOCAB)
+    GrammarState.fill_bitmasks(states, batched, rows)
+    for state, row in zip(states, rows):
+        single = allocate_bitmask(1, PADDED_VOCAB)
+        state.fill_bitmask(single, 0)
+        assert torch.equal(batched[row], single[0])
+    assert torch.equal(batched[1], allocate_bitmask(1, PADDED_VOCAB)[0])  # untouched rows allow everything

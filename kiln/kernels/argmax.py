@@ -1,0 +1,151 @@
+"""Row-wise argmax of logits ``[R, V]``: the greedy token of every sequence in a decode step.
+
+torch's argmax reduces a row in one thread block, so one row of a 128k vocabulary takes ~28 µs on an
+H200, a sizeable part of a small model's decode step. Here grid ``(rows, chunks)`` cuts each row
+into equal chunks, enough of them that the GPU's SMs all get work even at batch 1. Program
+``(r, c)`` reduces chunk ``c`` of row ``r`` to its best element; with one chunk it writes the row's
+result itself, with several it stores a partial and takes a ticket from the row's counter, and the
+program that draws the last ticket reduces the row's partials, writes the result and puts the
+counter back to zero (the pattern of ``attention_decode``, which shares the counters: see
+``triton_support.semaphore_counters``). One launch, no host synchronization, so it can be captured
+in the decode step's CUDA graph.
+
+Which index wins is torch's rule on CPU and CUDA (ATen's ``GreaterOrNan`` comparator): the first
+NaN of the row if it has one, else the first occurrence of the maximum, with -0.0 equal to 0.0.
+Rather than compare (value, index) pairs, every element becomes one int64 whose order is that rule:
+an order-preserving integer key of the f32 value in the high 32 bits (NaN above +inf, both zeros
+one key) and ``2^31 - 1 - index`` in the low 32 bits, so a plain integer max picks the largest
+value and, among equal ones, the lowest index, within a program and across the partials alike.
+f16 and bf16 inputs are compared as their (exact) f32 values.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_support import await_previous_kernel, pdl_launch, pow2, require, require_device, require_float, require_unit_last_stride, \
+    semaphore_counters, sm_count
+
+# Elements per loop step: 16 f32 (64 bytes) a thread at 4 warps, so each program has several vector
+# loads in flight per step (the loop is not software-pipelined).
+ARGMAX_BLOCK = 2048
+# Programs to aim for per SM when choosing the chunk count. More than one: each program has only one
+# step's loads in flight, and several resident programs per SM are what hide the memory latency when
+# a large batch gives every program many steps. Not yet tuned on a GPU (bench/kernels.py times it).
+PROGRAMS_PER_SM = 4
+# Partials reduced per step of the merge; the chunk count is at most 4 * SMs (528 on an H200).
+MERGE_BLOCK = 256
+
+# The packed value of masked-off elements and of empty merge lanes: below every real element's.
+_FLOOR = tl.constexpr(-(2 ** 63))
+
+
+def ref_argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """int64 ``[R]``: the index of each row's maximum (the first NaN, else the first maximum)."""
+    return x.argmax(dim=-1)
+
+
+@triton.jit
+def _packed(x, idx):
+    # The int64 whose order is argmax's order (see the module docstring). The key of a finite or
+    # infinite f32 is its magnitude's bits, negated for negative values: -0.0 and 0.0 both get 0,
+    # -inf gets -0x7F800000, and every NaN (magnitude above +inf's) gets the largest key of all,
+    # 0x7FFFFFFF = 2^31 - 1.
+    bits = x.to(tl.int32, bitcast=True)
+    magnitude = bits & 0x7FFFFFFF
+    key = tl.where(magnitude > 0x7F800000, 0x7FFFFFFF, tl.where(bits < 0, -magnitude, magnitude))
+    return (key.to(tl.int64) << 32) | (0x7FFFFFFF - idx).to(tl.int64)
+
+
+@triton.jit
+def _index_of(packed):
+    # The low 32 bits hold 2^31 - 1 - index (non-negative, so the truncation keeps it as is).
+    return (0x7FFFFFFF - packed.to(tl.int32)).to(tl.int64)
+
+
+@triton.jit
+def _argmax_kernel(x_ptr, out_ptr, part_ptr, counter_ptr, vocab, x_stride, chunk, num_chunks,
+                   SPLIT: tl.constexpr, BLOCK: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr):
+    await_previous_kernel(PDL)
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    start = c * chunk
+    end = tl.minimum(start + chunk, vocab)
+    row_ptr = x_ptr + row.to(tl.int64) * x_stride
+    offs = tl.arange(0, BLOCK)
+    # Each lane keeps its own running best and the lanes are reduced once, after the loop.
+    best = tl.full([BLOCK], _FLOOR, tl.int64)
+    for i0 in range(start, end, BLOCK):
+        idx = i0 + offs
+        mask = idx < end
+        # f32 for every input dtype: the key is built from f32 bits (and the interpreter cannot do
+        # bf16 arithmetic).
+        x = tl.load(row_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        best = tl.maximum(best, tl.where(mask, _packed(x, idx), _FLOOR))
+    best_of_chunk = tl.max(best, 0)
+    if SPLIT:
+        first = row * num_chunks
+        tl.store(part_ptr + first + c, best_of_chunk)
+        # The last ticket sees every chunk's partial on a GPU for the reasons given at the same
+        # barrier + acq_rel atomic in attention_decode._decode_kernel: the barrier orders this
+        # program's store before the atomic, whose gpu-scope release publishes it; the tickets form
+        # one release sequence, so the atomic that returns num_chunks - 1 acquires every other
+        # chunk's store; the merge loads from L2 (.cg). The reset is ordered before the next launch
+        # by the stream, and no program of this launch touches the counter after its ticket.
+        tl.debug_barrier()
+        counter = counter_ptr + row
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == num_chunks - 1:
+            # Every chunk's partial, this program's own included.
+            best_of_row = best_of_chunk
+            for c0 in range(0, num_chunks, MERGE):
+                cs = c0 + tl.arange(0, MERGE)
+                parts = tl.load(part_ptr + first + cs, mask=cs < num_chunks, other=_FLOOR, cache_modifier=".cg")
+                best_of_row = tl.maximum(best_of_row, tl.max(parts, 0))
+            tl.store(out_ptr + row, _index_of(best_of_row))
+            tl.store(counter, 0)
+    else:
+        tl.store(out_ptr + row, _index_of(best_of_chunk))
+
+
+def argmax_chunk(rows: int, vocab: int, sm_count: int) -> int:
+    """Elements per chunk: whole ``ARGMAX_BLOCK`` steps, as many chunks as make about
+    ``PROGRAMS_PER_SM`` programs per SM, but never more chunks than steps."""
+    chunks = min(triton.cdiv(PROGRAMS_PER_SM * sm_count, rows), triton.cdiv(vocab, ARGMAX_BLOCK))
+    return triton.cdiv(triton.cdiv(vocab, chunks), ARGMAX_BLOCK) * ARGMAX_BLOCK
+
+
+def triton_argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, *, chunk: int | None = None) -> torch.Tensor:
+    """int64 ``[R]``: ``ref_argmax_rows(x)`` for f32/f16/bf16 ``x [R, V]`` whose rows are contiguous
+    (the row stride may exceed V). Reads nothing back to the host, so it can be captured in a CUDA
+    graph once the shape has run eagerly (the first launch sizes the shared counters). ``chunk``
+    (elements per program; tests force small ones) defaults to ``argmax_chunk``'s choice."""
+    kernel = "argmax_rows"
+    require(x.dim() == 2 and x.shape[1] > 0, kernel, lambda: f"x must be [R, V] with V > 0, got {tuple(x.shape)}")
+    require_float(kernel, "x", x)
+    require_unit_last_stride(kernel, "x", x)
+    rows, vocab = x.shape
+    # Indices are packed into 31 bits.
+    require(vocab < 2 ** 31, kernel, lambda: f"rows of {vocab} elements exceed the kernel's 2^31 - 1")
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    require(out.dtype == torch.int64 and out.shape == (rows,) and out.stride(0) == 1, kernel,
+            lambda: f"out must be contiguous int64 [{rows}], got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    require_device(kernel, x, out)
+    if rows == 0:
+        return out
+    if chunk is None:
+        chunk = argmax_chunk(rows, vocab, sm_count(x))
+    num_chunks = triton.cdiv(vocab, chunk)
+    if num_chunks > 1:
+        partials = torch.empty(rows * num_chunks, dtype=torch.int64, device=x.device)
+        counters = semaphore_counters(x.device, rows)
+    else:
+        # Never touched with one chunk (the program writes `out` directly); any tensor will do.
+        partials = counters = out
+    _argmax_kernel[(rows, num_chunks)](
+        x, out, partials, counters, vocab, x.stride(0), chunk, num_chunks,
+        SPLIT=num_chunks > 1, BLOCK=min(ARGMAX_BLOCK, pow2(chunk)), MERGE=MERGE_BLOCK, num_warps=4, **pdl_launch(x))
+    return out

@@ -1,0 +1,52 @@
+"""Reading a launched decode step's greedy tokens back to the host without draining the stream.
+
+``.tolist()`` on a device tensor copies on the current stream, behind everything queued so far: with
+step N+1 already launched (overlapped scheduling), reading step N's tokens that way also waits for
+N+1, and the host then prepares N+2 while the GPU sits idle. So as soon as step N is launched its
+tokens are copied into a pinned host buffer and an event is recorded behind the copy; reading waits
+for that event only, i.e. for step N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .scheduler.batch import StepLists
+
+
+@dataclass(frozen=True)
+class InflightStep:
+    """A launched decode step whose tokens the host has not read yet. ``tokens`` is the step's
+    device output (valid until the next step is launched: the next step reads its input ids from
+    it); ``host`` fills in when ``ready`` completes."""
+
+    lists: StepLists
+    tokens: torch.Tensor
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    def host_tokens(self) -> torch.Tensor:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host
+
+
+class TokenReadback:
+    def __init__(self, max_batch: int, device: torch.device) -> None:
+        self._on_gpu = device.type == "cuda"
+        # Two buffers used in turn: step N's is read while step N+1's copy may still be pending.
+        self._buffers = [torch.empty(max_batch, dtype=torch.int64, pin_memory=self._on_gpu) for _ in range(2)]
+        self._turn = 0
+
+    def launch(self, lists: StepLists, tokens: torch.Tensor) -> InflightStep:
+        """Starts copying ``tokens`` (the step's device output) to the host, behind the step."""
+        host = self._buffers[self._turn][:tokens.numel()]
+        self._turn ^= 1
+        host.copy_(tokens, non_blocking=self._on_gpu)
+        ready = None
+        if self._on_gpu:
+            ready = torch.cuda.Event()
+            ready.record()
+        return InflightStep(lists, tokens, host, ready)

@@ -1,0 +1,104 @@
+"""Before/Expected IR tests of fuse_linear_residual and fuse_norm_linear (GEMMs absorbing the norm
+before them and the residual add or gated activation after them)."""
+
+from kiln.compiler.passes.fuse_linear_residual import fuse_linear_residual
+from kiln.compiler.passes.fuse_norm_linear import fuse_norm_linear
+
+from .test_fusions import dedent, run
+
+LAYER_BEFORE = dedent("""
+    graph g {
+      input %h: f32[T, 8]
+      param @ln1: f32[8]
+      param @wqkv: f32[16, 8]
+      param @wo: f32[8, 16]
+      param @ln2: f32[8]
+      param @wgu: f32[12, 8]
+      param @wd: f32[8, 6]
+      %n1 = rmsnorm(%h, @ln1) {eps=1e-05} : f32[T, 8]
+      %qkv = linear(%n1, @wqkv) : f32[T, 16]
+      %o = linear(%qkv, @wo) : f32[T, 8]
+      %r1 = add(%h, %o) : f32[T, 8]
+      %n2 = rmsnorm(%r1, @ln2) {eps=1e-05} : f32[T, 8]
+      %gu = linear(%n2, @wgu) : f32[T, 12]
+      %g, %u = split(%gu) {sizes=[6, 6]} : f32[T, 6], f32[T, 6]
+      %m = silu_mul(%g, %u) : f32[T, 6]
+      %d = linear(%m, @wd) : f32[T, 8]
+      %r2 = add(%d, %r1) : f32[T, 8]
+      return %r2
+    }
+""")
+
+AFTER_RESIDUAL = dedent("""
+    graph g {
+      input %h: f32[T, 8]
+      param @ln1: f32[8]
+      param @wqkv: f32[16, 8]
+      param @wo: f32[8, 16]
+      param @ln2: f32[8]
+      param @wgu: f32[12, 8]
+      param @wd: f32[8, 6]
+      %n1 = rmsnorm(%h, @ln1) {eps=1e-05} : f32[T, 8]
+      %qkv = linear(%n1, @wqkv) : f32[T, 16]
+      %r1 = linear_residual(%qkv, @wo, %h) : f32[T, 8]
+      %n2 = rmsnorm(%r1, @ln2) {eps=1e-05} : f32[T, 8]
+      %gu = linear(%n2, @wgu) : f32[T, 12]
+      %g, %u = split(%gu) {sizes=[6, 6]} : f32[T, 6], f32[T, 6]
+      %m = silu_mul(%g, %u) : f32[T, 6]
+      %r2 = linear_residual(%m, @wd, %r1) : f32[T, 8]
+      return %r2
+    }
+""")
+
+
+def test_fuse_linear_residual_takes_the_gemm_side_of_either_operand():
+    assert run(fuse_linear_residual, LAYER_BEFORE) == AFTER_RESIDUAL
+
+
+def test_fuse_linear_residual_keeps_gemm_outputs_read_elsewhere_and_biased_gemms():
+    read_twice = LAYER_BEFORE.replace("return %r2", "return %r2, %d")
+    assert "linear_residual(%m" not in run(fuse_linear_residual, read_twice)
+    biased = LAYER_BEFORE.replace("param @wd: f32[8, 6]", "param @wd: f32[8, 6]\n  param @bd: f32[8]") \
+        .replace("linear(%m, @wd)", "linear(%m, @wd, @bd)")
+    assert "linear_residual(%m" not in run(fuse_linear_residual, biased)
+
+
+def test_fuse_norm_linear_after_residuals():
+    assert run(fuse_norm_linear, AFTER_RESIDUAL) == dedent("""
+        graph g {
+          input %h: f32[T, 8]
+          param @ln1: f32[8]
+          param @wqkv: f32[16, 8]
+          param @wo: f32[8, 16]
+          param @ln2: f32[8]
+          param @wgu: f32[12, 8]
+          param @wd: f32[8, 6]
+          %qkv = rmsnorm_linear(%h, @ln1, @wqkv) {eps=1e-05} : f32[T, 16]
+          %r1 = linear_residual(%qkv, @wo, %h) : f32[T, 8]
+          %m = rmsnorm_linear_silu_mul(%r1, @ln2, @wgu) {eps=1e-05} : f32[T, 6]
+          %r2 = linear_residual(%m, @wd, %r1) : f32[T, 8]
+          return %r2
+        }
+    """)
+
+
+def test_fuse_norm_linear_keeps_the_split_when_its_halves_are_read_elsewhere():
+    gate_read = AFTER_RESIDUAL.replace("return %r2", "return %r2, %g")
+    after = run(fuse_norm_linear, gate_read)
+    assert "%gu = rmsnorm_linear(%r1, @ln2, @wgu) {eps=1e-05} : f32[T, 12]" in after
+    assert "%m = silu_mul(%g, %u)" in after
+
+
+def test_fuse_norm_linear_keeps_norms_with_several_readers_or_non_gemm_readers():
+    shared = AFTER_RESIDUAL.replace("return %r2", "return %r2, %n1")
+    assert "%n1 = rmsnorm(%h, @ln1)" in run(fuse_norm_linear, shared)
+    not_gemm_input = AFTER_RESIDUAL.replace("%qkv = linear(%n1, @wqkv) : f32[T, 16]",
+                                            "%qkv = linear(%h, @wqkv) : f32[T, 16]\n  %z = add(%n1, %h) : f32[T, 8]") \
+        .replace("return %r2", "return %r2, %z")
+    assert "%n1 = rmsnorm(%h, @ln1)" in run(fuse_norm_linear, not_gemm_input)
+
+
+def test_fuse_norm_linear_keeps_a_bias():
+    biased = AFTER_RESIDUAL.replace("param @wqkv: f32[16, 8]", "param @wqkv: f32[16, 8]\n  param @bqkv: f32[16]") \
+        .replace("linear(%n1, @wqkv)", "linear(%n1, @wqkv, @bqkv)")
+    assert "%qkv = rmsnorm_linear(%h, @ln1, @wqkv, @bqkv) {eps=1e-05} : f32[T, 16]" in run(fuse_norm_linear, biased)
