@@ -42,6 +42,11 @@ def timed(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> t
     start = time.perf_counter()
     outputs = engine.generate(prompts, params)
     seconds = time.perf_counter() - start
+    if params.json_schema is not None:
+        # Valid by construction: every output the grammar ended must parse (a cut-off one may not).
+        for out in outputs:
+            if out.finish_reason == "stop":
+                json.loads(out.text)
     return seconds, sum(o.usage.completion_tokens for o in outputs)
 
 

@@ -110,6 +110,11 @@ def _argmax_kernel(x_ptr, out_ptr, part_ptr, counter_ptr, vocab, x_stride, chunk
         tl.store(out_ptr + row, _index_of(best_of_chunk))
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax: the Triton kernel for CUDA tensors, torch's otherwise."""
+    return triton_argmax_rows(x) if x.is_cuda else ref_argmax_rows(x)
+
+
 def argmax_chunk(rows: int, vocab: int, sm_count: int) -> int:
     """Elements per chunk: whole ``ARGMAX_BLOCK`` steps, as many chunks as make about
     ``PROGRAMS_PER_SM`` programs per SM, but never more chunks than steps."""

@@ -88,9 +88,15 @@ class Constraints:
         return [s for p in dropped for s in p.samples]
 
     @staticmethod
+    def any_constrained(requests: list[Request]) -> bool:
+        return any(GRAMMAR in r.extras for r in requests)
+
+    @staticmethod
     def mask(requests: list[Request], vocab_size: int, device: torch.device) -> torch.Tensor | None:
-        """The packed bitmask of a step's sampled rows, or None when no row is constrained."""
-        states = [r.extras.get(GRAMMAR) for r in requests]
+        """The packed bitmask of a step's sampled rows, or None when no row is constrained. Rows of
+        finished requests (an overlapped step ran one past their end) allow everything: their tokens
+        are dropped."""
+        states = [None if r.done else r.extras.get(GRAMMAR) for r in requests]
         if not any(states):
             return None
         from .grammar.matcher import GrammarState

@@ -28,11 +28,11 @@ from .kvcache.pool import pages_for_mem_fraction, pages_for_tokens
 from .kvcache.radix import RadixCache
 from .model_runner import ModelRunner
 from .outputs import SampleEvent, TokenLogprob
-from .sampling import SamplerOutput, SamplingBatch, SamplingParams, SamplingRow, child_seed, new_seed
+from .sampling import SamplerOutput, SamplingBatch, SamplingParams, SamplingRow, child_seed, masked_argmax, new_seed
 from .scheduler.batch import StepLists, build_step_lists
 from .scheduler.request import PENDING, Request, RequestState
 from .scheduler.scheduler import Scheduler, SchedulerConfig
-from .stop_rules import STOP_WATCH, StopWatch, finish_reason, plain_greedy
+from .stop_rules import STOP_WATCH, StopWatch, device_greedy, finish_reason
 from .token_readback import InflightStep, TokenReadback
 from .tokenizer import Tokenizer
 
@@ -197,12 +197,13 @@ class EngineCore:
         if not lists.sampled:
             return events
         requests = [c.request for c in lists.sampled]
-        if greedy is not None and all(plain_greedy(r) for r in requests):
+        if greedy is not None and all(device_greedy(r) for r in requests):
+            tokens = self._grammar_greedy(requests, logits, greedy)
             if self.overlap:
                 # Read these tokens next step, after the step that follows is already launched.
-                self._inflight = self._readback.launch(lists, greedy)
+                self._inflight = self._readback.launch(lists, tokens)
                 return events
-            out = SamplerOutput(greedy, None, None, None)  # argmax already ran inside the graph
+            out = SamplerOutput(tokens, None, None, None)
         else:
             rows = [SamplingRow(r.params, r.seed, len(r.output_ids), r.prompt_ids, r.output_ids) for r in requests]
             mask = Constraints.mask(requests, logits.shape[1], logits.device)
@@ -215,14 +216,30 @@ class EngineCore:
         in-flight step's tokens while the new one runs."""
         inflight, self._inflight = self._inflight, None
         follow_up = self._follow_up_lists(inflight)
+        masked_step = None
         if follow_up is not None:
             lists, batch, rows = follow_up
             tokens = inflight.tokens if rows is None else inflight.tokens.index_select(0, rows)
-            _, greedy = self.runner.forward(lists, tokens_from=tokens)
+            logits, greedy = self.runner.forward(lists, tokens_from=tokens)
             self.scheduler.complete_step(batch)
-            self._inflight = self._readback.launch(lists, greedy)
+            requests = [c.request for c in lists.sampled]
+            if Constraints.any_constrained(requests):
+                # Its grammar masks need the in-flight tokens accepted first (below).
+                masked_step = lists, requests, logits, greedy
+            else:
+                self._inflight = self._readback.launch(lists, greedy)
             self.overlapped_steps += 1
-        return self._apply(inflight.lists, SamplerOutput(inflight.host_tokens(), None, None, None))
+        events = self._apply(inflight.lists, SamplerOutput(inflight.host_tokens(), None, None, None))
+        if masked_step is not None:
+            lists, requests, logits, greedy = masked_step
+            self._inflight = self._readback.launch(lists, self._grammar_greedy(requests, logits, greedy))
+        return events
+
+    def _grammar_greedy(self, requests: list[Request], logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+        """The step's greedy tokens on the device: the graph's argmax, or where a request has a
+        grammar, the argmax under the grammar masks (filled on the CPU while the step runs)."""
+        mask = Constraints.mask(requests, logits.shape[1], logits.device)
+        return greedy if mask is None else masked_argmax(logits, mask)
 
     def _follow_up_lists(self, inflight: InflightStep):
         """The next decode step of exactly the in-flight requests, or None when it must wait for the

@@ -4,7 +4,7 @@ cuts the text itself), max_new_tokens and the context length."""
 
 from __future__ import annotations
 
-from .constraints import Constraints, constraint_of
+from .constraints import Constraints
 from .detokenizer import IncrementalDetokenizer, StopChecker
 from .sampling import SamplingParams
 from .scheduler.request import Request
@@ -41,9 +41,10 @@ def finish_reason(request: Request, token: int, eos_ids: set[int], max_seq_len: 
     return None
 
 
-def plain_greedy(request: Request) -> bool:
-    """Argmax of the raw logits is this request's next token (nothing reshapes its distribution),
-    so the decode graph's in-graph argmax serves it and its next step can be launched ahead."""
+def device_greedy(request: Request) -> bool:
+    """This request's next token is the argmax of the raw logits, under its grammar's mask if it has
+    one (nothing else reshapes its distribution, and it wants no logprobs): the decode graph's argmax
+    or ``masked_argmax`` serves it on the device, so its next step can be launched ahead."""
     p = request.params
     return (p.greedy and not p.logprobs and not p.top_logprobs and not p.logit_bias and p.repetition_penalty == 1
-            and not p.frequency_penalty and not p.presence_penalty and constraint_of(p) is None)
+            and not p.frequency_penalty and not p.presence_penalty)

@@ -3,6 +3,6 @@ counter-based random numbers (``rng``)."""
 
 from .params import SamplingParams
 from .rng import child_seed, new_seed
-from .sampler import SamplerOutput, SamplingBatch, SamplingRow, sample
+from .sampler import SamplerOutput, SamplingBatch, SamplingRow, masked_argmax, sample
 
-__all__ = ["SamplingParams", "SamplingBatch", "SamplingRow", "SamplerOutput", "sample", "new_seed", "child_seed"]
+__all__ = ["SamplingParams", "SamplingBatch", "SamplingRow", "SamplerOutput", "sample", "masked_argmax", "new_seed", "child_seed"]

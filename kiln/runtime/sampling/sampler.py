@@ -22,6 +22,8 @@ from typing import Sequence
 
 import torch
 
+from kiln.kernels.argmax import argmax_rows
+
 from . import rng
 from .bitmask import apply_bitmask
 from .params import SamplingParams
@@ -164,6 +166,14 @@ def _filter_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     below max + log(min_p) (log(0) = -inf keeps every token)."""
     threshold = logits.max(dim=-1, keepdim=True).values + torch.log(batch.min_p)[:, None]
     return logits.masked_fill(logits < threshold, -math.inf)
+
+
+def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Greedy tokens under a packed grammar bitmask: what ``sample`` gives rows that only ask for
+    greedy and a grammar, in two kernels and with no host round trip (an overlapped step's tokens)."""
+    scores = logits.clone()
+    apply_bitmask(scores, bitmask)
+    return argmax_rows(scores)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, allowed_mask: torch.Tensor | None = None) -> SamplerOutput:
