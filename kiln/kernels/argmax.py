@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_support import await_previous_kernel, pdl_launch, pow2, require, require_device, require_float, require_unit_last_stride, \
-    semaphore_counters, sm_count
+from .triton_support import (await_previous_kernel, pdl_launch, pow2, require, require_device, require_float,
+                             require_unit_last_stride, semaphore_counters, sm_count)
 
 # Elements per loop step: 16 f32 (64 bytes) a thread at 4 warps, so each program has several vector
 # loads in flight per step (the loop is not software-pipelined).

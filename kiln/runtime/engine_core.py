@@ -32,7 +32,7 @@ from .sampling import SamplerOutput, SamplingBatch, SamplingParams, SamplingRow,
 from .scheduler.batch import StepLists, build_step_lists
 from .scheduler.request import PENDING, Request, RequestState
 from .scheduler.scheduler import Scheduler, SchedulerConfig
-from .stop_rules import STOP_WATCH, StopWatch, device_greedy, finish_reason
+from .stop_rules import STOP_WATCH, StopWatch, finish_reason, sampled_on_device
 from .token_readback import InflightStep, TokenReadback
 from .tokenizer import Tokenizer
 
@@ -197,8 +197,8 @@ class EngineCore:
         if not lists.sampled:
             return events
         requests = [c.request for c in lists.sampled]
-        if greedy is not None and all(device_greedy(r) for r in requests):
-            tokens = self._grammar_greedy(requests, logits, greedy)
+        if greedy is not None and all(sampled_on_device(r) for r in requests):
+            tokens = self._device_tokens(requests, logits, greedy)
             if self.overlap:
                 # Read these tokens next step, after the step that follows is already launched.
                 self._inflight = self._readback.launch(lists, tokens)
@@ -216,30 +216,35 @@ class EngineCore:
         in-flight step's tokens while the new one runs."""
         inflight, self._inflight = self._inflight, None
         follow_up = self._follow_up_lists(inflight)
-        masked_step = None
+        sampled_step = None
         if follow_up is not None:
             lists, batch, rows = follow_up
             tokens = inflight.tokens if rows is None else inflight.tokens.index_select(0, rows)
             logits, greedy = self.runner.forward(lists, tokens_from=tokens)
             self.scheduler.complete_step(batch)
             requests = [c.request for c in lists.sampled]
-            if Constraints.any_constrained(requests):
-                # Its grammar masks need the in-flight tokens accepted first (below).
-                masked_step = lists, requests, logits, greedy
-            else:
+            if all(_argmax_row(r) for r in requests) and not Constraints.any_constrained(requests):
                 self._inflight = self._readback.launch(lists, greedy)
+            else:
+                # Grammar masks need the in-flight tokens accepted first, and the sampler the rows'
+                # step indices once the in-flight slots are filled: both come after _apply (below).
+                sampled_step = lists, requests, logits, greedy
             self.overlapped_steps += 1
         events = self._apply(inflight.lists, SamplerOutput(inflight.host_tokens(), None, None, None))
-        if masked_step is not None:
-            lists, requests, logits, greedy = masked_step
-            self._inflight = self._readback.launch(lists, self._grammar_greedy(requests, logits, greedy))
+        if sampled_step is not None:
+            lists, requests, logits, greedy = sampled_step
+            self._inflight = self._readback.launch(lists, self._device_tokens(requests, logits, greedy))
         return events
 
-    def _grammar_greedy(self, requests: list[Request], logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
-        """The step's greedy tokens on the device: the graph's argmax, or where a request has a
-        grammar, the argmax under the grammar masks (filled on the CPU while the step runs)."""
+    def _device_tokens(self, requests: list[Request], logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+        """The step's tokens, left on the device, for requests that pass ``sampled_on_device``: the
+        graph's argmax when every row is greedy without a grammar, the argmax under the grammar masks
+        (filled on the CPU while the step runs) when all are greedy, else the sampler's draw."""
         mask = Constraints.mask(requests, logits.shape[1], logits.device)
-        return greedy if mask is None else masked_argmax(logits, mask)
+        if all(_argmax_row(r) for r in requests):
+            return greedy if mask is None else masked_argmax(logits, mask)
+        rows = [SamplingRow(r.params, r.seed, len(r.output_ids)) for r in requests]
+        return self.runner.sample(logits, SamplingBatch.pack(rows, self.vocab_size, logits.device), mask).token_ids
 
     def _follow_up_lists(self, inflight: InflightStep):
         """The next decode step of exactly the in-flight requests, or None when it must wait for the
@@ -258,8 +263,11 @@ class EngineCore:
         lists = build_step_lists(batch, self.page_size)
         row_of = {id(r): i for i, r in enumerate(requests)}
         order = [row_of[id(c.request)] for c in lists.sampled]
-        # The scheduler keeps running requests in order, so the rows usually line up already.
-        rows = None if order == list(range(len(order))) else torch.tensor(order, device=inflight.tokens.device)
+        # The scheduler keeps running requests in order, so the rows usually line up already. (Not a
+        # blocking copy: that would wait for the step in flight.)
+        rows = None
+        if order != list(range(len(order))):
+            rows = torch.tensor(order).to(inflight.tokens.device, non_blocking=True)
         return lists, batch, rows
 
     def _apply(self, lists: StepLists, out: SamplerOutput) -> list[SampleEvent]:
@@ -317,3 +325,8 @@ class EngineCore:
                reason: str | None, error: str | None = None) -> SampleEvent:
         return SampleEvent(request.rid, request.index, tokens, logprobs, reason, error,
                            prompt_tokens=len(request.prompt_ids), cached_tokens=request.cached_tokens)
+
+
+def _argmax_row(request: Request) -> bool:
+    """Greedy with nothing added to the logits: the (possibly grammar-masked) argmax is its token."""
+    return request.params.greedy and not request.params.logit_bias

@@ -41,10 +41,11 @@ def finish_reason(request: Request, token: int, eos_ids: set[int], max_seq_len: 
     return None
 
 
-def device_greedy(request: Request) -> bool:
-    """This request's next token is the argmax of the raw logits, under its grammar's mask if it has
-    one (nothing else reshapes its distribution, and it wants no logprobs): the decode graph's argmax
-    or ``masked_argmax`` serves it on the device, so its next step can be launched ahead."""
+def sampled_on_device(request: Request) -> bool:
+    """This request's next token can be chosen on the device and stay there (the decode graph's
+    argmax, ``masked_argmax`` or the sampler, which needs only the row's params, seed and step), so
+    its next step can be launched before the token is read. Not with penalties (they read the token
+    history, whose last entry is still in flight) or logprobs (read back with the token)."""
     p = request.params
-    return (p.greedy and not p.logprobs and not p.top_logprobs and not p.logit_bias and p.repetition_penalty == 1
-            and not p.frequency_penalty and not p.presence_penalty)
+    return (not p.logprobs and not p.top_logprobs and p.repetition_penalty == 1 and not p.frequency_penalty
+            and not p.presence_penalty)

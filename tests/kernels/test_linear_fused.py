@@ -8,7 +8,8 @@ import torch
 
 from kiln.ir.types import DType, TensorType
 from kiln.kernels import select_impl
-from kiln.kernels.linear_fused import (GEMV_BLOCK_K, GEMV_BLOCK_N, GEMV_MAX_ROWS, GEMV_PRODUCT_ELEMENTS, GEMV_PROGRAMS_PER_SM,
+from kiln.kernels.linear_fused import (GEMV_BLOCK_K, GEMV_BLOCK_N, GEMV_MAX_ROWS, GEMV_PRODUCT_ELEMENTS,
+                                       GEMV_PROGRAMS_PER_SM,
                                        gemv_config, ref_linear_residual, ref_rmsnorm_linear,
                                        ref_rmsnorm_linear_silu_mul, triton_linear_residual, triton_rmsnorm_linear,
                                        triton_rmsnorm_linear_silu_mul)

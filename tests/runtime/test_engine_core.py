@@ -253,3 +253,37 @@ def test_abort_during_overlap_never_caches_a_pending_slot(model, abort_after):
         assert PENDING not in node.key
         stack.extend(node.children.values())
     assert_no_leaks(core)
+
+
+def test_overlapped_sampled_steps_give_the_same_results(model):
+    # Seeded sampling (temperature, top-k, top-p, min-p), greedy with a logit bias, and n > 1 overlap
+    # like greedy does (the draw stays on the device and feeds the next step); a request with a
+    # penalty (which needs the token history) joins later and turns overlap off while it runs.
+    # Noise is keyed by (seed, step, token), so every output equals the plain engine's.
+    requests = {
+        "t": (PROMPTS[0], SamplingParams(temperature=0.8, seed=5, max_new_tokens=20, ignore_eos=True)),
+        "k": (PROMPTS[1], SamplingParams(temperature=1.2, top_k=20, top_p=0.9, seed=6, max_new_tokens=9)),
+        "m": (PROMPTS[2], SamplingParams(temperature=1.0, min_p=0.05, seed=7, n=2, max_new_tokens=10,
+                                          ignore_eos=True)),
+        "b": (PROMPTS[3], SamplingParams(temperature=0, logit_bias={5: 4.0, 17: 3.0}, max_new_tokens=8,
+                                          ignore_eos=True)),
+    }
+    late = ("p", PROMPTS[4], SamplingParams(temperature=0.7, seed=8, repetition_penalty=1.3, max_new_tokens=4,
+                                            ignore_eos=True))
+    results = []
+    for core in (make_core(model), make_core(model, decode_buckets=(1, 2, 4, 8), overlap_schedule=True)):
+        outputs: dict[tuple[str, int], list[int]] = {}
+        for rid, (prompt, params) in requests.items():
+            core.add_request(rid, prompt, params)
+        steps = 0
+        while core.has_work():
+            for event in core.step():
+                outputs.setdefault((event.rid, event.index), []).extend(event.token_ids)
+            steps += 1
+            if steps == 6:
+                core.add_request(late[0], late[1], late[2])
+        results.append(outputs)
+        assert_no_leaks(core)
+    assert core.overlapped_steps > 5
+    assert results[1] == results[0]
+    assert len(results[0]) == 6

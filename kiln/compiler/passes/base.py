@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kiln.ir import Graph
+from kiln.ir import Graph, Node
 
 
 @dataclass(frozen=True)
@@ -43,3 +43,11 @@ class PassContext:
 
 
 Pass = Callable[[Graph, PassContext], Graph]
+
+
+def rewrite_nodes(graph: Graph, replaced: dict[int, Node], removed: set[int]) -> Graph:
+    """``graph`` with each node whose ``id`` keys ``replaced`` swapped for its replacement, in place,
+    and the nodes whose ids are in ``removed`` dropped: how the fusion passes apply their matches."""
+    if not replaced and not removed:
+        return graph
+    return graph.replace(nodes=[replaced.get(id(n), n) for n in graph.nodes if id(n) not in removed])

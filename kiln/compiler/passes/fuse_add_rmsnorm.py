@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kiln.ir import Graph, make_node
 
-from .base import PassContext
+from .base import PassContext, rewrite_nodes
 
 
 def fuse_add_rmsnorm(graph: Graph, ctx: PassContext) -> Graph:
@@ -29,7 +29,4 @@ def fuse_add_rmsnorm(graph: Graph, ctx: PassContext) -> Graph:
         fused_at[id(add)] = make_node("add_rmsnorm", [a, b, weight], [node.out, add.out],
                                       [types[a], types[b], types[weight]], dict(node.attrs))
         absorbed.add(id(node))
-    if not fused_at:
-        return graph
-    nodes = [fused_at.get(id(n), n) for n in graph.nodes if id(n) not in absorbed]
-    return graph.replace(nodes=nodes)
+    return rewrite_nodes(graph, fused_at, absorbed)

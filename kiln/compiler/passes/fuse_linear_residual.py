@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kiln.ir import Graph, make_node
 
-from .base import PassContext
+from .base import PassContext, rewrite_nodes
 
 
 def fuse_linear_residual(graph: Graph, ctx: PassContext) -> Graph:
@@ -35,7 +35,4 @@ def fuse_linear_residual(graph: Graph, ctx: PassContext) -> Graph:
                                            [types[x], types[weight], types[residual]])
             absorbed.add(id(linear))
             break
-    if not replaced:
-        return graph
-    nodes = [replaced.get(id(n), n) for n in graph.nodes if id(n) not in absorbed]
-    return graph.replace(nodes=nodes)
+    return rewrite_nodes(graph, replaced, absorbed)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from kiln.ir import Graph, Node, make_node
 
-from .base import PassContext
+from .base import PassContext, rewrite_nodes
 
 
 def fuse_norm_linear(graph: Graph, ctx: PassContext) -> Graph:
@@ -47,10 +47,7 @@ def fuse_norm_linear(graph: Graph, ctx: PassContext) -> Graph:
         else:
             replaced[id(linear)] = make_node("rmsnorm_linear", [x, norm_weight, *weights], [linear.out],
                                              [types[v] for v in (x, norm_weight, *weights)], dict(norm.attrs))
-    if not replaced:
-        return graph
-    nodes = [replaced.get(id(n), n) for n in graph.nodes if id(n) not in absorbed]
-    return graph.replace(nodes=nodes)
+    return rewrite_nodes(graph, replaced, absorbed)
 
 
 def _gated_activation(linear: Node, only_reader, types) -> tuple[Node, Node] | None:

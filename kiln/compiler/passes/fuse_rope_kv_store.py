@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from kiln.ir import Graph, Node, make_node
 
-from .base import PassContext
+from .base import PassContext, rewrite_nodes
 
 
 def fuse_rope_kv_store(graph: Graph, ctx: PassContext) -> Graph:
@@ -59,7 +59,4 @@ def fuse_rope_kv_store(graph: Graph, ctx: PassContext) -> Graph:
         fused = make_node("rope_kv_store", inputs, [q_rope.out, *store.outputs], [types[i] for i in inputs], attrs)
         replaced[id(store)] = fused
         absorbed.update(id(p) for p in parts if p is not store)
-    if not replaced:
-        return graph
-    nodes = [replaced.get(id(n), n) for n in graph.nodes if id(n) not in absorbed]
-    return graph.replace(nodes=nodes)
+    return rewrite_nodes(graph, replaced, absorbed)

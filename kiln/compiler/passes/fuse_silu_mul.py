@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kiln.ir import Graph, make_node
 
-from .base import PassContext
+from .base import PassContext, rewrite_nodes
 
 
 def fuse_silu_mul(graph: Graph, ctx: PassContext) -> Graph:
@@ -28,7 +28,4 @@ def fuse_silu_mul(graph: Graph, ctx: PassContext) -> Graph:
                 replaced[id(node)] = make_node("silu_mul", [gate, up], [node.out], [types[gate], types[up]])
                 absorbed.add(id(silu))
                 break
-    if not replaced:
-        return graph
-    nodes = [replaced.get(id(n), n) for n in graph.nodes if id(n) not in absorbed]
-    return graph.replace(nodes=nodes)
+    return rewrite_nodes(graph, replaced, absorbed)

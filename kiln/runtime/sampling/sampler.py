@@ -75,10 +75,10 @@ class SamplingBatch:
         params = [row.params for row in rows]
 
         def floats(values: Sequence[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return _to_device(torch.tensor(values, dtype=torch.float32), device)
 
         def ints(values: Sequence[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
+            return _to_device(torch.tensor(values, dtype=torch.int64), device)
 
         greedy = [p.greedy for p in params]
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
@@ -86,7 +86,7 @@ class SamplingBatch:
         bias = [(i, token, value) for i, p in enumerate(params) for token, value in p.logit_bias.items()]
         return cls(
             temperature=floats([1.0 if g else p.temperature for g, p in zip(greedy, params)]),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            greedy=_to_device(torch.tensor(greedy, dtype=torch.bool), device),
             top_k=ints(top_k), top_p=floats([p.top_p for p in params]), min_p=floats([p.min_p for p in params]),
             repetition_penalty=floats([p.repetition_penalty for p in params]),
             frequency_penalty=floats([p.frequency_penalty for p in params]),
@@ -115,12 +115,18 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None  # f32 [B, K]   uses its first top_logprobs columns
 
 
+def _to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    # Non-blocking: a blocking host-to-device copy waits for everything queued on the stream, and
+    # with overlapped steps that is the next step's forward, which the host should not wait for.
+    return t.to(device, non_blocking=True)
+
+
 def _pad(sequences: Sequence[Sequence[int]], device: torch.device | str) -> torch.Tensor:
     width = max((len(s) for s in sequences), default=0)
     padded = torch.full((len(sequences), width), -1, dtype=torch.int64)
     for i, seq in enumerate(sequences):
         padded[i, :len(seq)] = torch.as_tensor(list(seq), dtype=torch.int64)
-    return padded.to(device)
+    return _to_device(padded, device)
 
 
 def token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
