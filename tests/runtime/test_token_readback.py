@@ -1,0 +1,25 @@
+"""TokenReadback: a launched step's tokens reach the host through buffers used in turn, so reading
+step N is not disturbed by step N+1's copy (on a GPU the copy is queued behind each step)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.runtime.scheduler.batch import StepLists
+from kiln.runtime.token_readback import TokenReadback
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+EMPTY = StepLists([], [], [], [], [], [], [], [], [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_steps_in_flight_keep_their_tokens(device):
+    readback = TokenReadback(max_batch=8, device=torch.device(device))
+    first = readback.launch(EMPTY, torch.tensor([5, 6, 7], device=device))
+    second = readback.launch(EMPTY, torch.tensor([1, 2], device=device))
+    assert first.host_tokens().tolist() == [5, 6, 7]
+    assert second.host_tokens().tolist() == [1, 2]
+    assert first.host_tokens().device.type == "cpu"
+    third = readback.launch(EMPTY, torch.tensor([9], device=device))  # reuses the first buffer
+    assert third.host_tokens().tolist() == [9] and second.host_tokens().tolist() == [1, 2]
