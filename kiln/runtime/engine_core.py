@@ -223,7 +223,7 @@ class EngineCore:
             logits, greedy = self.runner.forward(lists, tokens_from=tokens)
             self.scheduler.complete_step(batch)
             requests = [c.request for c in lists.sampled]
-            if all(_argmax_row(r) for r in requests) and not Constraints.any_constrained(requests):
+            if _graph_argmax_serves(requests):
                 self._inflight = self._readback.launch(lists, greedy)
             else:
                 # Grammar masks need the in-flight tokens accepted first, and the sampler the rows'
@@ -240,6 +240,8 @@ class EngineCore:
         """The step's tokens, left on the device, for requests that pass ``sampled_on_device``: the
         graph's argmax when every row is greedy without a grammar, the argmax under the grammar masks
         (filled on the CPU while the step runs) when all are greedy, else the sampler's draw."""
+        if _graph_argmax_serves(requests):
+            return greedy
         mask = Constraints.mask(requests, logits.shape[1], logits.device)
         if all(_argmax_row(r) for r in requests):
             return greedy if mask is None else masked_argmax(logits, mask)
@@ -330,3 +332,8 @@ class EngineCore:
 def _argmax_row(request: Request) -> bool:
     """Greedy with nothing added to the logits: the (possibly grammar-masked) argmax is its token."""
     return request.params.greedy and not request.params.logit_bias
+
+
+def _graph_argmax_serves(requests: list[Request]) -> bool:
+    """The decode graph's in-graph argmax is every row's token: nothing to mask, add or sample."""
+    return all(_argmax_row(r) for r in requests) and not Constraints.any_constrained(requests)

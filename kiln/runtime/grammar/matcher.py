@@ -58,9 +58,7 @@ class GrammarState:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
         """Write the allowed next tokens into ``bitmask[row]`` (a CPU int32 tensor from
         ``allocate_bitmask``). Returns False when every token is allowed, so the row needs no masking."""
-        if self._matcher.is_terminated():
-            raise RuntimeError("the grammar has terminated (its stop token was accepted): the request "
-                               "should have finished, and has no next token to mask")
+        self._require_live()
         return self._matcher.fill_next_token_bitmask(bitmask, row)
 
     @staticmethod
@@ -71,9 +69,13 @@ class GrammarState:
             states[0].fill_bitmask(bitmask, rows[0])
             return
         for state in states:
-            if state._matcher.is_terminated():
-                state.fill_bitmask(bitmask, 0)  # raises the error fill_bitmask gives
+            state._require_live()
         _batch_matcher().batch_fill_next_token_bitmask([s._matcher for s in states], bitmask, rows)
+
+    def _require_live(self) -> None:
+        if self._matcher.is_terminated():
+            raise RuntimeError("the grammar has terminated (its stop token was accepted): the request "
+                               "should have finished, and has no next token to mask")
 
     def accept(self, token_id: int) -> bool:
         """Advance over the sampled token. False (state unchanged) means the token breaks the

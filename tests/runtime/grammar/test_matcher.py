@@ -51,6 +51,9 @@ def test_a_terminated_state_has_no_mask_and_accepts_nothing(grammar_compiler, sm
     assert state.accept(EOS)
     with pytest.raises(RuntimeError, match="terminated"):
         mask_of(state)
+    live = GrammarState(grammar_compiler.compile("regex", "7"))
+    with pytest.raises(RuntimeError, match="terminated"):  # the batch fill checks every state too
+        GrammarState.fill_bitmasks([live, state], allocate_bitmask(2, PADDED_VOCAB), [0, 1])
     assert not state.accept(EOS)
     assert state.num_accepted == 2
 
