@@ -4,7 +4,9 @@
 #   bench/gpu_session.sh decode                                 # ~5 min: bench/decode.py, both shapes, HF in the same run
 # Stages: tests (GPU tests), kernels (bench/kernels.py), breakdown (bench/step_breakdown.py, SmolLM2 batch 1 and
 # Llama-3-8B shape with 8 layers), structured (bench/structured.py on random SmolLM2 weights; needs the real
-# tokenizer files in $TOKENIZER_DIR, default .bench-tokenizer), decode (bench/decode.py).
+# tokenizer files in $TOKENIZER_DIR, default .bench-tokenizer), structured-profile (the same at batch 1 with the
+# engine steps' host profile, into structured_profile.log), sweep (SmolLM2 batch 1 step time under tuning variants:
+# bench/step_breakdown.py --set/--skip-pass), decode (bench/decode.py).
 set -uo pipefail
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -22,8 +24,17 @@ for stage in "$@"; do
                  # The same without programmatic dependent launch, to measure what it gives.
                  KILN_PDL=0 python3 bench/step_breakdown.py $args --top 0 2>&1 | grep -v Warning | head -1 | sed 's/^/KILN_PDL=0 /'
                done | tee "$out/breakdown.log" ;;
+    sweep) ad=kiln.kernels.attention_decode lf=kiln.kernels.linear_fused
+           for variant in "" "--skip-pass fuse_rope_attention" "--set $ad.MIN_SPLIT_TOKENS=64" \
+                          "--set $ad.MIN_SPLIT_TOKENS=32" "--set $ad.MIN_SPLIT_TOKENS=4096" \
+                          "--set $lf.GEMV_PROGRAMS_PER_SM=4" "--set $lf.GEMV_NUM_WARPS=2" ""; do
+             python3 bench/step_breakdown.py --shape smollm2-135m --batch 1 --top 0 $variant 2>&1 | grep "engine step"
+           done | tee "$out/sweep.log" ;;
     structured) python3 bench/structured.py --random-shape smollm2-135m --tokenizer-dir "${TOKENIZER_DIR:-.bench-tokenizer}" \
                   --batches 1 16 2>&1 | tee "$out/structured.log" | tail -6 ;;
+    structured-profile) python3 bench/structured.py --random-shape smollm2-135m \
+                  --tokenizer-dir "${TOKENIZER_DIR:-.bench-tokenizer}" --batches 1 --profile > "$out/structured_profile.log" 2>&1
+                  tail -4 "$out/structured_profile.log" ;;
     decode) python3 bench/decode.py --shapes smollm2-135m llama3-8b --batches 1 8 64 --static-batches 1 \
               --out "$out/decode.json" 2>&1 | tee "$out/decode.log" | grep -v "^{" ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -3,7 +3,9 @@
 The fused decode GEMVs (``linear_fused``) run at Llama-3-8B and SmolLM2-135M shapes against the
 composition they replace (Triton rmsnorm, cuBLAS, Triton silu_mul; cuBLAS addmm for the residual).
 The row-wise argmax (greedy decode's token pick) runs on f32 logits of SmolLM2's and Llama 3's
-vocabularies against ``torch.argmax``.
+vocabularies against ``torch.argmax``; the sampler (temperature, top-k, top-p, min-p, Gumbel draw)
+against its sorting torch reference; the grammar-masked argmax against the clone + mask + argmax
+it replaced.
 
 Every case is timed with ``triton.testing.do_bench`` (median; eager calls, launch overhead included),
 and the Triton launcher also with ``do_bench_cudagraph`` (replayed in a CUDA graph, as decode runs in
@@ -253,6 +255,42 @@ def _argmax_cases(quick: bool) -> list[Case]:
     return cases
 
 
+def _sample_cases(quick: bool) -> list[Case]:
+    from kiln.kernels.argmax import ref_argmax_rows, triton_argmax_rows
+    from kiln.kernels.bitmask import apply_bitmask, bitmask_width
+    from kiln.kernels.sample import ref_sample_rows, triton_sample_rows
+
+    # Sampled decode's token pick (temperature 0.7, top-k 50, top-p 0.9, min-p 0.05; the reference
+    # sorts the vocabulary) and the grammar-masked argmax, over f32 logits.
+    shapes = [(1, 49152), (64, 128256)] + ([] if quick else [(1, 128256), (64, 49152)])
+    cases = []
+    for rows, vocab in shapes:
+        x = torch.randn(rows, vocab, device="cuda", dtype=torch.float32) * 3
+        params = (torch.full((rows,), 0.7, device="cuda"), torch.full((rows,), 50, device="cuda"),
+                  torch.full((rows,), 0.9, device="cuda"), torch.full((rows,), 0.05, device="cuda"),
+                  torch.arange(rows, device="cuda"), torch.zeros(rows, dtype=torch.int64, device="cuda"), True, True,
+                  True)
+        out = torch.empty(rows, device="cuda", dtype=torch.int64)
+        fn, ref = partial(triton_sample_rows, x, *params, out=out), partial(ref_sample_rows, x, *params)
+        cases.append(Case("sample (top-k/p, min-p)", f"[{rows}, {vocab}] f32", _nbytes(x, out), fn, ref,
+                          _compare(fn, out, ref)))
+    for rows, vocab in shapes[:2]:
+        x = torch.randn(rows, vocab, device="cuda", dtype=torch.float32)
+        mask = torch.randint(-2 ** 31, 2 ** 31, (rows, bitmask_width(vocab)), device="cuda", dtype=torch.int64)
+        mask = mask.to(torch.int32)
+        out = torch.empty(rows, device="cuda", dtype=torch.int64)
+
+        def unfused(x=x, mask=mask) -> torch.Tensor:  # what masked_argmax did before: copy, mask, argmax
+            scores = x.clone()
+            apply_bitmask(scores, mask)
+            return triton_argmax_rows(scores)
+
+        fn = partial(triton_argmax_rows, x, out, bitmask=mask)
+        cases.append(Case("masked argmax (vs clone+mask+argmax)", f"[{rows}, {vocab}] f32", _nbytes(x, mask, out), fn,
+                          unfused, _compare(fn, out, partial(ref_argmax_rows, x, mask))))
+    return cases
+
+
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Bytes per second of a large device-to-device copy, counting the read and the write."""
     import triton.testing
@@ -284,7 +322,7 @@ def run(quick: bool = False, log: Callable[[str], None] = print) -> str:
         log(line)
     builders = [lambda: _norm_cases(tokens), lambda: _silu_mul_cases(tokens), lambda: _rope_cases(tokens),
                 lambda: _kv_store_cases(tokens), lambda: _attention_cases(quick), lambda: _linear_fused_cases(quick),
-                lambda: _argmax_cases(quick)]
+                lambda: _argmax_cases(quick), lambda: _sample_cases(quick)]
     for build in builders:
         for case in build():
             err = case.check()

@@ -2,11 +2,18 @@
 (scheduling, staging inputs, replay, reading tokens back), and the replay's kernels one by one.
 
     python bench/step_breakdown.py --shape smollm2-135m --batch 1
+
+Tuning experiments: ``--set MODULE.NAME=VALUE`` overrides a module constant read at launch time
+(e.g. ``kiln.kernels.attention_decode.MIN_SPLIT_TOKENS=64``) and ``--skip-pass NAME`` compiles
+without one pass of the pipeline (e.g. ``fuse_rope_attention``), so one GPU session can compare
+variants of the same step.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import sys
 import tempfile
 import time
@@ -45,6 +52,23 @@ def kernel_table(replay, steps: int, top: int) -> str:
     return "\n".join(lines)
 
 
+def apply_overrides(settings: list[str], skipped: list[str]) -> None:
+    for setting in settings:
+        name, value = setting.split("=", 1)
+        module, attr = name.rsplit(".", 1)
+        target = importlib.import_module(module)
+        if not hasattr(target, attr):
+            sys.exit(f"--set: {module} has no {attr}")
+        setattr(target, attr, ast.literal_eval(value))
+    if skipped:
+        from kiln.compiler import pipeline
+
+        unknown = set(skipped) - {name for name, _ in pipeline.PIPELINE}
+        if unknown:
+            sys.exit(f"--skip-pass: no pass named {sorted(unknown)}")
+        pipeline.PIPELINE[:] = [(name, fn) for name, fn in pipeline.PIPELINE if name not in skipped]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="smollm2-135m")
@@ -53,7 +77,10 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE")
+    parser.add_argument("--skip-pass", action="append", default=[], metavar="NAME")
     args = parser.parse_args()
+    apply_overrides(args.set, args.skip_pass)
     _, source = random_model(args.shape, layers=args.layers)
     with tempfile.TemporaryDirectory() as tmp:
         artifact = compile_model(source, Path(tmp) / "m.kiln", CompileOptions(
@@ -78,9 +105,11 @@ def main() -> None:
         graph.replay()
     torch.cuda.synchronize()
     replay_ms = 1e3 * (time.perf_counter() - start) / args.steps
-    print(f"{args.shape} batch {args.batch}: engine step {step_ms:.3f} ms, graph replay alone {replay_ms:.3f} ms, "
+    variant = " ".join([*args.set, *(f"skip {p}" for p in args.skip_pass)])
+    print(f"{args.shape} batch {args.batch}{' [' + variant + ']' if variant else ''}: engine step {step_ms:.3f} ms, graph replay alone {replay_ms:.3f} ms, "
           f"host share {step_ms - replay_ms:.3f} ms")
-    print(kernel_table(graph.replay, 20, args.top))
+    if args.top:
+        print(kernel_table(graph.replay, 20, args.top))
 
 
 if __name__ == "__main__":

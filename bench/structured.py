@@ -2,7 +2,11 @@
 
 Runs SmolLM2 (or any model) through ``kiln.Engine`` at batch 1 and 16, greedy, the same prompts
 both ways; the schema's grammar is compiled once before timing (a warm cache, as a server sees a
-repeated schema). Reports ms per output token and the overhead of the constraint.
+repeated schema). Requests stream, and the time per output token (TPOT) of each is the time from
+its first token to its last over the tokens after the first: decode speed, the usual serving metric,
+without the prefill and request set-up that time to first token covers. Also reported: wall time
+over all output tokens, which includes them. ``--profile`` prints where the engine's steps spend
+host time (cProfile) for each batch size and mode.
 
     python bench/structured.py --batches 1 16
     python bench/structured.py --random-shape smollm2-135m --tokenizer-dir DIR   # GPU: random weights
@@ -15,9 +19,12 @@ constraint then decides what is generated, which is what this measures.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import cProfile
 import dataclasses
 import json
 import platform
+import pstats
 import sys
 import tempfile
 import time
@@ -38,16 +45,54 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["name", "age", "hobbies", "city"]}
 
 
-def timed(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
+@dataclasses.dataclass
+class Timing:
+    seconds: float  # wall time of the whole batch
+    tokens: int  # output tokens of all requests
+    tpot_ms: float  # mean over requests of (last token time - first token time) / (tokens - 1)
+
+
+async def _stream_one(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[list[float], str, str]:
+    times, text, reason = [], "", ""
+    async for delta in engine.async_stream(prompt, params):
+        times.extend([time.perf_counter()] * len(delta.token_ids))
+        text += delta.text
+        reason = delta.finish_reason or reason
+    return times, text, reason
+
+
+async def _stream_all(engine: Engine, prompts: list[list[int]], params: SamplingParams):
+    return await asyncio.gather(*(_stream_one(engine, p, params) for p in prompts))
+
+
+def timed(engine: Engine, prompts: list[list[int]], params: SamplingParams, profile: str | None = None) -> Timing:
+    profiler = cProfile.Profile() if profile else None
+    step = engine.core.step
+    if profiler is not None:
+        # The engine's thread runs the steps: profile those calls (the benchmark's thread only waits).
+        def profiled_step():
+            profiler.enable()
+            try:
+                return step()
+            finally:
+                profiler.disable()
+        engine.core.step = profiled_step
     start = time.perf_counter()
-    outputs = engine.generate(prompts, params)
+    try:
+        results = asyncio.run(_stream_all(engine, prompts, params))
+    finally:
+        engine.core.step = step
     seconds = time.perf_counter() - start
     if params.json_schema is not None:
         # Valid by construction: every output the grammar ended must parse (a cut-off one may not).
-        for out in outputs:
-            if out.finish_reason == "stop":
-                json.loads(out.text)
-    return seconds, sum(o.usage.completion_tokens for o in outputs)
+        for _, text, reason in results:
+            if reason == "stop":
+                json.loads(text)
+    if profiler is not None:
+        print(f"## engine steps, {profile}: host time by function (cProfile, tottime)")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
+    gaps = [(t[-1] - t[0]) / (len(t) - 1) for t, _, _ in results if len(t) > 1]
+    return Timing(seconds, sum(len(t) for t, _, _ in results), 1e3 * sum(gaps) / max(1, len(gaps)))
 
 
 def random_artifact(shape: str, tokenizer_dir: Path | None, workdir: Path, on_gpu: bool) -> Path:
@@ -72,6 +117,7 @@ def main() -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--random-shape", default=None, help="random weights of this shape (bench/models.py)")
     parser.add_argument("--tokenizer-dir", type=Path, default=None, help="tokenizer files for --random-shape")
+    parser.add_argument("--profile", action="store_true", help="print the engine steps' host profile of each run")
     args = parser.parse_args()
     on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     model = args.model
@@ -89,20 +135,26 @@ def main() -> None:
             free = SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens)
             constrained = SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens, json_schema=SCHEMA)
             timed(engine, prompts[:1], constrained)  # compiles the grammar, warms everything up
-            seconds_c, tokens_c = timed(engine, prompts, constrained)
-            free.max_new_tokens = max(1, tokens_c // batch)
+            label = f"batch {batch}, %s" if args.profile else None
+            json_run = timed(engine, prompts, constrained, label and label % "JSON schema")
+            free.max_new_tokens = max(1, json_run.tokens // batch)
             free.ignore_eos = True
-            seconds_f, tokens_f = timed(engine, prompts, free)
-            per_c, per_f = 1e3 * seconds_c / tokens_c, 1e3 * seconds_f / tokens_f
-            rows.append({"batch": batch, "free_ms_per_token": per_f, "json_ms_per_token": per_c,
-                         "overhead": per_c / per_f - 1})
+            free_run = timed(engine, prompts, free, label and label % "unconstrained")
+            wall_c, wall_f = 1e3 * json_run.seconds / json_run.tokens, 1e3 * free_run.seconds / free_run.tokens
+            rows.append({"batch": batch, "tokens_per_request": json_run.tokens / batch,
+                         "free_tpot_ms": free_run.tpot_ms, "json_tpot_ms": json_run.tpot_ms,
+                         "tpot_overhead": json_run.tpot_ms / free_run.tpot_ms - 1,
+                         "free_wall_ms_per_token": wall_f, "json_wall_ms_per_token": wall_c,
+                         "wall_overhead": wall_c / wall_f - 1})
     hardware = torch.cuda.get_device_name() if on_gpu else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
-    print(f"# structured outputs, {args.model}, {hardware}; ms per output token (wall, whole batch)")
-    print("| batch | unconstrained | JSON schema | overhead |")
-    print("|---|---|---|---|")
+    print(f"# structured outputs, {args.model}, {hardware}; ms per output token")
+    print("| batch | tokens/request | TPOT unconstrained | TPOT JSON schema | TPOT overhead "
+          "| wall/token unconstrained | wall/token JSON schema | wall overhead |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['free_ms_per_token']:.2f} | {r['json_ms_per_token']:.2f} | "
-              f"{100 * r['overhead']:+.1f}% |")
+        print(f"| {r['batch']} | {r['tokens_per_request']:.0f} | {r['free_tpot_ms']:.3f} | {r['json_tpot_ms']:.3f} | "
+              f"{100 * r['tpot_overhead']:+.1f}% | {r['free_wall_ms_per_token']:.3f} | "
+              f"{r['json_wall_ms_per_token']:.3f} | {100 * r['wall_overhead']:+.1f}% |")
     print(json.dumps(rows))
 
 

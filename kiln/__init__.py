@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 __all__ = ["Engine", "SamplingParams", "compile", "__version__"]
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ Transforms rewrite the graph; analyses (kernel selection, memory planning) leave
 the context for codegen. The order matters: the linear fusions must see the unfused projections,
 silu·mul must see the split the gate/up fusion made, the residual adds must join their GEMMs
 before the norms join theirs (and the gate/up GEMM's silu·mul with them), rope+KV store must see the q/k norms before
-anything else touches them, and planning runs last on the final graph.
+anything else touches them (and joins the attention after that), and planning runs last on the final graph.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from .passes.fuse_add_rmsnorm import fuse_add_rmsnorm
 from .passes.fuse_linear_residual import fuse_linear_residual
 from .passes.fuse_linears import fuse_gate_up, fuse_qkv
 from .passes.fuse_norm_linear import fuse_norm_linear
+from .passes.fuse_rope_attention import fuse_rope_attention
 from .passes.fuse_rope_kv_store import fuse_rope_kv_store
 from .passes.fuse_silu_mul import fuse_silu_mul
 from .passes.plan_memory import plan_memory
@@ -40,6 +41,7 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("fuse_norm_linear", fuse_norm_linear),
     ("fuse_add_rmsnorm", fuse_add_rmsnorm),
     ("fuse_rope_kv_store", fuse_rope_kv_store),
+    ("fuse_rope_attention", fuse_rope_attention),
     ("dce", eliminate_dead_code),
     ("select_kernels", select_kernels),
     ("plan_memory", plan_memory),

@@ -107,7 +107,7 @@ def infer_kv_store(t: Types, a: Attrs) -> tuple[TensorType, ...]:
     return (k_cache, v_cache)
 
 
-def _paged_attention(t: Types, a: Attrs) -> tuple[TensorType, ...]:
+def infer_paged_attention(t: Types, a: Attrs) -> tuple[TensorType, ...]:
     q, k_cache, v_cache, q_start, q_len, kv_len, page_table = t
     expect_rank("paged_attention", "q", q, 3)
     expect_rank("paged_attention", "k_cache", k_cache, 3)
@@ -157,7 +157,7 @@ register_op(OpDef(
     ("q", "k_cache", "v_cache", "q_start", "q_len", "kv_len", "page_table"),
     {"scale": AttrSpec("float"), "page_size": AttrSpec("int"), "sliding_window": AttrSpec("int", 0),
      "soft_cap": AttrSpec("float", 0.0)},
-    _paged_attention,
+    infer_paged_attention,
     doc="causal attention of each sequence's new tokens over its whole context in the paged pool (GQA)",
 ))
 register_op(OpDef("gather_rows", ("x", "index"), {}, _gather_rows, doc="x[index]"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from .ops import AttrSpec, OpDef, expect, expect_same, register_op
-from .ops_core import infer_kv_store, infer_linear, infer_rmsnorm, infer_rope
+from .ops_core import infer_kv_store, infer_linear, infer_paged_attention, infer_rmsnorm, infer_rope
 from .types import TensorType
 
 
@@ -51,6 +51,22 @@ register_op(OpDef(
     _rope_kv_store, num_outputs=3, aliases=(None, 5, 6), has_effect=True,
     doc="with norms: q, k = rmsnorm(q, q_norm), rmsnorm(k, k_norm); then returns (rope(q), "
         "*kv_store(k_cache, v_cache, rope(k), v, slots))",
+))
+
+
+def _rope_kv_attention(t: Sequence[TensorType], a: Mapping[str, Any]) -> tuple[TensorType, ...]:
+    q_rot, k_cache, v_cache = _rope_kv_store(t[:8], {"eps": 0.0})
+    return infer_paged_attention((q_rot, k_cache, v_cache, *t[8:]), a) + (k_cache, v_cache)
+
+
+register_op(OpDef(
+    "rope_kv_attention",
+    ("q", "k", "v", "positions", "cos_sin", "k_cache", "v_cache", "slots", "q_start", "q_len", "kv_len", "page_table"),
+    {"scale": AttrSpec("float"), "page_size": AttrSpec("int"), "sliding_window": AttrSpec("int", 0),
+     "soft_cap": AttrSpec("float", 0.0)},
+    _rope_kv_attention, num_outputs=3, aliases=(None, 5, 6), has_effect=True,
+    doc="q_rot, k_cache, v_cache = rope_kv_store(q, k, v, positions, cos_sin, k_cache, v_cache, slots); returns "
+        "(paged_attention(q_rot, k_cache, v_cache, q_start, q_len, kv_len, page_table), k_cache, v_cache)",
 ))
 
 

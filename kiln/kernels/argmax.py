@@ -17,6 +17,10 @@ an order-preserving integer key of the f32 value in the high 32 bits (NaN above 
 one key) and ``2^31 - 1 - index`` in the low 32 bits, so a plain integer max picks the largest
 value and, among equal ones, the lowest index, within a program and across the partials alike.
 f16 and bf16 inputs are compared as their (exact) f32 values.
+
+With a packed token ``bitmask`` (the grammar's, in the layout of ``bitmask.py``) the elements it
+disallows count as -inf, as if the mask had been applied to the logits first: a grammar-constrained
+greedy token in one launch, with the logits neither copied nor written.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .bitmask import bitmask_width, unpack_bitmask
 from .triton_support import (await_previous_kernel, pdl_launch, pow2, require, require_device, require_float,
                              require_unit_last_stride, semaphore_counters, sm_count)
 
@@ -42,8 +47,11 @@ MERGE_BLOCK = 256
 _FLOOR = tl.constexpr(-(2 ** 63))
 
 
-def ref_argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """int64 ``[R]``: the index of each row's maximum (the first NaN, else the first maximum)."""
+def ref_argmax_rows(x: torch.Tensor, bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 ``[R]``: the index of each row's maximum (the first NaN, else the first maximum), over
+    the elements ``bitmask`` allows when given (a row allowing nothing gives 0)."""
+    if bitmask is not None:
+        x = x.masked_fill(~unpack_bitmask(bitmask, x.shape[1]), float("-inf"))
     return x.argmax(dim=-1)
 
 
@@ -66,14 +74,16 @@ def _index_of(packed):
 
 
 @triton.jit
-def _argmax_kernel(x_ptr, out_ptr, part_ptr, counter_ptr, vocab, x_stride, chunk, num_chunks,
-                   SPLIT: tl.constexpr, BLOCK: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr):
+def _argmax_kernel(x_ptr, mask_ptr, out_ptr, part_ptr, counter_ptr, vocab, x_stride, mask_stride, chunk, num_chunks,
+                   MASKED: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr, MERGE: tl.constexpr,
+                   PDL: tl.constexpr):
     await_previous_kernel(PDL)
     row = tl.program_id(0)
     c = tl.program_id(1)
     start = c * chunk
     end = tl.minimum(start + chunk, vocab)
     row_ptr = x_ptr + row.to(tl.int64) * x_stride
+    mask_row = mask_ptr + row.to(tl.int64) * mask_stride
     offs = tl.arange(0, BLOCK)
     # Each lane keeps its own running best and the lanes are reduced once, after the loop.
     best = tl.full([BLOCK], _FLOOR, tl.int64)
@@ -83,6 +93,10 @@ def _argmax_kernel(x_ptr, out_ptr, part_ptr, counter_ptr, vocab, x_stride, chunk
         # f32 for every input dtype: the key is built from f32 bits (and the interpreter cannot do
         # bf16 arithmetic).
         x = tl.load(row_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        if MASKED:
+            # Bit idx % 32 of word idx // 32; the 32 lanes reading one word hit the same cache line.
+            words = tl.load(mask_row + idx // 32, mask=mask, other=0)
+            x = tl.where(((words >> (idx % 32)) & 1) != 0, x, float("-inf"))
         best = tl.maximum(best, tl.where(mask, _packed(x, idx), _FLOOR))
     best_of_chunk = tl.max(best, 0)
     if SPLIT:
@@ -110,9 +124,10 @@ def _argmax_kernel(x_ptr, out_ptr, part_ptr, counter_ptr, vocab, x_stride, chunk
         tl.store(out_ptr + row, _index_of(best_of_chunk))
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax: the Triton kernel for CUDA tensors, torch's otherwise."""
-    return triton_argmax_rows(x) if x.is_cuda else ref_argmax_rows(x)
+def argmax_rows(x: torch.Tensor, bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's argmax (under ``bitmask`` when given): the Triton kernel for CUDA tensors, torch's
+    otherwise."""
+    return triton_argmax_rows(x, bitmask=bitmask) if x.is_cuda else ref_argmax_rows(x, bitmask)
 
 
 def argmax_chunk(rows: int, vocab: int, sm_count: int) -> int:
@@ -122,8 +137,9 @@ def argmax_chunk(rows: int, vocab: int, sm_count: int) -> int:
     return triton.cdiv(triton.cdiv(vocab, chunks), ARGMAX_BLOCK) * ARGMAX_BLOCK
 
 
-def triton_argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, *, chunk: int | None = None) -> torch.Tensor:
-    """int64 ``[R]``: ``ref_argmax_rows(x)`` for f32/f16/bf16 ``x [R, V]`` whose rows are contiguous
+def triton_argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, *, bitmask: torch.Tensor | None = None,
+                       chunk: int | None = None) -> torch.Tensor:
+    """int64 ``[R]``: ``ref_argmax_rows(x, bitmask)`` for f32/f16/bf16 ``x [R, V]`` whose rows are contiguous
     (the row stride may exceed V). Reads nothing back to the host, so it can be captured in a CUDA
     graph once the shape has run eagerly (the first launch sizes the shared counters). ``chunk``
     (elements per program; tests force small ones) defaults to ``argmax_chunk``'s choice."""
@@ -138,7 +154,11 @@ def triton_argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, *, chun
         out = torch.empty(rows, dtype=torch.int64, device=x.device)
     require(out.dtype == torch.int64 and out.shape == (rows,) and out.stride(0) == 1, kernel,
             lambda: f"out must be contiguous int64 [{rows}], got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
-    require_device(kernel, x, out)
+    if bitmask is not None:
+        require(bitmask.dtype == torch.int32 and bitmask.shape == (rows, bitmask_width(vocab)) and bitmask.stride(1) == 1,
+                kernel, lambda: f"bitmask must be int32 [{rows}, {bitmask_width(vocab)}] with contiguous rows, got "
+                f"{bitmask.dtype} {tuple(bitmask.shape)} strides {bitmask.stride()}")
+    require_device(kernel, x, out, *([bitmask] if bitmask is not None else []))
     if rows == 0:
         return out
     if chunk is None:
@@ -150,7 +170,8 @@ def triton_argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, *, chun
     else:
         # Never touched with one chunk (the program writes `out` directly); any tensor will do.
         partials = counters = out
+    mask = bitmask if bitmask is not None else out  # never read without MASKED; any tensor will do
     _argmax_kernel[(rows, num_chunks)](
-        x, out, partials, counters, vocab, x.stride(0), chunk, num_chunks,
-        SPLIT=num_chunks > 1, BLOCK=min(ARGMAX_BLOCK, pow2(chunk)), MERGE=MERGE_BLOCK, num_warps=4, **pdl_launch(x))
+        x, mask, out, partials, counters, vocab, x.stride(0), mask.stride(0), chunk, num_chunks,
+        MASKED=bitmask is not None, SPLIT=num_chunks > 1, BLOCK=min(ARGMAX_BLOCK, pow2(chunk)), MERGE=MERGE_BLOCK, num_warps=4, **pdl_launch(x))
     return out

@@ -19,9 +19,11 @@ import torch
 
 from kiln.ir.types import TensorType
 
-from .attention_decode import decode_splits, launch_decode
+from .attention_decode import NewTokens, decode_splits, launch_decode
 from .attention_extend import extend_blocks, launch_extend
+from .kv_store import triton_kv_store
 from .registry import register_impl
+from .rope import triton_rope
 from .triton_support import (IR_FLOATS, IR_INDEXES, require, require_device, require_float, require_index,
                              require_unit_last_stride, sm_count)
 
@@ -109,7 +111,7 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_star
 def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
                            q_len: torch.Tensor, kv_len: torch.Tensor, page_table: torch.Tensor, *, out: torch.Tensor,
                            scale: float, page_size: int, sliding_window: int = 0, soft_cap: float = 0.0,
-                           sizes: Mapping[str, int] | None = None) -> None:
+                           sizes: Mapping[str, int] | None = None, new_tokens: NewTokens | None = None) -> None:
     """Writes each sequence's attention output into its rows of ``out``. Reads only host facts
     (shapes and ``sizes``), never device values, so the decode path can be captured in a CUDA graph.
 
@@ -117,6 +119,10 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     given, else the page table's width) only steers how many splits decode uses. Preconditions not
     checked (they would need a host sync): ``q_len[b] <= kv_len[b]``, ``kv_len[b] >= 1`` where
     ``q_len[b] > 0``, and the page table names a valid page for every position below ``kv_len[b]``.
+
+    With ``new_tokens`` (``rope_kv_attention``), ``q`` is unrotated and the step's k and v are not in
+    the pool yet: a decode step rotates and stores them inside the decode kernel, any other step
+    with the Triton rope and KV store kernels before the extend kernel.
     """
     _check(q, k_cache, v_cache, q_start, q_len, kv_len, page_table, out, page_size)
     sizes = sizes or {}
@@ -130,13 +136,21 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if sliding_window > 0:
             kv_bound = min(kv_bound, sliding_window)
         splits = decode_splits(q_len.shape[0], k_cache.shape[1], kv_bound, sm_count(q))
-        launch_decode(q, k_cache, v_cache, q_start, q_len, kv_len, page_table, out, num_splits=splits, **common)
-    else:
-        # An unknown max_q_len is bounded by the step's token count.
-        bound = tokens if max_q_len is None else min(max_q_len, tokens)
-        block_m, block_n, warps = extend_blocks(bound, head_dim)
-        launch_extend(q, k_cache, v_cache, q_start, q_len, kv_len, page_table, out, max_q_len=bound,
-                      block_m=block_m, block_n=block_n, num_warps=warps, **common)
+        launch_decode(q, k_cache, v_cache, q_start, q_len, kv_len, page_table, out, num_splits=splits,
+                      new_tokens=new_tokens, **common)
+        return
+    if new_tokens is not None:
+        new = new_tokens
+        q_rot, k_rot = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty_like(new.k)
+        triton_rope(q, new.positions, new.cos_sin, out=q_rot)
+        triton_rope(new.k, new.positions, new.cos_sin, out=k_rot)
+        triton_kv_store(k_cache, v_cache, k_rot, new.v, new.slots)
+        q = q_rot
+    # An unknown max_q_len is bounded by the step's token count.
+    bound = tokens if max_q_len is None else min(max_q_len, tokens)
+    block_m, block_n, warps = extend_blocks(bound, head_dim)
+    launch_extend(q, k_cache, v_cache, q_start, q_len, kv_len, page_table, out, max_q_len=bound,
+                  block_m=block_m, block_n=block_n, num_warps=warps, **common)
 
 
 def _paged_attention_checker(types: Sequence[TensorType], attrs: Mapping[str, Any]) -> bool:

@@ -18,6 +18,14 @@ changes the result, so a CUDA graph captured with one split count stays correct 
 
 The counters are the device's shared semaphore counters (``triton_support.semaphore_counters``,
 whose docstring says why kernels in one stream can share them), one per sequence and KV group.
+
+With ``new_tokens`` (the fused ``rope_kv_attention``) the step's q, k and v arrive unrotated, and
+the rotary embedding and the KV store happen here instead of in a kernel of their own: every
+program rotates its group's query heads in registers, and the program whose slice holds the new
+token (the context's last position) rotates its k, writes k and v to the token's pool slot, and
+waits at a block barrier before its loop reads that slot back (``bar.sync`` makes a CTA's global
+stores visible to all of its threads). No other program reads that slot: other splits cover other
+positions and other groups other heads. A decode step then runs one launch per layer fewer.
 """
 
 from __future__ import annotations
@@ -26,12 +34,16 @@ import torch
 import triton
 import triton.language as tl
 
+from dataclasses import dataclass
+
 from .attention_block import attend_block
 from .triton_support import await_previous_kernel, dot_in_f32, pdl_launch, pow2, semaphore_counters
 
 # Below this many context tokens per split the fixed per-program cost (loading q, the partials and
-# their merge) outweighs the extra parallelism.
-MIN_SPLIT_TOKENS = 128
+# their merge) outweighs the extra parallelism. Measured on an H200 (SmolLM2-135M decode step at batch
+# 1, 128-456-token contexts, bench/gpu_session.sh sweep): 64 gave 0.524 ms a step, 32 0.525, 128
+# 0.543, one split 0.606: at batch 1 more, shorter splits shorten each program's serial key loop.
+MIN_SPLIT_TOKENS = 64
 MAX_SPLITS = 64
 # Keys per loop step. Measured on an H200 (B=64 and B=8, 4096-token contexts, 8 KV heads of 128):
 # 64 keys at 4 warps and 2 stages read 4.4 TB/s; 32 keys, 8 warps or 3 stages were slower.
@@ -39,6 +51,33 @@ DECODE_BLOCK_N = 64
 # Elements of one [heads, splits, head_dim] tile of partials in the merge: 64 f32 registers a thread
 # at 4 warps, so the merge needs no more registers than the attention loop before it.
 MERGE_TILE = 8192
+
+
+@dataclass(frozen=True)
+class NewTokens:
+    """The decode step's unrotated k and v ``[T, kv_heads, head_dim]`` with what rotating and storing
+    them takes: positions ``[T]``, the ``[max_pos, rot]`` cos/sin table and pool slots ``[T]``."""
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    slots: torch.Tensor
+
+
+@triton.jit
+def _rotated(x_ptrs, d, mask, cs_row, half, rot, dtype: tl.constexpr):
+    # The rotary embedding of the elements x_ptrs points at (dims d of some rows), rounded as
+    # ref_rope computes it in the tensor dtype: each product rounded, then their sum. Dims past
+    # `rot` pass through (cos 1, sin 0 leave them exact).
+    partner = tl.where(d < half, d + half, tl.where(d < rot, d - half, d))
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(x_ptrs + (partner - d), mask=mask, other=0.0).to(tl.float32)
+    j = tl.where(d < half, d, d - half)
+    rotated = d < rot
+    cos = tl.load(cs_row + j, mask=rotated, other=1.0).to(dtype).to(tl.float32)
+    sin = tl.load(cs_row + half + j, mask=rotated, other=0.0).to(dtype).to(tl.float32)
+    sign = tl.where(d < half, -1.0, 1.0)
+    return ((x * cos).to(dtype).to(tl.float32) + sign * (x_partner * sin).to(dtype).to(tl.float32)).to(dtype)
 
 
 @triton.jit
@@ -80,9 +119,10 @@ def _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, b, kv_head, row, o_st, o_sh
 @triton.jit
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
                    q_start_ptr, q_len_ptr, kv_len_ptr, pt_ptr,
+                   k_ptr, v_ptr, pos_ptr, cs_ptr, slot_ptr, k_st, k_sh, v_st, v_sh, rot,
                    q_st, q_sh, o_st, o_sh, slot_stride, head_stride, pt_stride,
                    num_heads, group, head_dim, page_size, scale, soft_cap, window, num_splits,
-                   SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr, MERGE_S: tl.constexpr,
+                   ROPE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr, MERGE_S: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
     await_previous_kernel(PDL)
@@ -112,7 +152,23 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_o_ptr, part_lse_ptr, cou
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < head_dim
     mask = g_mask[:, None] & d_mask[None, :]
-    q = tl.load(q_ptr + q_start * q_st + heads[:, None] * q_sh + offs_d[None, :], mask=mask, other=0.0)
+    q_ptrs = q_ptr + q_start * q_st + heads[:, None] * q_sh + offs_d[None, :]
+    if ROPE:
+        half = rot // 2
+        cs_row = cs_ptr + tl.load(pos_ptr + q_start).to(tl.int64) * rot
+        q = _rotated(q_ptrs, offs_d[None, :], mask, cs_row, half, rot, q_ptr.dtype.element_ty)
+        slot = tl.load(slot_ptr + q_start).to(tl.int64)
+        # A padded row of a decode graph (slot < 0: nothing stored) attends like any other row.
+        if (slot >= 0) & ((kv_len - 1 - lo) // per_split == split):
+            # This slice holds the new token: put its k and v in the pool before the loop reads them.
+            k_new = _rotated(k_ptr + q_start * k_st + kv_head * k_sh + offs_d, offs_d, d_mask, cs_row, half, rot,
+                             q_ptr.dtype.element_ty)
+            tl.store(kc_ptr + slot * slot_stride + kv_head * head_stride + offs_d, k_new, mask=d_mask)
+            v_new = tl.load(v_ptr + q_start * v_st + kv_head * v_sh + offs_d, mask=d_mask)
+            tl.store(vc_ptr + slot * slot_stride + kv_head * head_stride + offs_d, v_new, mask=d_mask)
+            tl.debug_barrier()
+    else:
+        q = tl.load(q_ptrs, mask=mask, other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
     q_pos = tl.zeros([BLOCK_G], tl.int32) + (kv_len - 1)
@@ -173,8 +229,11 @@ def decode_splits(batch: int, kv_heads: int, kv_bound: int, sm_count: int) -> in
 def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
                   q_len: torch.Tensor, kv_len: torch.Tensor, page_table: torch.Tensor, out: torch.Tensor, *,
                   scale: float, page_size: int, sliding_window: int, soft_cap: float, num_splits: int,
-                  block_n: int = DECODE_BLOCK_N) -> None:
-    """Launches decode attention on inputs the dispatcher has checked; every ``q_len[b]`` must be 0 or 1."""
+                  block_n: int = DECODE_BLOCK_N, new_tokens: NewTokens | None = None) -> None:
+    """Launches decode attention on inputs the dispatcher has checked; every ``q_len[b]`` must be 0 or 1.
+    With ``new_tokens``, ``q`` is unrotated and the kernel rotates it and stores the new k and v
+    first; then every token with a pool slot must be the query of a sequence (``q_start[b]`` with
+    ``q_len[b] = 1``), as in every decode step, since only those are stored."""
     tokens, heads, head_dim = q.shape
     batch, kv_heads = q_len.shape[0], k_cache.shape[1]
     if tokens == 0 or batch == 0:
@@ -189,11 +248,16 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     else:
         # Never touched with one split (the kernel writes `out` directly); any tensor will do.
         part_o = part_lse = counters = out.new_empty(0, dtype=torch.float32)
+    new = new_tokens
+    # Without new tokens their pointers are never read (ROPE is off); q stands in for each.
+    rope_args = (new.k, new.v, new.positions, new.cos_sin, new.slots, new.k.stride(0), new.k.stride(1),
+                 new.v.stride(0), new.v.stride(1), new.cos_sin.shape[1]) if new else (q, q, q, q, q, 0, 0, 0, 0, 0)
     _decode_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_o, part_lse, counters, q_start, q_len, kv_len, page_table,
+        q, k_cache, v_cache, out, part_o, part_lse, counters, q_start, q_len, kv_len, page_table, *rope_args,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         page_table.stride(0), heads, group, head_dim, page_size, scale, soft_cap, sliding_window, num_splits,
-        SPLIT=num_splits > 1, BLOCK_G=pow2(group, 16), BLOCK_H=block_h,
+        ROPE=new is not None, SPLIT=num_splits > 1, BLOCK_G=pow2(group, 16), BLOCK_H=block_h,
         MERGE_S=min(MAX_SPLITS, max(1, MERGE_TILE // (block_h * block_d))), BLOCK_N=block_n, BLOCK_D=block_d,
         SOFT_CAP=soft_cap > 0, SLIDING=sliding_window > 0, DOT_F32=dot_in_f32(q.dtype), num_warps=4, num_stages=2,
-        **pdl_launch(q))
+        # With the rotation, an fma would skip the rounding of a product to the dtype that ref_rope does.
+        enable_fp_fusion=new is None, **pdl_launch(q))

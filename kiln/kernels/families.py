@@ -1,4 +1,4 @@
 """Imports every kernel family so that each registers its implementations."""
 
 from . import attention, elementwise, embedding, kv_store, linear, linear_fused, norm, rope  # noqa: F401
-from . import rope_kv_store, views  # noqa: F401
+from . import rope_kv_attention, rope_kv_store, views  # noqa: F401

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .sampling import SamplingParams
-from .sampling.bitmask import allocate_bitmask
+from kiln.kernels.bitmask import allocate_bitmask
 from .scheduler.request import Request
 from .tokenizer import Tokenizer
 
@@ -101,7 +101,7 @@ class Constraints:
             return None
         from .grammar.matcher import GrammarState
 
-        bitmask = allocate_bitmask(len(requests), vocab_size)
+        bitmask = allocate_bitmask(len(requests), vocab_size, pin_memory=device.type == "cuda")
         rows = [row for row, state in enumerate(states) if state is not None]
         GrammarState.fill_bitmasks([states[row] for row in rows], bitmask, rows)
         return bitmask.to(device, non_blocking=True)

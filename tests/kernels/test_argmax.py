@@ -8,6 +8,7 @@ import torch
 
 from kiln.kernels import argmax, triton_support
 from kiln.kernels.argmax import ARGMAX_BLOCK, argmax_chunk, ref_argmax_rows, triton_argmax_rows
+from kiln.kernels.bitmask import bitmask_width
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -109,6 +110,34 @@ def test_counter_per_row(monkeypatch, device):
     assert out.tolist() == [want[0].item(), -1, want[2].item()]
 
 
+def random_bitmask(rows: int, vocab: int, allowed: float, device) -> torch.Tensor:
+    """A packed mask allowing each token with probability ``allowed``."""
+    bits = (torch.rand(rows, bitmask_width(vocab) * 32) < allowed).long()
+    words = (bits.view(rows, -1, 32) << torch.arange(32)).sum(-1)
+    return words.to(torch.int64).where(words < 2 ** 31, words - 2 ** 32).to(torch.int32).to(device)
+
+
+@pytest.mark.parametrize("rows,vocab,chunk", [(1, 1, None), (3, 33, None), (4, 1000, 64), (2, 2 * ARGMAX_BLOCK + 100, None)])
+@pytest.mark.parametrize("allowed", [0.0, 0.02, 0.5, 1.0])
+def test_under_a_bitmask(rows, vocab, chunk, allowed, device):
+    # Disallowed elements count as -inf: the allowed maximum wins, a row allowing nothing gives 0,
+    # and an allowed -inf still beats nothing at a lower index.
+    x = torch.randn(rows, vocab, device=device)
+    x[0, vocab // 2] = 100.0  # a disallowed maximum must lose
+    x[-1, -1] = float("-inf")
+    bitmask = random_bitmask(rows, vocab, allowed, device)
+    got = triton_argmax_rows(x, bitmask=bitmask, chunk=chunk)
+    masked = x.masked_fill(~_allowed(bitmask, vocab), float("-inf"))
+    assert got.tolist() == masked.argmax(dim=-1).tolist() == ref_argmax_rows(x, bitmask).tolist()
+    assert not triton_support._counters.get(x.device, torch.zeros(1)).any()
+
+
+def _allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Token t is allowed when bit t % 32 of word t // 32 is set: the layout, bit by bit."""
+    ids = torch.arange(vocab, device=bitmask.device)
+    return ((bitmask[:, ids // 32] >> (ids % 32)) & 1).bool()
+
+
 def test_empty_batch(device):
     assert triton_argmax_rows(torch.empty(0, 10, device=device)).shape == (0,)
 
@@ -134,22 +163,26 @@ def test_rejects_bad_inputs(device):
         triton_argmax_rows(x.t())
     with pytest.raises(ValueError, match="out must be contiguous int64"):
         triton_argmax_rows(x, torch.empty(2, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="bitmask must be int32 \\[2, 1\\]"):
+        triton_argmax_rows(x, bitmask=torch.zeros(2, 2, dtype=torch.int32, device=device))
 
 
 # --- the GPU ------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,vocab", [(1, 49152), (1, 128256), (8, 49152), (64, 128256), (256, 151936)])
-def test_replays_in_a_cuda_graph(rows, vocab, device):
+@pytest.mark.parametrize("masked", [False, True])
+def test_replays_in_a_cuda_graph(rows, vocab, masked, device):
     # Captured once (as the decode graph captures it), replayed with new logits each time: random
     # normals, and small integers, whose maximum sits in many chunks at once. A merge that starts
     # before every chunk has published its partial, or a counter not back at zero, shows here.
     x = torch.empty(rows, vocab, device=device)
     x.normal_()
-    triton_argmax_rows(x)  # compiles, and sizes the counters, outside the capture
+    bitmask = random_bitmask(rows, vocab, 0.3, device) if masked else None
+    triton_argmax_rows(x, bitmask=bitmask)  # compiles, and sizes the counters, outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = triton_argmax_rows(x)
+        out = triton_argmax_rows(x, bitmask=bitmask)
     for replay in range(100):
         if replay % 2:
             x.copy_(torch.randint(-1000, 8, (rows, vocab), device=device))
@@ -157,5 +190,5 @@ def test_replays_in_a_cuda_graph(rows, vocab, device):
             x.normal_()
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, ref_argmax_rows(x)), f"replay {replay}"
+        assert torch.equal(out, ref_argmax_rows(x, bitmask)), f"replay {replay}"
     assert not triton_support._counters[x.device].any()

@@ -222,10 +222,11 @@ def test_dispatch_of_a_mixed_step(index_dtype, device, poisoned, assert_matches)
 
 def test_decode_splits_heuristic():
     # Small batches split long contexts to fill the GPU; large batches or short contexts do not.
-    assert decode_splits(batch=1, kv_heads=8, kv_bound=4096, sm_count=132) == 32
+    assert decode_splits(batch=1, kv_heads=8, kv_bound=4096, sm_count=132) == 33
     assert decode_splits(batch=8, kv_heads=8, kv_bound=1024, sm_count=132) == 5
     assert decode_splits(batch=64, kv_heads=8, kv_bound=4096, sm_count=132) == 1
-    assert decode_splits(batch=1, kv_heads=8, kv_bound=100, sm_count=132) == 1
+    assert decode_splits(batch=1, kv_heads=8, kv_bound=100, sm_count=132) == 2
+    assert decode_splits(batch=1, kv_heads=8, kv_bound=64, sm_count=132) == 1
     assert decode_splits(batch=1, kv_heads=1, kv_bound=1 << 20, sm_count=132) == 64
 
 

@@ -7,7 +7,7 @@
 - ``bitmask``: the packed allowed-token mask and applying it to logits (torch, or Triton on GPU).
 """
 
-from ..sampling.bitmask import allocate_bitmask, apply_bitmask, bitmask_width, unpack_bitmask
+from kiln.kernels.bitmask import allocate_bitmask, apply_bitmask, bitmask_width, unpack_bitmask
 from .compiler import CONSTRAINT_KINDS, GrammarCompiler, GrammarError
 from .matcher import GrammarState
 from .tokenizer_info import build_tokenizer_info

@@ -2,7 +2,7 @@
 counter-based random numbers (``rng``)."""
 
 from .params import SamplingParams
-from .rng import child_seed, new_seed
+from kiln.kernels.rng import child_seed, new_seed
 from .sampler import SamplerOutput, SamplingBatch, SamplingRow, masked_argmax, sample
 
 __all__ = ["SamplingParams", "SamplingBatch", "SamplingRow", "SamplerOutput", "sample", "masked_argmax", "new_seed", "child_seed"]

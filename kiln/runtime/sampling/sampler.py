@@ -22,10 +22,11 @@ from typing import Sequence
 
 import torch
 
+from kiln.kernels import rng
 from kiln.kernels.argmax import argmax_rows
+from kiln.kernels.bitmask import apply_bitmask
+from kiln.kernels.sample import sample_rows
 
-from . import rng
-from .bitmask import apply_bitmask
 from .params import SamplingParams
 
 
@@ -150,36 +151,10 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             - batch.presence_penalty[:, None] * (output_counts > 0).float())
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Set to -inf what top-k and top-p exclude. Both work on the distribution sorted from the most
-    likely token down (stable, so equal logits keep id order): top-k keeps the first k, top-p the
-    shortest prefix whose probability reaches p (always at least the first token)."""
-    ordered, order = logits.sort(dim=-1, descending=True, stable=True)
-    if batch.use_top_k:
-        ranks = torch.arange(logits.shape[1], device=logits.device)
-        ordered = ordered.masked_fill(ranks[None, :] >= batch.top_k[:, None], -math.inf)
-    if batch.use_top_p:
-        probs = ordered.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        # Rows with top_p = 1 are left alone: float rounding can push the running sum past 1.
-        drop = (mass_before >= batch.top_p[:, None]) & (batch.top_p[:, None] < 1)
-        ordered = ordered.masked_fill(drop, -math.inf)
-    return torch.empty_like(logits).scatter_(1, order, ordered)
-
-
-def _filter_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Drop tokens less likely than min_p times the most likely one; in log space that is a logit
-    below max + log(min_p) (log(0) = -inf keeps every token)."""
-    threshold = logits.max(dim=-1, keepdim=True).values + torch.log(batch.min_p)[:, None]
-    return logits.masked_fill(logits < threshold, -math.inf)
-
-
 def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Greedy tokens under a packed grammar bitmask: what ``sample`` gives rows that only ask for
-    greedy and a grammar, in two kernels and with no host round trip (an overlapped step's tokens)."""
-    scores = logits.clone()
-    apply_bitmask(scores, bitmask)
-    return argmax_rows(scores)
+    greedy and a grammar, in one kernel and with no host round trip (an overlapped step's tokens)."""
+    return argmax_rows(logits, bitmask)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, allowed_mask: torch.Tensor | None = None) -> SamplerOutput:
@@ -188,7 +163,6 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, allowed_mask: torch.Tenso
     A row whose mask allows nothing gets token 0."""
     raw = logits.float()
     raw_logprobs = torch.log_softmax(raw, dim=-1) if batch.want_logprobs else None
-    vocab_size = raw.shape[1]
     scores = apply_penalties(raw, batch) if batch.use_penalties else raw.clone()
     if batch.bias_rows is not None:
         scores.index_put_((batch.bias_rows, batch.bias_ids), batch.bias_values, accumulate=True)
@@ -199,13 +173,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, allowed_mask: torch.Tenso
             apply_bitmask(scores, allowed_mask)
     tokens = scores.argmax(dim=-1)
     if not batch.all_greedy:
-        scores = scores / batch.temperature[:, None]
-        if batch.use_top_k or batch.use_top_p:
-            scores = _filter_top_k_top_p(scores, batch)
-        if batch.use_min_p:
-            scores = _filter_min_p(scores, batch)
-        noisy = scores.double() + rng.gumbel_noise(batch.seeds, batch.steps, vocab_size)
-        tokens = torch.where(batch.greedy, tokens, noisy.argmax(dim=-1))
+        # One Triton kernel on a GPU (no sort of the vocabulary), the torch reference elsewhere.
+        sampled = sample_rows(scores, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds,
+                              batch.steps, batch.use_top_k, batch.use_top_p, batch.use_min_p)
+        tokens = torch.where(batch.greedy, tokens, sampled)
     if raw_logprobs is None:
         return SamplerOutput(tokens, None, None, None)
     chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kiln.runtime.sampling import SamplingBatch, SamplingParams, SamplingRow, child_seed, new_seed, sample
-from kiln.runtime.sampling import rng
-from kiln.runtime.sampling.bitmask import unpack_bitmask
+from kiln.kernels import rng
+from kiln.kernels.bitmask import unpack_bitmask
 from kiln.runtime.sampling.sampler import apply_penalties, token_counts
 
 V = 64

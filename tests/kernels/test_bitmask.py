@@ -9,9 +9,9 @@ import pytest
 import torch
 import xgrammar
 
+from kiln.kernels.bitmask import (allocate_bitmask, apply_bitmask, apply_bitmask_triton, bitmask_width,
+                                  ref_apply_bitmask, unpack_bitmask)
 from kiln.kernels.triton_support import INTERPRET
-from kiln.runtime.sampling.bitmask import (allocate_bitmask, apply_bitmask, apply_bitmask_triton, bitmask_width,
-                                          ref_apply_bitmask, unpack_bitmask)
 
 VOCAB_SIZES = [1, 31, 32, 33, 1000, 4131, 49172]
 KERNEL_DEVICE = "cpu" if INTERPRET else "cuda"

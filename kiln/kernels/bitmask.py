@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton_support import require_device
+from .triton_support import require_device
 
 
 BITS_PER_WORD = 32
@@ -31,10 +31,14 @@ def bitmask_width(vocab_size: int) -> int:
     return math.ceil(vocab_size / BITS_PER_WORD)
 
 
-def allocate_bitmask(batch: int, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def allocate_bitmask(batch: int, vocab_size: int, device: torch.device | str = "cpu", *,
+                     pin_memory: bool = False) -> torch.Tensor:
     """An int32 ``[batch, ceil(V / 32)]`` bitmask allowing every token. xgrammar fills CPU rows;
-    copy the filled mask to the logits' device before applying it there."""
-    return torch.full((batch, bitmask_width(vocab_size)), ALL_ALLOWED, dtype=torch.int32, device=device)
+    copy the filled mask to the logits' device before applying it there. A mask bound for a GPU
+    should be pinned: only a copy from pinned memory is truly asynchronous, and a synchronous one
+    waits for the step in flight, which the host should be overlapping instead."""
+    return torch.full((batch, bitmask_width(vocab_size)), ALL_ALLOWED, dtype=torch.int32, device=device,
+                      pin_memory=pin_memory)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
