@@ -125,7 +125,6 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_o_ptr, part_lse_ptr, cou
                    ROPE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr, MERGE_S: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
-    await_previous_kernel(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -156,8 +155,13 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_o_ptr, part_lse_ptr, cou
     if ROPE:
         half = rot // 2
         cs_row = cs_ptr + tl.load(pos_ptr + q_start).to(tl.int64) * rot
-        q = _rotated(q_ptrs, offs_d[None, :], mask, cs_row, half, rot, q_ptr.dtype.element_ty)
         slot = tl.load(slot_ptr + q_start).to(tl.int64)
+    # Up to here the program read only the step's inputs (copied in before the step's first kernel
+    # started) and constants, so under PDL it did so while the kernel before it was still running.
+    # q, the new k and v, and the pool entries the previous kernel may have stored come after the wait.
+    await_previous_kernel(PDL)
+    if ROPE:
+        q = _rotated(q_ptrs, offs_d[None, :], mask, cs_row, half, rot, q_ptr.dtype.element_ty)
         # A padded row of a decode graph (slot < 0: nothing stored) attends like any other row.
         if (slot >= 0) & ((kv_len - 1 - lo) // per_split == split):
             # This slice holds the new token: put its k and v in the pool before the loop reads them.

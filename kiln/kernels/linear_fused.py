@@ -150,7 +150,6 @@ def _gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, r_ptr, y_ptr, T, N, K, eps, x_st, 
                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # Program j computes output columns j*BLOCK_N .. +BLOCK_N of every row. For _SILU_MUL, N is the
     # output width I, and the program also reads the up rows I + n of the [2I, K] weight.
-    await_previous_kernel(PDL)
     dtype = x_ptr.dtype.element_ty
     rows = tl.arange(0, BLOCK_T)
     row_mask = rows < T
@@ -161,14 +160,16 @@ def _gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, r_ptr, y_ptr, T, N, K, eps, x_st, 
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * w_st
     up_rows = w_ptr + (cols + N).to(tl.int64)[:, None] * w_st  # read only for _SILU_MUL
     if ONE_STEP:
-        # All of K in one step: the weight loads go out first, so they are in flight while the
-        # norm waits for x; x is read once.
+        # All of K in one step: the weight loads go out first, even before waiting for the kernel
+        # before this one (weights are never written during a step, so reading them early is safe):
+        # under PDL their fetch from memory overlaps that kernel's tail. x is read once, after the wait.
         k = offs_k
         k_mask = k < K
         w_mask = col_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)
         if EPILOGUE == _SILU_MUL:
             w_up = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0)
+        await_previous_kernel(PDL)
         xk = tl.load(x_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if NORM:
             xf = xk.to(tl.float32)
@@ -178,6 +179,7 @@ def _gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, r_ptr, y_ptr, T, N, K, eps, x_st, 
         if EPILOGUE == _SILU_MUL:
             acc_up = _tile_product(xk, w_up, USE_DOT, DOT_F32)
     else:
+        await_previous_kernel(PDL)
         acc, acc_up = _gemv_k_loop(x_rows, w_rows, up_rows, nw_ptr, row_mask, col_mask, offs_k, K, eps, dtype, NORM,
                                    EPILOGUE == _SILU_MUL, USE_DOT, DOT_F32, BLOCK_T, BLOCK_N, BLOCK_K)
     _gemv_epilogue(acc, acc_up, b_ptr, r_ptr, y_ptr, rows, cols, row_mask, col_mask, r_st, y_st, dtype,

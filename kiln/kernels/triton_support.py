@@ -142,9 +142,11 @@ def pdl_launch(t: torch.Tensor) -> dict[str, bool]:
 
 @triton.jit
 def await_previous_kernel(PDL: tl.constexpr):
-    """The first statement of a PDL-launched kernel, before it touches memory: waits until the kernel
-    before it has finished (so its outputs are complete and nothing it still reads gets overwritten),
-    then lets the kernel after it launch early in turn."""
+    """Called by a PDL-launched kernel before it touches memory that kernels before it write: waits
+    until the kernel before it has finished (so its outputs are complete and nothing it still reads
+    gets overwritten), then lets the kernel after it launch early in turn. Reads of what no kernel of
+    the step writes (weights, constant tables, the step's inputs, which are copied in before its
+    first kernel starts) may come before it, and then overlap the previous kernel's tail."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
