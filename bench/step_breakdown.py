@@ -106,7 +106,8 @@ def main() -> None:
     torch.cuda.synchronize()
     replay_ms = 1e3 * (time.perf_counter() - start) / args.steps
     variant = " ".join([*args.set, *(f"skip {p}" for p in args.skip_pass)])
-    print(f"{args.shape} batch {args.batch}{' [' + variant + ']' if variant else ''}: engine step {step_ms:.3f} ms, graph replay alone {replay_ms:.3f} ms, "
+    label = f"{args.shape} batch {args.batch}" + (f" [{variant}]" if variant else "")
+    print(f"{label}: engine step {step_ms:.3f} ms, graph replay alone {replay_ms:.3f} ms, "
           f"host share {step_ms - replay_ms:.3f} ms")
     if args.top:
         print(kernel_table(graph.replay, 20, args.top))

@@ -155,9 +155,10 @@ def triton_argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, *, bitm
     require(out.dtype == torch.int64 and out.shape == (rows,) and out.stride(0) == 1, kernel,
             lambda: f"out must be contiguous int64 [{rows}], got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
     if bitmask is not None:
-        require(bitmask.dtype == torch.int32 and bitmask.shape == (rows, bitmask_width(vocab)) and bitmask.stride(1) == 1,
-                kernel, lambda: f"bitmask must be int32 [{rows}, {bitmask_width(vocab)}] with contiguous rows, got "
-                f"{bitmask.dtype} {tuple(bitmask.shape)} strides {bitmask.stride()}")
+        width = bitmask_width(vocab)
+        require(bitmask.dtype == torch.int32 and bitmask.shape == (rows, width) and bitmask.stride(1) == 1, kernel,
+                lambda: f"bitmask must be int32 [{rows}, {width}] with contiguous rows, got {bitmask.dtype} "
+                f"{tuple(bitmask.shape)} strides {bitmask.stride()}")
     require_device(kernel, x, out, *([bitmask] if bitmask is not None else []))
     if rows == 0:
         return out
@@ -173,5 +174,6 @@ def triton_argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, *, bitm
     mask = bitmask if bitmask is not None else out  # never read without MASKED; any tensor will do
     _argmax_kernel[(rows, num_chunks)](
         x, mask, out, partials, counters, vocab, x.stride(0), mask.stride(0), chunk, num_chunks,
-        MASKED=bitmask is not None, SPLIT=num_chunks > 1, BLOCK=min(ARGMAX_BLOCK, pow2(chunk)), MERGE=MERGE_BLOCK, num_warps=4, **pdl_launch(x))
+        MASKED=bitmask is not None, SPLIT=num_chunks > 1, BLOCK=min(ARGMAX_BLOCK, pow2(chunk)), MERGE=MERGE_BLOCK,
+        num_warps=4, **pdl_launch(x))
     return out

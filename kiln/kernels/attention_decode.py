@@ -30,11 +30,11 @@ positions and other groups other heads. A decode step then runs one launch per l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
-
-from dataclasses import dataclass
 
 from .attention_block import attend_block
 from .triton_support import await_previous_kernel, dot_in_f32, pdl_launch, pow2, semaphore_counters
@@ -122,8 +122,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_o_ptr, part_lse_ptr, cou
                    k_ptr, v_ptr, pos_ptr, cs_ptr, slot_ptr, k_st, k_sh, v_st, v_sh, rot,
                    q_st, q_sh, o_st, o_sh, slot_stride, head_stride, pt_stride,
                    num_heads, group, head_dim, page_size, scale, soft_cap, window, num_splits,
-                   ROPE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr, MERGE_S: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   ROPE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr,
+                   MERGE_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
