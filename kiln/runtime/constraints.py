@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from .sampling import SamplingParams
 from kiln.kernels.bitmask import allocate_bitmask
+
+from .sampling import SamplingParams
 from .scheduler.request import Request
 from .tokenizer import Tokenizer
 

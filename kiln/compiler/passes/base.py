@@ -45,6 +45,13 @@ class PassContext:
 Pass = Callable[[Graph, PassContext], Graph]
 
 
+def sole_reader(graph: Graph, users: dict[str, list[Node]], value: str) -> Node | None:
+    """The one node reading ``value`` (``users`` is ``graph.users()``), or None when it has another
+    reader or none, or is a graph output: the condition for folding its producer into that reader."""
+    readers = users.get(value, [])
+    return readers[0] if len(readers) == 1 and value not in graph.outputs else None
+
+
 def rewrite_nodes(graph: Graph, replaced: dict[int, Node], removed: set[int]) -> Graph:
     """``graph`` with each node whose ``id`` keys ``replaced`` swapped for its replacement, in place,
     and the nodes whose ids are in ``removed`` dropped: how the fusion passes apply their matches."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kiln.ir import Graph, make_node
 
-from .base import PassContext, rewrite_nodes
+from .base import PassContext, rewrite_nodes, sole_reader
 
 
 def fuse_linear_residual(graph: Graph, ctx: PassContext) -> Graph:
@@ -27,7 +27,7 @@ def fuse_linear_residual(graph: Graph, ctx: PassContext) -> Graph:
             linear = producers.get(node.inputs[gemm_side])
             residual = node.inputs[other]
             if (linear is None or linear.op != "linear" or len(linear.inputs) != 2 or id(linear) in absorbed
-                    or len(users[linear.out]) != 1 or linear.out in graph.outputs
+                    or sole_reader(graph, users, linear.out) is None
                     or types[residual] != types[linear.out]):
                 continue
             x, weight = linear.inputs

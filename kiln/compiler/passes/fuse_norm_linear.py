@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from kiln.ir import Graph, Node, make_node
 
-from .base import PassContext, rewrite_nodes
+from .base import PassContext, rewrite_nodes, sole_reader
 
 
 def fuse_norm_linear(graph: Graph, ctx: PassContext) -> Graph:
@@ -24,8 +24,7 @@ def fuse_norm_linear(graph: Graph, ctx: PassContext) -> Graph:
     types = graph.value_types()
 
     def only_reader(value: str) -> Node | None:
-        readers = users.get(value, [])
-        return readers[0] if len(readers) == 1 and value not in graph.outputs else None
+        return sole_reader(graph, users, value)
 
     replaced: dict[int, Node] = {}
     absorbed: set[int] = set()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from kiln.ir import Graph, Node, make_node
 
-from .base import PassContext, rewrite_nodes
+from .base import PassContext, rewrite_nodes, sole_reader
 
 
 def fuse_rope_attention(graph: Graph, ctx: PassContext) -> Graph:
@@ -32,8 +32,7 @@ def fuse_rope_attention(graph: Graph, ctx: PassContext) -> Graph:
             continue
         # The fused node takes the attention's place, so nothing may read the store's outputs in between.
         if store.outputs[1:] != attention.inputs[1:3] or any(
-                value in graph.outputs or any(user is not attention for user in users.get(value, []))
-                for value in store.outputs):
+                sole_reader(graph, users, value) is not attention for value in store.outputs):
             continue
         inputs = [*store.inputs, *attention.inputs[3:]]
         fused = make_node("rope_kv_attention", inputs, [attention.out, *store.outputs[1:]],

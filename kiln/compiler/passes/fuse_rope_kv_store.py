@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from kiln.ir import Graph, Node, make_node
 
-from .base import PassContext, rewrite_nodes
+from .base import PassContext, rewrite_nodes, sole_reader
 
 
 def fuse_rope_kv_store(graph: Graph, ctx: PassContext) -> Graph:
@@ -27,7 +27,7 @@ def fuse_rope_kv_store(graph: Graph, ctx: PassContext) -> Graph:
 
     def sole_producer(value: str, op: str) -> Node | None:
         node = producers.get(value)
-        if node is None or node.op != op or len(users.get(value, [])) != 1 or value in graph.outputs:
+        if node is None or node.op != op or sole_reader(graph, users, value) is None:
             return None
         return node
 

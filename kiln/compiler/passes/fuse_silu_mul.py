@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kiln.ir import Graph, make_node
 
-from .base import PassContext, rewrite_nodes
+from .base import PassContext, rewrite_nodes, sole_reader
 
 
 def fuse_silu_mul(graph: Graph, ctx: PassContext) -> Graph:
@@ -22,8 +22,7 @@ def fuse_silu_mul(graph: Graph, ctx: PassContext) -> Graph:
             continue
         for gate_side, other in ((0, 1), (1, 0)):
             silu = producers.get(node.inputs[gate_side])
-            if silu is not None and silu.op == "silu" and len(users[silu.out]) == 1 \
-                    and silu.out not in graph.outputs:
+            if silu is not None and silu.op == "silu" and sole_reader(graph, users, silu.out) is not None:
                 gate, up = silu.inputs[0], node.inputs[other]
                 replaced[id(node)] = make_node("silu_mul", [gate, up], [node.out], [types[gate], types[up]])
                 absorbed.add(id(silu))

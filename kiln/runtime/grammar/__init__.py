@@ -4,10 +4,12 @@
   thread pool, behind a cache that also remembers failures (``GrammarError``);
 - ``tokenizer_info``: the model's vocabulary as xgrammar needs it, built from ``tokenizer.json``;
 - ``matcher``: ``GrammarState``, one request's position in its grammar (mask, accept, rollback);
-- ``bitmask``: the packed allowed-token mask and applying it to logits (torch, or Triton on GPU).
+- ``kiln.kernels.bitmask`` (re-exported): the packed allowed-token mask and applying it to logits
+  (torch, or Triton on GPU).
 """
 
 from kiln.kernels.bitmask import allocate_bitmask, apply_bitmask, bitmask_width, unpack_bitmask
+
 from .compiler import CONSTRAINT_KINDS, GrammarCompiler, GrammarError
 from .matcher import GrammarState
 from .tokenizer_info import build_tokenizer_info
