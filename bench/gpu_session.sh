@@ -6,7 +6,8 @@
 # Llama-3-8B shape with 8 layers), structured (bench/structured.py on random SmolLM2 weights; needs the real
 # tokenizer files in $TOKENIZER_DIR, default .bench-tokenizer), structured-profile (the same at batch 1 with the
 # engine steps' host profile, into structured_profile.log), sweep (SmolLM2 batch 1 step time under tuning variants:
-# bench/step_breakdown.py --set/--skip-pass), decode (bench/decode.py).
+# bench/step_breakdown.py --set/--skip-pass), gemv-sweep (bench/gemv_sweep.py: the decode GEMV against cuBLAS at
+# Llama-3-8B shapes under tiling variants), decode (bench/decode.py).
 set -uo pipefail
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -30,6 +31,13 @@ for stage in "$@"; do
                           "--set $lf.GEMV_PROGRAMS_PER_SM=4" "--set $lf.GEMV_NUM_WARPS=2" ""; do
              python3 bench/step_breakdown.py --shape smollm2-135m --batch 1 --top 0 $variant 2>&1 | grep "engine step"
            done | tee "$out/sweep.log" ;;
+    gemv-sweep) n8="GEMV_BLOCK_N=(4,8)"
+                python3 bench/gemv_sweep.py --tokens 1 --variant "$n8" --variant "$n8 GEMV_RESIDENT_PER_SM=3" \
+                  --variant "$n8 GEMV_RESIDENT_PER_SM=4" --variant "$n8 GEMV_RESIDENT_PER_SM=1" --variant "" \
+                  --variant "$n8 GEMV_RESIDENT_PER_SM=1000" --variant "GEMV_BLOCK_N=(4,4) GEMV_BLOCK_K=(64,2048)" \
+                  --variant "$n8 GEMV_NUM_WARPS=8" 2>&1 | tee "$out/gemv_sweep.log" | grep "|"
+                python3 bench/gemv_sweep.py --tokens 8 --variant "" --variant "GEMV_DOT_BLOCK_K=256" 2>&1 \
+                  | tee -a "$out/gemv_sweep.log" | grep "|" ;;
     structured) python3 bench/structured.py --random-shape smollm2-135m --tokenizer-dir "${TOKENIZER_DIR:-.bench-tokenizer}" \
                   --batches 1 16 2>&1 | tee "$out/structured.log" | tail -6 ;;
     structured-profile) python3 bench/structured.py --random-shape smollm2-135m \
