@@ -7,7 +7,8 @@
 # tokenizer files in $TOKENIZER_DIR, default .bench-tokenizer), structured-profile (the same at batch 1 with the
 # engine steps' host profile, into structured_profile.log), sweep (SmolLM2 batch 1 step time under tuning variants:
 # bench/step_breakdown.py --set/--skip-pass), gemv-sweep (bench/gemv_sweep.py: the decode GEMV against cuBLAS at
-# Llama-3-8B shapes under tiling variants), decode (bench/decode.py).
+# Llama-3-8B shapes under tiling variants), gemv-policy (Llama-3-8B step under each one-row GEMV weight bound),
+# decode (bench/decode.py; extra arguments in $DECODE_ARGS, e.g. "--batches 1 --set MODULE.NAME=VALUE").
 set -uo pipefail
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -31,20 +32,23 @@ for stage in "$@"; do
                           "--set $lf.GEMV_PROGRAMS_PER_SM=4" "--set $lf.GEMV_NUM_WARPS=2" ""; do
              python3 bench/step_breakdown.py --shape smollm2-135m --batch 1 --top 0 $variant 2>&1 | grep "engine step"
            done | tee "$out/sweep.log" ;;
-    gemv-sweep) n8="GEMV_BLOCK_N=(4,8)"
-                python3 bench/gemv_sweep.py --tokens 1 --variant "$n8" --variant "$n8 GEMV_RESIDENT_PER_SM=3" \
-                  --variant "$n8 GEMV_RESIDENT_PER_SM=4" --variant "$n8 GEMV_RESIDENT_PER_SM=1" --variant "" \
-                  --variant "$n8 GEMV_RESIDENT_PER_SM=1000" --variant "GEMV_BLOCK_N=(4,4) GEMV_BLOCK_K=(64,2048)" \
-                  --variant "$n8 GEMV_NUM_WARPS=8" 2>&1 | tee "$out/gemv_sweep.log" | grep "|"
-                python3 bench/gemv_sweep.py --tokens 8 --variant "" --variant "GEMV_DOT_BLOCK_K=256" 2>&1 \
-                  | tee -a "$out/gemv_sweep.log" | grep "|" ;;
+    gemv-sweep) python3 bench/gemv_sweep.py --tokens 1 --variant "" --variant "GEMV_RESIDENT_PER_SM=3" \
+                  --variant "GEMV_RESIDENT_PER_SM=1000" --variant "GEMV_BLOCK_N=(4,16)" 2>&1 \
+                  | tee "$out/gemv_sweep.log" | grep "|"
+                python3 bench/gemv_sweep.py --tokens 8 --variant "" 2>&1 | tee -a "$out/gemv_sweep.log" | grep "|" ;;
+    gemv-policy) # Llama-3-8B (8 layers) batch-1 step under each one-row GEMV weight bound: 16 MiB (cuBLAS for all
+                 # of Llama's GEMMs), 128 MiB (GEMV for qkv, o and down), unbounded (also gate/up and lm_head).
+                 for bound in 16777216 134217728 4611686018427387904; do
+                   python3 bench/step_breakdown.py --shape llama3-8b --layers 8 --batch 1 --top 4 \
+                     --set kiln.kernels.linear_fused.GEMV_ONE_ROW_MAX_WEIGHT_BYTES=$bound 2>&1 | grep -v Warning
+                 done | tee "$out/gemv_policy.log" ;;
     structured) python3 bench/structured.py --random-shape smollm2-135m --tokenizer-dir "${TOKENIZER_DIR:-.bench-tokenizer}" \
                   --batches 1 16 2>&1 | tee "$out/structured.log" | tail -6 ;;
     structured-profile) python3 bench/structured.py --random-shape smollm2-135m \
                   --tokenizer-dir "${TOKENIZER_DIR:-.bench-tokenizer}" --batches 1 --profile > "$out/structured_profile.log" 2>&1
                   tail -4 "$out/structured_profile.log" ;;
     decode) python3 bench/decode.py --shapes smollm2-135m llama3-8b --batches 1 8 64 --static-batches 1 \
-              --out "$out/decode.json" 2>&1 | tee "$out/decode.log" | grep -v "^{" ;;
+              --out "$out/decode.json" ${DECODE_ARGS:-} 2>&1 | tee "$out/decode.log" | grep -v "^{" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -234,7 +234,7 @@ def _linear_fused_cases(quick: bool) -> list[Case]:
     from kiln.kernels.gemv import GEMV_MAX_ROWS
 
     # The (gemv) rows time the GEMV at every shape, whatever weight size the engine gives it.
-    linear_fused.GEMV_MAX_WEIGHT_BYTES = 1 << 62
+    linear_fused.GEMV_MAX_WEIGHT_BYTES = linear_fused.GEMV_ONE_ROW_MAX_WEIGHT_BYTES = 1 << 62
     # Decode's batch sizes; GEMV_MAX_ROWS (the tl.dot path at its largest) shows where cuBLAS should take over.
     tokens_list = [1] if quick else [1, 8, GEMV_MAX_ROWS]
     cases = []

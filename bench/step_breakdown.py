@@ -12,8 +12,6 @@ variants of the same step.
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib
 import sys
 import tempfile
 import time
@@ -24,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import random_model  # noqa: E402
+from overrides import apply_overrides  # noqa: E402
 
 from kiln.compiler.compile import compile_model  # noqa: E402
 from kiln.compiler.options import CompileOptions  # noqa: E402
@@ -50,23 +49,6 @@ def kernel_table(replay, steps: int, top: int) -> str:
     for name, times in sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]:
         lines.append(f"| {name} | {len(times) / steps:.0f} | {sum(times) / steps:.1f} | {sum(times) / len(times):.2f} |")
     return "\n".join(lines)
-
-
-def apply_overrides(settings: list[str], skipped: list[str]) -> None:
-    for setting in settings:
-        name, value = setting.split("=", 1)
-        module, attr = name.rsplit(".", 1)
-        target = importlib.import_module(module)
-        if not hasattr(target, attr):
-            sys.exit(f"--set: {module} has no {attr}")
-        setattr(target, attr, ast.literal_eval(value))
-    if skipped:
-        from kiln.compiler import pipeline
-
-        unknown = set(skipped) - {name for name, _ in pipeline.PIPELINE}
-        if unknown:
-            sys.exit(f"--skip-pass: no pass named {sorted(unknown)}")
-        pipeline.PIPELINE[:] = [(name, fn) for name, fn in pipeline.PIPELINE if name not in skipped]
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ from .triton_support import await_previous_kernel, dot_in_f32, pdl_launch, pow2,
 GEMV_MAX_ROWS = 16
 # Tiling knobs of gemv_config (module constants so that bench/step_breakdown.py --set can sweep them).
 GEMV_PROGRAMS_PER_SM = 2  # at least this many column tiles per SM, so every SM streams
-GEMV_BLOCK_N = (4, 64)  # least and most weight rows (output columns) per program
+GEMV_BLOCK_N = (4, 8)  # least and most weight rows (output columns) per tile
 GEMV_BLOCK_K = (64, 1024)  # least and most of K per tile; contiguous runs that load as wide vectors
 # A one-row tile holds this many weights (gate and up rows together for the SiLU-gated op): 128 a
 # thread at 4 warps, twice that with the next tile in flight beside it. Measured on an H200 at

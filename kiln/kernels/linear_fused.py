@@ -63,14 +63,22 @@ register_impl("linear_residual", "torch", _linear_residual)
 
 # --- Triton GEMV ------------------------------------------------------------------------------------
 
-# The fused GEMV (gemv.py) runs for few rows and weights up to this size; bigger weights at few rows
-# go to the composition. Measured on an H200 (bench/kernels.py, bench/gemv_sweep.py).
+# Where the fused GEMV (gemv.py) runs instead of the composition (Triton norm and activation kernels
+# around cuBLAS): for one row up to GEMV_ONE_ROW_MAX_WEIGHT_BYTES of weights, for 2-GEMV_MAX_ROWS
+# rows up to GEMV_MAX_WEIGHT_BYTES. Measured on an H200 (bench/gemv_sweep.py, bench/step_breakdown.py):
+# at one row the GEMV streams Llama-3-8B's qkv, o and down weights faster than cuBLAS, which also
+# needs a split-K reduce and the norm kernels beside it; at 8-16 rows its tl.dot path is slower than
+# cuBLAS on weights of tens of MB, and small weights are latency-bound, where one launch wins.
 GEMV_MAX_WEIGHT_BYTES = 16 << 20
+GEMV_ONE_ROW_MAX_WEIGHT_BYTES = 128 << 20
 
 
 def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the fused GEMV (rather than the cuBLAS composition) runs for these operands."""
-    return x.shape[0] <= GEMV_MAX_ROWS and weight.numel() * weight.element_size() <= GEMV_MAX_WEIGHT_BYTES
+    weight_bytes = weight.numel() * weight.element_size()
+    if x.shape[0] == 1:
+        return weight_bytes <= GEMV_ONE_ROW_MAX_WEIGHT_BYTES
+    return x.shape[0] <= GEMV_MAX_ROWS and weight_bytes <= GEMV_MAX_WEIGHT_BYTES
 
 
 def _check_gemv(kernel: str, x: torch.Tensor, norm_weight: torch.Tensor | None, weight: torch.Tensor,

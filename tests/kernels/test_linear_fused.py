@@ -82,18 +82,21 @@ def test_linear_residual(tokens, k, n, dtype, device, poisoned):
     _assert_close(out, ref_linear_residual(x, weight, residual))
 
 
-def test_large_weights_take_the_composed_path_at_one_row(device, poisoned, monkeypatch):
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_large_weights_take_the_composed_path(tokens, device, poisoned, monkeypatch):
     import kiln.kernels.linear_fused as linear_fused
 
-    x, norm_weight = torch.randn(1, 72, device=device), torch.randn(72, device=device)
-    weight, residual = _weight(48, 72, torch.float32, device), torch.randn(1, 48, device=device)
+    x, norm_weight = torch.randn(tokens, 72, device=device), torch.randn(72, device=device)
+    weight, residual = _weight(48, 72, torch.float32, device), torch.randn(tokens, 48, device=device)
     assert linear_fused.uses_gemv(x, weight)
-    monkeypatch.setattr(linear_fused, "GEMV_MAX_WEIGHT_BYTES", weight.numel() * 4 - 1)
+    # One row has its own bound (the GEMV streams large weights well at one row, not at several).
+    bound = "GEMV_ONE_ROW_MAX_WEIGHT_BYTES" if tokens == 1 else "GEMV_MAX_WEIGHT_BYTES"
+    monkeypatch.setattr(linear_fused, bound, weight.numel() * 4 - 1)
     assert not linear_fused.uses_gemv(x, weight)
-    out = poisoned((1, 24), torch.float32)
+    out = poisoned((tokens, 24), torch.float32)
     triton_rmsnorm_linear_silu_mul(x, norm_weight, weight, out=out, eps=EPS)
     _assert_close(out, ref_rmsnorm_linear_silu_mul(x, norm_weight, weight, EPS))
-    out = poisoned((1, 48), torch.float32)
+    out = poisoned((tokens, 48), torch.float32)
     triton_linear_residual(x, weight, residual, out=out)
     _assert_close(out, ref_linear_residual(x, weight, residual))
 
@@ -158,7 +161,8 @@ def test_registration_and_checker(device):
 def test_llama_shapes_on_gpu(tokens, k, n, device, poisoned, monkeypatch):
     import kiln.kernels.linear_fused as linear_fused
 
-    monkeypatch.setattr(linear_fused, "GEMV_MAX_WEIGHT_BYTES", 1 << 62)  # the GEMV, whatever the engine's bound
+    for bound in ("GEMV_MAX_WEIGHT_BYTES", "GEMV_ONE_ROW_MAX_WEIGHT_BYTES"):  # the GEMV, whatever the engine's bound
+        monkeypatch.setattr(linear_fused, bound, 1 << 62)
     dtype = torch.bfloat16
     x = torch.randn(tokens, k, device=device, dtype=dtype)
     norm_weight = torch.randn(k, device=device, dtype=dtype)

@@ -1,0 +1,27 @@
+"""Tuning overrides shared by the GPU benchmarks: ``--set MODULE.NAME=VALUE`` sets a module constant
+that kiln reads at launch time (e.g. ``kiln.kernels.attention_decode.MIN_SPLIT_TOKENS=64``), and
+``--skip-pass NAME`` compiles without one pass of the pipeline, so one GPU session can compare
+variants of the same run."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import sys
+
+
+def apply_overrides(settings: list[str], skipped: list[str]) -> None:
+    for setting in settings:
+        name, value = setting.split("=", 1)
+        module, attr = name.rsplit(".", 1)
+        target = importlib.import_module(module)
+        if not hasattr(target, attr):
+            sys.exit(f"--set: {module} has no {attr}")
+        setattr(target, attr, ast.literal_eval(value))
+    if skipped:
+        from kiln.compiler import pipeline
+
+        unknown = set(skipped) - {name for name, _ in pipeline.PIPELINE}
+        if unknown:
+            sys.exit(f"--skip-pass: no pass named {sorted(unknown)}")
+        pipeline.PIPELINE[:] = [(name, fn) for name, fn in pipeline.PIPELINE if name not in skipped]
