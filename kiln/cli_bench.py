@@ -1,7 +1,7 @@
 """``kiln bench NAME [ARGS...]``: runs a benchmark from the checkout's ``bench/`` directory.
 
 The benchmarks are scripts beside the package (``bench/kernels.py``, ``decode.py``, ``offline.py``,
-``serving.py``, ``structured.py``, ``step_breakdown.py``); this runs one with its own arguments, as
+``serving.py``, ``structured.py``, ``step_breakdown.py``, ``gemv_sweep.py``); this runs one with its own arguments, as
 ``python bench/NAME.py ARGS`` would. An installed kiln without the checkout has no ``bench/``, and
 says so.
 """
@@ -14,10 +14,12 @@ import sys
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+# Modules the benchmarks import, not benchmarks themselves.
+BENCH_HELPERS = frozenset({"models", "overrides"})
 
 
 def available() -> list[str]:
-    return sorted(p.stem for p in BENCH_DIR.glob("*.py") if p.stem != "models") if BENCH_DIR.is_dir() else []
+    return sorted(p.stem for p in BENCH_DIR.glob("*.py") if p.stem not in BENCH_HELPERS) if BENCH_DIR.is_dir() else []
 
 
 def add_parser(commands) -> None:
