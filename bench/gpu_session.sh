@@ -32,8 +32,8 @@ for stage in "$@"; do
                           "--set $lf.GEMV_PROGRAMS_PER_SM=4" "--set $lf.GEMV_NUM_WARPS=2" ""; do
              python3 bench/step_breakdown.py --shape smollm2-135m --batch 1 --top 0 $variant 2>&1 | grep "engine step"
            done | tee "$out/sweep.log" ;;
-    gemv-sweep) python3 bench/gemv_sweep.py --tokens 1 --variant "" --variant "GEMV_RESIDENT_PER_SM=3" \
-                  --variant "GEMV_RESIDENT_PER_SM=1000" --variant "GEMV_BLOCK_N=(4,16)" 2>&1 \
+    gemv-sweep) python3 bench/gemv_sweep.py --tokens 1 --variant "" --variant "GEMV_NUM_WARPS=8" \
+                  --variant "GEMV_BLOCK_N=(4,4) GEMV_BLOCK_K=(64,2048)" --variant "GEMV_PRODUCT_ELEMENTS=8192" 2>&1 \
                   | tee "$out/gemv_sweep.log" | grep "|"
                 python3 bench/gemv_sweep.py --tokens 8 --variant "" 2>&1 | tee -a "$out/gemv_sweep.log" | grep "|" ;;
     gemv-policy) # Llama-3-8B (8 layers) batch-1 step under each one-row GEMV weight bound: 16 MiB (cuBLAS for all
