@@ -1,7 +1,8 @@
 """``kiln bench NAME [ARGS...]``: runs a benchmark from the checkout's ``bench/`` directory.
 
 The benchmarks are scripts beside the package (``bench/kernels.py``, ``decode.py``, ``offline.py``,
-``serving.py``, ``structured.py``, ``step_breakdown.py``, ``gemv_sweep.py``); this runs one with its own arguments, as
+``serving.py``, ``structured.py``, ``step_breakdown.py``, ``prefill_breakdown.py``,
+``gemv_sweep.py``); this runs one with its own arguments, as
 ``python bench/NAME.py ARGS`` would. An installed kiln without the checkout has no ``bench/``, and
 says so.
 """

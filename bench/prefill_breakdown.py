@@ -1,0 +1,86 @@
+"""Where a prefill's time goes: the whole engine call (requests in, first tokens out) against the GPU's
+busy time in it, the host functions that take the rest, and the prefill's kernels one by one.
+
+    python bench/prefill_breakdown.py --shape smollm2-135m --batch 1 --prompt-len 128
+
+Prefill runs op by op (no CUDA graph), so at small batches its time can be the host's: each kernel's
+launch costs Python and driver time, and the GPU idles between launches. The host table is
+cProfile's, sorted by own time, over the same prefills; ``--set``/``--skip-pass`` as in
+bench/step_breakdown.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models import random_model  # noqa: E402
+from overrides import apply_overrides  # noqa: E402
+from step_breakdown import kernel_table  # noqa: E402
+
+from kiln.compiler.compile import compile_model  # noqa: E402
+from kiln.compiler.options import CompileOptions  # noqa: E402
+from kiln.runtime.engine_core import EngineCore, EngineOptions  # noqa: E402
+from kiln.runtime.sampling import SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="smollm2-135m")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE")
+    parser.add_argument("--skip-pass", action="append", default=[], metavar="NAME")
+    args = parser.parse_args()
+    apply_overrides(args.set, args.skip_pass)
+    _, source = random_model(args.shape, layers=args.layers)
+    with tempfile.TemporaryDirectory() as tmp:
+        artifact = compile_model(source, Path(tmp) / "m.kiln", CompileOptions(
+            dtype="bf16", backend="triton", max_batch_tokens=max(512, args.batch * args.prompt_len),
+            max_batch_size=args.batch, max_seq_len=args.prompt_len + 16))
+        core = EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=args.batch * 1024,
+                                                       enable_prefix_cache=False, decode_buckets=()))
+    params = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
+    counter = iter(range(1 << 30))
+
+    def prefill() -> None:
+        for i in range(args.batch):
+            core.add_request(f"r{next(counter)}", list(range(1 + i, args.prompt_len + 1 + i)), params)
+        while core.has_work():
+            core.step()
+        torch.cuda.synchronize()
+
+    for _ in range(3):  # compiles and autotunes every kernel at these sizes
+        prefill()
+    start = time.perf_counter()
+    for _ in range(args.repeats):
+        prefill()
+    prefill_ms = 1e3 * (time.perf_counter() - start) / args.repeats
+    print(f"{args.shape} batch {args.batch} x {args.prompt_len} tokens: prefill {prefill_ms:.2f} ms "
+          f"({args.batch * args.prompt_len / prefill_ms * 1e3:.0f} tok/s)")
+    if not args.top:
+        return
+    print(kernel_table(prefill, args.repeats, args.top))
+    profiler = cProfile.Profile()
+    for _ in range(args.repeats):
+        profiler.runcall(prefill)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.top)
+    print(f"host functions over {args.repeats} prefills (cProfile, by own time):")
+    print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:6000])
+
+
+if __name__ == "__main__":
+    main()
