@@ -92,7 +92,7 @@ class DecodeGraphs:
         for values in vectors:
             flat.extend(values)
             flat.extend([0] * (self.max_batch - bucket))
-        host[:self._vector_len] = _as_tensor(flat, "i")
+        host[:self._vector_len] = as_int_tensor(flat, "i")
         # Page-table rows: only the columns below each row's context are read, so only those are
         # written; padding rows read column 0, which must name page 0.
         index: list[int] = []
@@ -104,7 +104,7 @@ class DecodeGraphs:
         index.extend(self._vector_len + row * self.width for row in pad)
         pages.extend(0 for _ in pad)
         if index:
-            host.index_put_((_as_tensor(index, "q"),), _as_tensor(pages, "i"))
+            host.index_put_((as_int_tensor(index, "q"),), as_int_tensor(pages, "i"))
         used = self._vector_len + bucket * self.width
         self._device[:used].copy_(host[:used], non_blocking=True)
 
@@ -146,6 +146,6 @@ class DecodeGraphs:
 _DTYPES = {"i": torch.int32, "q": torch.int64}
 
 
-def _as_tensor(values: list[int], typecode: str) -> torch.Tensor:
+def as_int_tensor(values: list[int], typecode: str) -> torch.Tensor:
     """A non-empty list of ints as an int32 ("i") or int64 ("q") tensor viewing an ``array``'s buffer."""
     return torch.frombuffer(array(typecode, values), dtype=_DTYPES[typecode])

@@ -49,6 +49,9 @@ class EngineOptions:
     # Batch sizes whose decode steps run as captured CUDA graphs; None: DEFAULT_DECODE_BUCKETS on a
     # GPU, none on a CPU (where the padded path only adds work).
     decode_buckets: tuple[int, ...] | None = None
+    # Run other steps (prefill, mixed) as CUDA graphs too, captured per token and sequence bucket on
+    # first use; None: on a GPU, off on a CPU (where the padded path only adds work).
+    prefill_graphs: bool | None = None
     # Launch a greedy decode step before reading the previous one's tokens (hides the host's work
     # behind the device's); None: on whenever decode graphs are.
     overlap_schedule: bool | None = None
@@ -76,7 +79,10 @@ class EngineCore:
         buckets = self.options.decode_buckets
         if buckets is None:
             buckets = DEFAULT_DECODE_BUCKETS if device.type == "cuda" else ()
-        self.runner = ModelRunner(self.artifact, device, self._num_pages(device, rt), tuple(buckets))
+        prefill_graphs = self.options.prefill_graphs
+        if prefill_graphs is None:
+            prefill_graphs = device.type == "cuda"
+        self.runner = ModelRunner(self.artifact, device, self._num_pages(device, rt), tuple(buckets), prefill_graphs)
         # Even with one request the pool must hold a full context, or that request could never run.
         if (self.runner.pool.num_pages - 1) * self.page_size < self.max_seq_len:
             raise ValueError(f"the KV pool holds {(self.runner.pool.num_pages - 1) * self.page_size} tokens, less than "

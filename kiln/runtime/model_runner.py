@@ -1,8 +1,8 @@
 """The model runner: one scheduled batch in, logits and sampled tokens out.
 
-It owns the executor (program, weights, arena), the KV pool and the decode graphs, turns the
-scheduler's index lists into step tensors on the device (decode steps go through the captured
-graphs), and runs the sampler on the logits rows.
+It owns the executor (program, weights, arena), the KV pool and the step graphs, turns the
+scheduler's index lists into step tensors on the device (decode steps go through the decode graphs,
+other steps through the prefill graphs when they fit), and runs the sampler on the logits rows.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from .artifact import Artifact
 from .cuda_graphs import DecodeGraphs
 from .executor import Executor, StepInputs
 from .kvcache.pool import KVPool
+from .prefill_graphs import PrefillGraphs
 from .sampling import SamplerOutput, SamplingBatch, sample
 from .scheduler.batch import StepLists
 
@@ -21,7 +22,7 @@ _POOL_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float
 
 class ModelRunner:
     def __init__(self, artifact: Artifact, device: torch.device | str, num_pages: int,
-                 decode_buckets: tuple[int, ...] = ()) -> None:
+                 decode_buckets: tuple[int, ...] = (), prefill_graphs: bool = False) -> None:
         rt = artifact.runtime
         self.device = torch.device(device)
         self.executor = Executor(artifact, self.device)
@@ -33,6 +34,8 @@ class ModelRunner:
         bounds = rt["symbol_bounds"]
         buckets = [b for b in decode_buckets if b <= min(bounds["T"], bounds["B"], bounds["N"])]
         self.decode_graphs = DecodeGraphs(self.executor, self.kv_views, buckets, bounds["P"]) if buckets else None
+        self.prefill_graphs = PrefillGraphs(self.executor, self.kv_views, bounds["T"], min(bounds["B"], bounds["N"]),
+                                            bounds["P"]) if prefill_graphs else None
 
     def forward(self, lists: StepLists, tokens_from: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -43,6 +46,8 @@ class ModelRunner:
             return self.decode_graphs.run(lists, tokens_from)
         if tokens_from is not None:
             raise ValueError("input ids from the device need a decode-graph step")
+        if self.prefill_graphs is not None and self.prefill_graphs.fits(lists):
+            return self.prefill_graphs.run(lists), None
         return self.forward_eager(lists)
 
     def forward_eager(self, lists: StepLists) -> tuple[torch.Tensor, None]:

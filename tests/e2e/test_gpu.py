@@ -1,6 +1,6 @@
-"""On the GPU: the triton backend with decode CUDA graphs against HF transformers on the same random
-weights (a Llama-3-8B shape cut to 2 layers, and the SmolLM2-135M shape), and graph replay against
-eager execution for every bucket. Skipped without a GPU."""
+"""On the GPU: the triton backend with decode and prefill CUDA graphs against HF transformers on the
+same random weights (a Llama-3-8B shape cut to 2 layers, and the SmolLM2-135M shape), and graph replay
+against eager execution for every decode bucket and for prefill buckets. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from kiln.runtime.engine_core import EngineCore, EngineOptions
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.scheduler.batch import StepLists
 from tests.support.hf_models import hf_greedy
-from tests.support.stepping import PagedRun
+from tests.support.stepping import PagedRun, pages_for, step_lists
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
@@ -97,3 +97,27 @@ def test_graph_replay_equals_eager_for_every_bucket(tmp_path, dtype):
             eager_logits, _ = runner.forward_eager(lists)
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(graph_logits, eager_logits, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_graph_replay_equals_eager(tmp_path, dtype):
+    _, core = build("smollm2-135m", 4, dtype, tmp_path)
+    runner = core.runner
+    page = core.page_size
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    # (new tokens, cached tokens, sequences with logits): one prompt; prompts of mixed lengths; a
+    # chunk after a cached prefix beside a middle chunk; decode rows mixed with a prefill.
+    for new_tokens, cached, logits_rows in [([128], [0], [0]), ([5, 17, 33, 64], [0] * 4, [0, 1, 2, 3]),
+                                            ([40, 100], [60, 0], [0]), ([1, 1, 50], [20, 30, 0], [0, 1, 2])]:
+        page_rows = pages_for([n + c for n, c in zip(new_tokens, cached)], page)
+        with_context = [i for i, c in enumerate(cached) if c]
+        if with_context:
+            runner.forward_eager(step_lists([cached[i] for i in with_context], [0] * len(with_context), [],
+                                            [page_rows[i] for i in with_context], page))
+        lists = step_lists(new_tokens, cached, logits_rows, page_rows, page)
+        first = runner.prefill_graphs.run(lists).clone()  # captures this bucket's graph, then replays it
+        replayed = runner.prefill_graphs.run(lists).clone()
+        eager, _ = runner.forward_eager(lists)
+        torch.testing.assert_close(first, eager, atol=tol, rtol=tol)
+        torch.testing.assert_close(replayed, eager, atol=tol, rtol=tol)
+    assert len(runner.prefill_graphs._graphs) == 4

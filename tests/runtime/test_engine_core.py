@@ -197,6 +197,21 @@ def test_padded_decode_buckets_give_the_same_tokens(model, hf_greedy):
     assert_no_leaks(core)
 
 
+def test_padded_prefill_buckets_give_the_same_tokens(model, hf_greedy):
+    # Prefill and mixed steps through the bucketed graph path (run eagerly on a CPU over the same
+    # padded buffers): chunked prefills, prefix-cache hits (contexts longer than the new tokens),
+    # steps mixing prefill chunks with decode rows, and a seeded sampled request.
+    core = make_core(model, decode_buckets=(1, 2, 4), prefill_graphs=True)
+    sampled = SamplingParams(temperature=0.9, seed=11, max_new_tokens=10, ignore_eos=True)
+    requests = {f"r{i}": (p, GREEDY) for i, p in enumerate(PROMPTS)} | {"s": (PROMPTS[2], sampled)}
+    outputs = run_all(core, requests)
+    for i, prompt in enumerate(PROMPTS):
+        assert outputs[f"r{i}"][0] == hf_greedy(prompt)
+    assert outputs["s"] == run_all(make_core(model), {"s": (PROMPTS[2], sampled)})["s"]
+    assert core.runner.prefill_graphs is not None
+    assert_no_leaks(core)
+
+
 def test_overlapped_decode_steps_give_the_same_results(model, hf_greedy):
     # Each decode step is launched before the previous one's tokens are read; requests arrive,
     # finish (by length and by a stop token) and are aborted in the middle of such chains.

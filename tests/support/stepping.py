@@ -1,4 +1,5 @@
-"""Driving an Executor by hand: prefill a batch of prompts, then decode greedily, through a paged pool.
+"""Driving an Executor by hand: prefill a batch of prompts, then decode greedily, through a paged pool;
+and step lists (what the scheduler hands the model runner) built by hand.
 
 Pages are handed out in order (no allocator, no scheduler): this isolates the compiled program
 and the kernels from the runtime's bookkeeping.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kiln.runtime.executor import Executor, StepInputs
+from kiln.runtime.scheduler.batch import StepLists
 
 
 class PagedRun:
@@ -65,3 +67,31 @@ class PagedRun:
 
 def _cache_dtype(name: str) -> torch.dtype:
     return {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[name]
+
+
+def pages_for(totals: list[int], page_size: int = 4) -> list[list[int]]:
+    """Consecutive pages for sequences of these lengths, from page 1 (page 0 is reserved)."""
+    rows, next_page = [], 1
+    for total in totals:
+        rows.append(list(range(next_page, next_page + -(-total // page_size))))
+        next_page += len(rows[-1])
+    return rows
+
+
+def step_lists(new_tokens: list[int], cached: list[int], logits_rows: list[int], page_rows: list[list[int]],
+               page_size: int = 4) -> StepLists:
+    """Sequence i adds new_tokens[i] tokens after cached[i] ones, on page_rows[i]; logits for the
+    sequences in logits_rows (at their last token)."""
+    lists = StepLists([], [], [], [], [], [], [], [], [])
+    for i, (n, before) in enumerate(zip(new_tokens, cached)):
+        lists.q_start.append(len(lists.token_ids))
+        for pos in range(before, before + n):
+            lists.token_ids.append(3 + 7 * i + pos)
+            lists.positions.append(pos)
+            lists.slots.append(page_rows[i][pos // page_size] * page_size + pos % page_size)
+        lists.q_len.append(n)
+        lists.kv_len.append(before + n)
+        lists.page_rows.append(page_rows[i])
+        if i in logits_rows:
+            lists.logits_index.append(len(lists.token_ids) - 1)
+    return lists

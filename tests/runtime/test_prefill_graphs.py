@@ -1,0 +1,60 @@
+"""The prefill graphs' buckets and padding, on a CPU (where the padded path runs eagerly over the same
+static buffers the GPU captures): the logits of a padded step equal the unpadded step's. The GPU
+capture and replay are checked in tests/e2e/test_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.compiler.compile import compile_model
+from kiln.compiler.options import CompileOptions
+from kiln.runtime.engine_core import EngineCore, EngineOptions
+from kiln.runtime.prefill_graphs import bucket_sizes
+from tests.support.hf_models import make_hf_model
+from tests.support.stepping import pages_for, step_lists
+
+PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("prefill_graphs")
+    artifact = compile_model(make_hf_model("llama3", tmp / "src"), tmp / "m.kiln", CompileOptions(
+        dtype="fp32", page_size=PAGE, max_batch_tokens=40, max_batch_size=6, max_seq_len=64))
+    core = EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=256, prefill_graphs=True))
+    return core.runner
+
+
+def test_bucket_sizes():
+    assert bucket_sizes(16, 40) == [16, 32, 40]
+    assert bucket_sizes(16, 64) == [16, 32, 64]
+    assert bucket_sizes(1, 6) == [1, 2, 4, 6]
+    assert bucket_sizes(16, 8) == [8]
+
+
+@pytest.mark.parametrize("new_tokens, cached, logits_rows", [
+    ([5], [0], [0]),                       # one short prompt: 16-token bucket, 1 sequence
+    ([17, 3, 1], [0, 0, 0], [0, 1, 2]),    # three sequences: 32-token bucket, 4 sequences
+    ([9, 6], [0, 0], [1]),                 # a middle chunk (no logits) beside a prompt's last chunk
+    ([30, 4, 2, 1, 1], [0, 8, 0, 11, 3], [0, 1, 2, 3, 4]),  # the largest token bucket (40), 6 sequences
+])
+def test_padded_step_equals_unpadded(runner, new_tokens, cached, logits_rows):
+    page_rows = pages_for([n + c for n, c in zip(new_tokens, cached)])
+    if any(cached):
+        # Store the cached tokens' K/V first (an eager step of them alone), so that both runs below
+        # attend over real context.
+        with_context = [i for i, c in enumerate(cached) if c]
+        runner.forward_eager(step_lists([cached[i] for i in with_context], [0] * len(with_context), [],
+                                        [page_rows[i] for i in with_context]))
+    lists = step_lists(new_tokens, cached, logits_rows, page_rows)
+    assert runner.prefill_graphs.fits(lists)
+    padded = runner.prefill_graphs.run(lists).clone()
+    unpadded, _ = runner.forward_eager(lists)
+    assert padded.shape == (len(logits_rows), unpadded.shape[1])
+    torch.testing.assert_close(padded, unpadded, atol=1e-5, rtol=1e-5)
+
+
+def test_steps_past_the_largest_buckets_do_not_fit(runner):
+    assert not runner.prefill_graphs.fits(step_lists([41], [0], [0], pages_for([41])))
+    assert not runner.prefill_graphs.fits(step_lists([1] * 7, [0] * 7, list(range(7)), pages_for([1] * 7)))
