@@ -8,7 +8,7 @@
 # engine steps' host profile, into structured_profile.log), sweep (SmolLM2 batch 1 step time under tuning variants:
 # bench/step_breakdown.py --set/--skip-pass), gemv-sweep (bench/gemv_sweep.py: the decode GEMV against cuBLAS at
 # Llama-3-8B shapes under tiling variants), gemv-policy (Llama-3-8B step under each one-row GEMV weight bound),
-# prefill (bench/prefill_breakdown.py: host and GPU time of an eager prefill), decode (bench/decode.py; extra arguments in $DECODE_ARGS, e.g. "--batches 1 --set MODULE.NAME=VALUE").
+# prefill (bench/prefill_breakdown.py: host and GPU time of a prefill, graphs and eager), decode (bench/decode.py; extra arguments in $DECODE_ARGS, e.g. "--batches 1 --set MODULE.NAME=VALUE").
 set -uo pipefail
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -42,8 +42,10 @@ for stage in "$@"; do
                    python3 bench/step_breakdown.py --shape llama3-8b --layers 8 --batch 1 --top 4 \
                      --set kiln.kernels.linear_fused.GEMV_ONE_ROW_MAX_WEIGHT_BYTES=$bound 2>&1 | grep -v Warning
                  done | tee "$out/gemv_policy.log" ;;
-    prefill) for args in "--shape smollm2-135m --batch 1" "--shape smollm2-135m --batch 8 --top 8" \
-                         "--shape llama3-8b --layers 8 --batch 1"; do
+    prefill) for args in "--shape smollm2-135m --batch 1" "--shape smollm2-135m --batch 1 --eager --top 0" \
+                         "--shape smollm2-135m --batch 8 --top 8" "--shape smollm2-135m --batch 8 --eager --top 0" \
+                         "--shape llama3-8b --layers 8 --batch 1 --top 8" \
+                         "--shape llama3-8b --layers 8 --batch 1 --eager --top 0"; do
                python3 bench/prefill_breakdown.py $args 2>&1 | grep -v Warning
              done | tee "$out/prefill.log" ;;
     structured) python3 bench/structured.py --random-shape smollm2-135m --tokenizer-dir "${TOKENIZER_DIR:-.bench-tokenizer}" \

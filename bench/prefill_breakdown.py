@@ -1,12 +1,12 @@
 """Where a prefill's time goes: the whole engine call (requests in, first tokens out) against the GPU's
 busy time in it, the host functions that take the rest, and the prefill's kernels one by one.
 
-    python bench/prefill_breakdown.py --shape smollm2-135m --batch 1 --prompt-len 128
+    python bench/prefill_breakdown.py --shape smollm2-135m --batch 1 --prompt-len 128 [--eager]
 
-Prefill runs op by op (no CUDA graph), so at small batches its time can be the host's: each kernel's
-launch costs Python and driver time, and the GPU idles between launches. The host table is
-cProfile's, sorted by own time, over the same prefills; ``--set``/``--skip-pass`` as in
-bench/step_breakdown.py.
+Run op by op (``--eager``), a small prefill's time is the host's: each kernel's launch costs Python
+and driver time, and the GPU idles between launches; by default the step replays a prefill graph
+(kiln/runtime/prefill_graphs.py). The host table is cProfile's, sorted by own time, over the same
+prefills; ``--set``/``--skip-pass`` as in bench/step_breakdown.py.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--eager", action="store_true", help="without prefill graphs (op by op)")
     parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE")
     parser.add_argument("--skip-pass", action="append", default=[], metavar="NAME")
     args = parser.parse_args()
@@ -51,7 +52,8 @@ def main() -> None:
             dtype="bf16", backend="triton", max_batch_tokens=max(512, args.batch * args.prompt_len),
             max_batch_size=args.batch, max_seq_len=args.prompt_len + 16))
         core = EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=args.batch * 1024,
-                                                       enable_prefix_cache=False, decode_buckets=()))
+                                                       enable_prefix_cache=False, decode_buckets=(),
+                                                       prefill_graphs=not args.eager))
     params = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
     counter = iter(range(1 << 30))
 
@@ -68,7 +70,8 @@ def main() -> None:
     for _ in range(args.repeats):
         prefill()
     prefill_ms = 1e3 * (time.perf_counter() - start) / args.repeats
-    print(f"{args.shape} batch {args.batch} x {args.prompt_len} tokens: prefill {prefill_ms:.2f} ms "
+    mode = "eager" if args.eager else "graphs"
+    print(f"{args.shape} batch {args.batch} x {args.prompt_len} tokens, {mode}: prefill {prefill_ms:.2f} ms "
           f"({args.batch * args.prompt_len / prefill_ms * 1e3:.0f} tok/s)")
     if not args.top:
         return
