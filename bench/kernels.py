@@ -304,8 +304,9 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
-def run(quick: bool = False, log: Callable[[str], None] = print) -> str:
-    """Benchmarks every kernel and returns (and logs line by line) a markdown table."""
+def run(quick: bool = False, log: Callable[[str], None] = print, only: str | None = None) -> str:
+    """Benchmarks every kernel (with ``only``, those whose name contains it) and returns (and logs
+    line by line) a markdown table."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench/kernels.py needs a CUDA GPU: it times compiled Triton kernels")
     import triton.testing
@@ -328,6 +329,8 @@ def run(quick: bool = False, log: Callable[[str], None] = print) -> str:
                 lambda: _argmax_cases(quick), lambda: _sample_cases(quick)]
     for build in builders:
         for case in build():
+            if only is not None and only not in case.kernel:
+                continue
             err = case.check()
             graph_ms = triton.testing.do_bench_cudagraph(case.triton_fn, rep=rep, return_mode="median")
             eager_ms = triton.testing.do_bench(case.triton_fn, rep=rep, return_mode="median")
@@ -358,12 +361,13 @@ def run(quick: bool = False, log: Callable[[str], None] = print) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
+    parser.add_argument("--only", default=None, metavar="TEXT", help="only kernels whose name contains TEXT")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU: it times compiled Triton kernels against torch; none found.",
               file=sys.stderr)
         return 2
-    run(args.quick)
+    run(args.quick, only=args.only)
     return 0
 
 
