@@ -104,7 +104,9 @@ def test_prefill_graph_replay_equals_eager(tmp_path, dtype):
     _, core = build("smollm2-135m", 4, dtype, tmp_path)
     runner = core.runner
     page = core.page_size
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    # Looser than the decode replay check in f32: a prefill's GEMMs are cuBLAS's, which may pick
+    # another algorithm under capture (measured: one logit of 49k off by 1.1e-5 at 128 tokens).
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
     # (new tokens, cached tokens, sequences with logits): one prompt; prompts of mixed lengths; a
     # chunk after a cached prefix beside a middle chunk; decode rows mixed with a prefill.
     for new_tokens, cached, logits_rows in [([128], [0], [0]), ([5, 17, 33, 64], [0] * 4, [0, 1, 2, 3]),
