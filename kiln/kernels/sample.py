@@ -6,39 +6,59 @@ the most likely token down (stable, so equal scores keep id order); min-p; then 
 ``argmax(scores + gumbel)`` with float64 noise from ``rng`` keyed by (seed, step, vocab id).
 The full-vocabulary sort makes it ~0.8 ms a step on a GPU.
 
-``triton_sample_rows`` gets the same tokens without sorting, one program per row looping over it:
+``triton_sample_rows`` gets the same tokens without sorting, in two launches over programs
+(row, chunk of ``SAMPLE_CHUNK`` ids): the work on every score is spread over them, and only the
+search for the cuts runs in one program per row.
 
-1. one pass: the row's largest scaled score ``m`` and its smallest and largest order keys (the int32
-   key of an f32 is its bits with the magnitude negated for negative values: integer order is float
-   order, -0.0 and 0.0 are one key).
-2. top-k: bisection over keys for ``cut_k``, the largest key with at least k scores at or above it.
-   Each step counts the scores at or above the midpoint in one pass over the row (it sits in L2) and
-   moves the bound to the nearest key present, stopping early when exactly k are above (12-18
-   passes on normally distributed rows of 49k-128k scores). Scores above ``cut_k`` are kept, and of
-   those at ``cut_k`` the first ``k - count above`` by id, as the stable sort keeps them.
-3. one pass: the mass ``sum(exp(s - m))`` above ``cut_k`` and the score at it, so that
-   ``Z = mass above + kept ties * exp(score at cut - m)`` normalizes over the top-k survivors.
-4. top-p: the reference keeps a token when the probability of the tokens strictly before it in the
-   sorted order is below p. Bisection over keys (at or above ``cut_k``) for ``cut_p``, the smallest
-   key whose mass strictly above, over Z, is below p (4-20 passes); scores above it are kept, and a
-   score at it is kept while ``mass above / Z + (its rank among the ties) * its probability < p``.
-5. the draw: min-p keeps scores at or above ``m + log(min_p)`` (``m`` is the top-1 score, never
-   filtered, so it is also the filtered row's max); the noise is ``rng``'s, in uint64 and float64
-   operation for operation; the token is the lowest id of the largest ``score + noise`` over the kept.
+1. keys and cut (``sample_filters``): each program divides its chunk by the temperature and writes
+   the int32 order keys of the scaled scores ``s`` (an f32's bits with the magnitude negated for
+   negative values: integer order is float order, -0.0 and 0.0 are one key, and ``s`` is recovered
+   from its key), with the chunk's largest and smallest key. The row's last program to finish (a
+   ticket, as in ``argmax``) reduces those to the row's largest key, whose value is the top-1 score
+   ``m``, and its smallest, and searches the cuts over the keys:
+
+   - top-k: bisection over keys for ``cut_k``, the largest key with at least k scores at or above
+     it. Each step counts the keys at or above a pivot and moves the bound to the nearest key
+     present, stopping early when exactly k are above (8-13 steps on normally distributed rows of
+     49k-128k scores). Scores above ``cut_k`` are kept, and of those at ``cut_k`` the first
+     ``k - count above`` by id, as the stable sort keeps them.
+   - the mass ``sum(exp(s - m))`` above ``cut_k``, so that ``Z = mass above + kept ties * exp(score
+     at cut - m)`` normalizes over the top-k survivors.
+   - top-p: the reference keeps a token when the probability of the tokens strictly before it in the
+     sorted order is below p. Bisection over keys (at or above ``cut_k``) for ``cut_p``, the smallest
+     key whose mass strictly above, over Z, is below p (3-9 steps); scores above it are kept, and a
+     score at it is kept while ``mass above / Z + (its rank among the ties) * its probability < p``.
+   - one pass in id order turns the rules at the cuts into one cut and the id of its last kept tie
+     (the kept ties at a cut are a prefix of them in id order).
+
+   Each step reads a list of the ids that can still matter, which shrinks as the bounds close.
+2. draw: each program keeps the scores above the cut, those at it up to that id, and with min-p
+   those at or above ``m + log(min_p)`` (``m`` is never filtered, so it is also the filtered row's
+   max); it draws the noise (``rng``'s, in uint64 and float64 operation for operation) only in
+   steps that keep a score, and the row's last program picks the lowest id of the largest ``score +
+   noise`` over its chunks' best; a row that keeps only -inf gives id 0, as torch's argmax does.
+   With every filter off the first launch is skipped and the draw divides by the temperature.
 
 Exactness: scaling uses IEEE division as torch does (Triton's ``/`` is approximate on NVIDIA), keys
 and counts are exact, so top-k keeps exactly the reference's tokens, and the noise's bits are
 ``rng``'s (its float64 ``log`` is libdevice's on the GPU, as torch's CUDA ``log``; numpy's under the
 interpreter, which may differ from torch's CPU one by an ulp: that only matters for draws tied to
 ~1e-16). Top-p sums probabilities in another order than torch's cumsum (whose CPU and CUDA orders
-differ too), and ``exp`` and min-p's ``log`` may differ from torch's by an ulp, so a top-p or min-p
-cut that lands within float rounding of the boundary may keep or drop one token more. The draw
-differs only if it lands that close and that token also wins the draw: for random inputs about the
-running sum's rounding error, 1e-6 to 1e-5 a row.
+differ too; the candidate lists and ``SAMPLE_BLOCK`` change ours), and ``exp`` and min-p's ``log``
+may differ from torch's by an ulp, so a top-p or min-p cut that lands within float rounding of the
+boundary may keep or drop one token more. The draw differs only if it lands that close and that
+token also wins the draw: for random inputs about the running sum's rounding error, 1e-6 to 1e-5 a
+row.
 
-Cost: each bisection step reads the row again (from L2), ~20-40 reads of the row with top-k and top-p
-both on, plus two float64 logs per score in the draw; no host synchronization, so the launch can be
-captured in a CUDA graph. Not yet measured on a GPU.
+Cost: the single-program kernel this replaced (one program a row, every search step dividing the
+whole row again, two float64 logs per score on that one SM) measured 0.29 ms for one row of 49k
+scores and 1.13 ms for one of 128k with top-k 50, top-p 0.9, min-p 0.05 and temperature 0.7 on an
+H200, at batch 1. Here the division and the noise run on rows x chunks programs (the noise only
+where a score is kept), and the search's steps read int32 keys, then shrinking lists: on such rows
+about 3 row lengths of reads in all, where each of the 20-30 steps read the whole row before (a
+simulation in numpy). The split is not yet measured on a GPU. Scratch: 4 bytes a score for the
+keys and two lists of ``SAMPLE_CANDIDATES`` int64 a row; no host synchronization, so the launches
+can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -50,18 +70,23 @@ import triton
 import triton.language as tl
 
 from . import rng
+from .sample_filters import NO_KEY, key_value, keys_and_cut_kernel, scaled
+from .triton_support import (await_previous_kernel, pdl_launch, pow2, require, require_device, require_unit_last_stride,
+                             semaphore_counters)
 
-from .triton_support import await_previous_kernel, pdl_launch, require, require_device, require_unit_last_stride
-
-# Elements per loop step. Not yet tuned on a GPU.
+# Tunables, not yet tuned on a GPU (bench/kernels.py times the sampler). Ids per program of both
+# launches: 32 programs a row for a 128k vocabulary.
+SAMPLE_CHUNK = 4096
+# Elements per loop step, in the chunks and in the search's passes.
 SAMPLE_BLOCK = 2048
+# Capacity of each of a row's two candidate lists in the search (sample_filters): 256 KiB a row.
+SAMPLE_CANDIDATES = 16384
+# Chunk results reduced per step by a row's last program.
+MERGE_BLOCK = 128
 
 _GOLDEN = tl.constexpr(rng.GOLDEN)
 _M1 = tl.constexpr(rng.M1)
 _M2 = tl.constexpr(rng.M2)
-# The key of ids past the row's end: below -inf's key (-0x7F800000), so no count or cut includes them.
-_NO_KEY = tl.constexpr(-(2 ** 31))
-_MAX_KEY = tl.constexpr(2 ** 31 - 1)
 
 
 def ref_filter_top_k_top_p(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -112,144 +137,87 @@ def _mix64(x):
 
 
 @triton.jit
-def _scaled(row_ptr, idx, vocab, temperature):
-    # The scaled scores and their order keys. div_rn: torch divides with IEEE rounding, and the cuts
-    # compare these values exactly.
-    valid = idx < vocab
-    s = tl.div_rn(tl.load(row_ptr + idx, mask=valid, other=float("-inf")), temperature)
-    bits = s.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
-    return s, tl.where(valid, key, _NO_KEY)
-
-
-@triton.jit
-def _sample_kernel(scores_ptr, out_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, steps_ptr,
-                   vocab, row_stride, USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, USE_MIN_P: tl.constexpr,
-                   BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _draw_kernel(scores_ptr, keys_ptr, meta_ptr, best_ptr, out_ptr, counter_ptr, temperature_ptr, min_p_ptr,
+                 seeds_ptr, steps_ptr, vocab, row_stride, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                 MERGE: tl.constexpr, FILTERED: tl.constexpr, USE_MIN_P: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, chunk) draws its chunk's best (noisy value to ``best_ptr``, id to word
+    ``2 * num_chunks + chunk`` of the row's ``meta``), keeping what the cut in ``meta`` and min-p
+    keep (with FILTERED; else every score, divided here); the row's last program writes its token."""
     await_previous_kernel(PDL)
     row = tl.program_id(0)
-    row_ptr = scores_ptr + row.to(tl.int64) * row_stride
-    temperature = tl.load(temperature_ptr + row)
-    offs = tl.arange(0, BLOCK)
-
-    # Lane-wise running values are reduced once after each loop, not every step.
-    top = tl.full([BLOCK], float("-inf"), tl.float32)
-    high = tl.full([BLOCK], _NO_KEY, tl.int32)
-    low = tl.full([BLOCK], _MAX_KEY, tl.int32)
-    for start in range(0, vocab, BLOCK):
-        s, key = _scaled(row_ptr, start + offs, vocab, temperature)
-        top = tl.maximum(top, s)
-        high = tl.maximum(high, key)
-        low = tl.minimum(low, tl.where(key == _NO_KEY, _MAX_KEY, key))
-    m = tl.max(top, 0)
-    max_key = tl.max(high, 0).to(tl.int64)
-
-    if USE_TOP_K or USE_TOP_P:
-        # Without top-k, the cut is the lowest key and its ties all stay: every score survives.
-        k = vocab
-        if USE_TOP_K:
-            k = tl.minimum(tl.load(top_k_ptr + row), vocab).to(tl.int32)
-        lo = tl.min(low, 0).to(tl.int64)  # count(key >= lo) >= k
-        hi = tl.where(k < vocab, max_key + 1, lo + 1)  # count(key >= hi) < k
-        while hi - lo > 1:
-            mid = (lo + (hi - lo) // 2).to(tl.int32)
-            count = tl.zeros([BLOCK], tl.int32)
-            lowest_above = tl.full([BLOCK], _MAX_KEY, tl.int32)
-            highest_below = tl.full([BLOCK], _NO_KEY, tl.int32)
-            for start in range(0, vocab, BLOCK):
-                s, key = _scaled(row_ptr, start + offs, vocab, temperature)
-                above = key >= mid
-                count += above.to(tl.int32)
-                lowest_above = tl.minimum(lowest_above, tl.where(above, key, _MAX_KEY))
-                highest_below = tl.maximum(highest_below, tl.where(above, _NO_KEY, key))
-            count_above = tl.sum(count, 0)
-            enough = count_above >= k
-            # Bounds move to keys present in the row, which ends the search as soon as no key lies
-            # between them; with exactly k at or above, the lowest of those is the cut.
-            next_lo = tl.min(lowest_above, 0).to(tl.int64)
-            next_hi = tl.max(highest_below, 0).to(tl.int64) + 1
-            lo = tl.where(enough, next_lo, lo)
-            hi = tl.where(enough, tl.where(count_above == k, next_lo + 1, hi), next_hi)
-        cut_k = lo.to(tl.int32)
-
-        lanes_above = tl.zeros([BLOCK], tl.int32)
-        mass = tl.zeros([BLOCK], tl.float32)
-        at_cut = tl.full([BLOCK], float("-inf"), tl.float32)
-        for start in range(0, vocab, BLOCK):
-            s, key = _scaled(row_ptr, start + offs, vocab, temperature)
-            lanes_above += (key > cut_k).to(tl.int32)
-            mass += tl.where(key > cut_k, tl.exp(s - m), 0.0)
-            at_cut = tl.maximum(at_cut, tl.where(key == cut_k, s, float("-inf")))
-        kept_ties_k = k - tl.sum(lanes_above, 0)
-        total = tl.sum(mass, 0) + kept_ties_k * tl.exp(tl.max(at_cut, 0) - m)
-
-    if USE_TOP_P:
-        p = tl.load(top_p_ptr + row)
-        # The mass above cut_k - 1 is all of Z (>= p), above max_key none (< p). Rows with p = 1 skip
-        # the search and compare with +inf: they are unfiltered, as in the reference.
-        lo = cut_k.to(tl.int64) - 1
-        hi = tl.where(p < 1, max_key, lo + 1)
-        p_limit = tl.where(p < 1, p, float("inf"))
-        mass_above_hi = tl.zeros([], tl.float32)
-        while hi - lo > 1:
-            mid = (lo + (hi - lo) // 2).to(tl.int32)
-            mass = tl.zeros([BLOCK], tl.float32)
-            lowest_above = tl.full([BLOCK], _MAX_KEY, tl.int32)
-            highest_at_or_below = tl.full([BLOCK], _NO_KEY, tl.int32)
-            for start in range(0, vocab, BLOCK):
-                s, key = _scaled(row_ptr, start + offs, vocab, temperature)
-                above = key > mid
-                mass += tl.where(above, tl.exp(s - m), 0.0)
-                lowest_above = tl.minimum(lowest_above, tl.where(above, key, _MAX_KEY))
-                highest_at_or_below = tl.maximum(highest_at_or_below, tl.where(above, _NO_KEY, key))
-            mass_above = tl.sum(mass, 0)
-            kept = mass_above / total < p
-            hi = tl.where(kept, tl.max(highest_at_or_below, 0).to(tl.int64), hi)
-            mass_above_hi = tl.where(kept, mass_above, mass_above_hi)
-            lo = tl.where(kept, lo, tl.min(lowest_above, 0).to(tl.int64) - 1)
-        cut_p = hi.to(tl.int32)
-        mass_before_cut_p = mass_above_hi / total
-
-    if USE_MIN_P:
-        # log in float64, rounded once: the correctly rounded f32 log torch's logf almost always gives.
-        min_score = m + tl.log(tl.load(min_p_ptr + row).to(tl.float64)).to(tl.float32)
-
+    c = tl.program_id(1)
+    start = c * CHUNK
+    end = tl.minimum(start + CHUNK, vocab)
+    meta_row = meta_ptr + row * (3 * num_chunks + 3)
+    if FILTERED:
+        keys_row = keys_ptr + row.to(tl.int64) * vocab
+        cut = tl.load(meta_row + 3 * num_chunks)
+        last_id = tl.load(meta_row + 3 * num_chunks + 1)
+        if USE_MIN_P:
+            # m is the top-1 score, never filtered, so also the filtered row's max. log in float64,
+            # rounded once: the correctly rounded f32 log torch's logf almost always gives.
+            m = key_value(tl.load(meta_row + 3 * num_chunks + 2))
+            min_score = m + tl.log(tl.load(min_p_ptr + row).to(tl.float64)).to(tl.float32)
+    else:
+        scores_row = scores_ptr + row.to(tl.int64) * row_stride
+        temperature = tl.load(temperature_ptr + row)
     row_key = _mix64(_mix64(tl.load(seeds_ptr + row).to(tl.uint64, bitcast=True))
                      + tl.load(steps_ptr + row).to(tl.uint64, bitcast=True))
+    offs = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), tl.float64)
     best_id = tl.full([BLOCK], vocab, tl.int32)
-    ties_k_before = tl.zeros([], tl.int32)
-    ties_p_before = tl.zeros([], tl.int32)
-    for start in range(0, vocab, BLOCK):
-        idx = start + offs
-        s, key = _scaled(row_ptr, idx, vocab, temperature)
-        keep = idx < vocab
-        if USE_TOP_K or USE_TOP_P:
-            # Ranks among the ties at a cut, in id order across the whole row (an exclusive scan).
-            at_k = key == cut_k
-            rank_k = ties_k_before + tl.cumsum(at_k.to(tl.int32), 0) - 1
-            ties_k_before += tl.sum(at_k.to(tl.int32), 0)
-            keep &= (key > cut_k) | (at_k & (rank_k < kept_ties_k))
-        if USE_TOP_P:
-            at_p = key == cut_p
-            rank_p = ties_p_before + tl.cumsum(at_p.to(tl.int32), 0) - 1
-            ties_p_before += tl.sum(at_p.to(tl.int32), 0)
-            prob = tl.exp(s - m) / total
-            keep &= (key > cut_p) | (at_p & (mass_before_cut_p + rank_p * prob < p_limit))
-        if USE_MIN_P:
-            keep &= s >= min_score
-        # rng.gumbel_noise, operation for operation.
-        bits = _mix64(row_key + (idx + 1).to(tl.uint64) * _GOLDEN)
-        uniform = ((bits >> 12).to(tl.float64) + 0.5) * 2.0 ** -52
-        noise = -tl.log(-tl.log(uniform))
-        noisy = tl.where(keep, s.to(tl.float64), float("-inf")) + noise
-        # Each lane sees ids in increasing order, so a strict > keeps its first maximum; a lane's first
-        # id is taken whatever its value, so a row of -inf yields id 0 as torch's argmax does.
-        better = (idx < vocab) & ((noisy > best) | (best_id == vocab))
-        best = tl.where(better, noisy, best)
-        best_id = tl.where(better, idx, best_id)
-    winner = tl.max(best, 0)
-    tl.store(out_ptr + row, tl.min(tl.where(best == winner, best_id, vocab), 0).to(tl.int64))
+    for i0 in range(start, end, BLOCK):
+        idx = i0 + offs
+        valid = idx < end
+        if FILTERED:
+            key = tl.load(keys_row + idx, mask=valid, other=NO_KEY)
+            s = key_value(key)
+            keep = valid & ((key > cut) | ((key == cut) & (idx <= last_id)))
+            if USE_MIN_P:
+                keep &= s >= min_score
+            # Most blocks keep nothing under top-k or top-p: they skip the noise, whose two float64
+            # logs are most of the work.
+            any_kept = tl.max(keep.to(tl.int32), 0) > 0
+        else:
+            s, _ = scaled(scores_row, idx, valid, temperature)
+            keep = valid
+            any_kept = True
+        if any_kept:
+            # rng.gumbel_noise, operation for operation.
+            bits = _mix64(row_key + (idx + 1).to(tl.uint64) * _GOLDEN)
+            uniform = ((bits >> 12).to(tl.float64) + 0.5) * 2.0 ** -52
+            noise = -tl.log(-tl.log(uniform))
+            noisy = tl.where(keep, s.to(tl.float64), float("-inf")) + noise
+            # Each lane sees ids in increasing order, so a strict > keeps its first maximum.
+            better = noisy > best
+            best = tl.where(better, noisy, best)
+            best_id = tl.where(better, idx, best_id)
+    chunk_best = tl.max(best, 0)
+    # A chunk with no draw above -inf: all its ids tie there, and the first is the lowest.
+    chunk_id = tl.where(chunk_best == float("-inf"), start, tl.min(tl.where(best == chunk_best, best_id, vocab), 0))
+    tl.store(best_ptr + row * num_chunks + c, chunk_best)
+    tl.store(meta_row + 2 * num_chunks + c, chunk_id)
+    # As in keys_and_cut_kernel: the last ticket sees every chunk's result.
+    tl.debug_barrier()
+    counter = counter_ptr + row
+    ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if ticket == num_chunks - 1:
+        winner = tl.full([], float("-inf"), tl.float64)
+        for c0 in range(0, num_chunks, MERGE):
+            cs = c0 + tl.arange(0, MERGE)
+            values = tl.load(best_ptr + row * num_chunks + cs, mask=cs < num_chunks, other=float("-inf"),
+                             cache_modifier=".cg")
+            winner = tl.maximum(winner, tl.max(values, 0))
+        # The lowest id of the largest value, as torch's argmax picks; a row of -inf gives id 0.
+        token = tl.full([], vocab, tl.int32)
+        for c0 in range(0, num_chunks, MERGE):
+            cs = c0 + tl.arange(0, MERGE)
+            values = tl.load(best_ptr + row * num_chunks + cs, mask=cs < num_chunks, other=float("-inf"),
+                             cache_modifier=".cg")
+            ids = tl.load(meta_row + 2 * num_chunks + cs, mask=cs < num_chunks, other=vocab, cache_modifier=".cg")
+            token = tl.minimum(token, tl.min(tl.where(values == winner, ids, vocab), 0))
+        tl.store(out_ptr + row, token.to(tl.int64))
+        tl.store(counter, 0)
 
 
 def sample_rows(scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -266,8 +234,9 @@ def triton_sample_rows(scores: torch.Tensor, temperature: torch.Tensor, top_k: t
                        out: torch.Tensor | None = None) -> torch.Tensor:
     """int64 ``[B]``: ``ref_sample_rows`` of the same inputs (see the module docstring for where the
     two may differ). ``scores`` is f32 ``[B, V]`` with contiguous rows; the per-row parameters are
-    contiguous ``[B]`` tensors of ``SamplingBatch``'s dtypes. One launch, nothing read back to the
-    host, so it can be captured in a CUDA graph."""
+    contiguous ``[B]`` tensors of ``SamplingBatch``'s dtypes. Two launches (one with every filter
+    off), nothing read back to the host, so it can be captured in a CUDA graph once the shape has run
+    eagerly (the first launch sizes the shared counters)."""
     kernel = "sample_rows"
     require(scores.dim() == 2 and scores.shape[1] > 0, kernel,
             lambda: f"scores must be [B, V] with V > 0, got {tuple(scores.shape)}")
@@ -287,8 +256,27 @@ def triton_sample_rows(scores: torch.Tensor, temperature: torch.Tensor, top_k: t
     require_device(kernel, scores, *(t for t, _ in params.values()))
     if rows == 0:
         return out
-    _sample_kernel[(rows,)](
-        scores, out, temperature, top_k, top_p, min_p, seeds, steps, vocab, scores.stride(0),
-        USE_TOP_K=use_top_k, USE_TOP_P=use_top_p, USE_MIN_P=use_min_p, BLOCK=SAMPLE_BLOCK, num_warps=8,
+    chunks = triton.cdiv(vocab, SAMPLE_CHUNK)
+    block = min(SAMPLE_BLOCK, pow2(SAMPLE_CHUNK))
+    filtered = use_top_k or use_top_p or use_min_p
+    counters = semaphore_counters(scores.device, rows)
+    # Per row: each chunk's largest and smallest key, each chunk's winner, then the cut, its last kept
+    # tie and the row's largest key.
+    meta = torch.empty(rows, 3 * chunks + 3, dtype=torch.int32, device=scores.device)
+    best = torch.empty(rows, chunks, dtype=torch.float64, device=scores.device)
+    keys = meta  # never read without a filter; any tensor will do
+    if filtered:
+        keys = torch.empty(rows, vocab, dtype=torch.int32, device=scores.device)
+        # The search's two candidate lists: a copy holds at most half the list it reads, so no list
+        # needs more than half the row.
+        cap = max(1, min(SAMPLE_CANDIDATES, vocab // 2))
+        cands = torch.empty(rows, 2 * cap if use_top_k or use_top_p else 1, dtype=torch.int64, device=scores.device)
+        keys_and_cut_kernel[(rows, chunks)](
+            scores, keys, meta, cands, counters, temperature, top_k, top_p, vocab, scores.stride(0), chunks, cap,
+            CHUNK=SAMPLE_CHUNK, BLOCK=block, MERGE=MERGE_BLOCK, USE_TOP_K=use_top_k, USE_TOP_P=use_top_p,
+            num_warps=8, **pdl_launch(scores))
+    _draw_kernel[(rows, chunks)](
+        scores, keys, meta, best, out, counters, temperature, min_p, seeds, steps, vocab, scores.stride(0), chunks,
+        CHUNK=SAMPLE_CHUNK, BLOCK=block, MERGE=MERGE_BLOCK, FILTERED=filtered, USE_MIN_P=use_min_p, num_warps=8,
         **pdl_launch(scores))
     return out

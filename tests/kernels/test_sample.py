@@ -1,13 +1,13 @@
 """Triton sampling against the torch reference, token for token: each filter alone and together, per-row
-parameters, edge values (k = 1, k >= V, p = 1, tiny p), masked scores, ties at the cuts, and the
-noise stream's dependence on seed and step."""
+parameters, edge values (k = 1, k >= V, p = 1, tiny p), masked scores, ties at the cuts, rows split
+into many chunks with short candidate lists, and the noise stream's dependence on seed and step."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kiln.kernels import sample
+from kiln.kernels import sample, triton_support
 from kiln.kernels.sample import ref_sample_rows, sample_rows, triton_sample_rows
 
 # NumPy (the interpreter) warns where the kernel means it: log(min_p = 0) = -inf keeps every token,
@@ -89,6 +89,75 @@ def test_masked_scores(device):
     tokens = check(scores, params, FEATURES["all"])
     assert tokens[1] == 321 and tokens[2] == 0
     check(scores, params, FEATURES["temperature"])
+
+
+def split_small(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 48 ids in steps of 16 and candidate lists of 24: rows of a few hundred ids take
+    many programs, and the cut search copies its list more than once."""
+    monkeypatch.setattr(sample, "SAMPLE_CHUNK", 48)
+    monkeypatch.setattr(sample, "SAMPLE_BLOCK", 16)
+    monkeypatch.setattr(sample, "SAMPLE_CANDIDATES", 24)
+
+
+def check_split(scores: torch.Tensor, params: dict[str, torch.Tensor], flags: tuple[bool, bool, bool]) -> torch.Tensor:
+    """``check``, and the semaphore counters both launches take tickets from are back at zero."""
+    tokens = check(scores, params, flags)
+    counters = triton_support._counters.get(scores.device)
+    assert counters is None or not counters.any(), "sampling left semaphore counters non-zero"
+    return tokens
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("rows,vocab", [(1, 47), (4, 333), (2, 1001)])
+def test_rows_split_into_chunks(monkeypatch, rows, vocab, feature, device):
+    # Vocabularies that end in a partial chunk and step (or fit in one), each row its own parameters.
+    split_small(monkeypatch)
+    check_split(torch.randn(rows, vocab, device=device) * 3, random_params(rows, vocab, device), FEATURES[feature])
+
+
+@pytest.mark.parametrize("feature", ["top_k", "top_p", "all"])
+def test_ties_across_chunks(monkeypatch, feature, device):
+    # Six values over 250 ids: each run of equal scores spreads over all six chunks, so the cuts' kept
+    # ties start in one chunk and end in another.
+    split_small(monkeypatch)
+    rows, vocab = 8, 250
+    params = random_params(rows, vocab, device)
+    params["temperature"] = torch.ones(rows, device=device)
+    params["top_k"] = torch.randint(1, vocab // 2, (rows,), device=device)
+    check_split(torch.randint(-3, 3, (rows, vocab), device=device).float(), params, FEATURES[feature])
+
+
+@pytest.mark.parametrize("feature,kept", [("top_k", range(40, 50)), ("top_p", range(40, 47)), ("all", range(40, 44))])
+def test_kept_ties_end_past_a_chunk_boundary(monkeypatch, feature, kept, device):
+    # Ids 40-59 tie far above the rest, across the boundary at 48. Top-k 10 keeps 40-49; top-p 0.3
+    # alone keeps ties while the mass before them (rank * 0.0499) is below 0.3, 40-46; with top-k
+    # each tie is 0.1 of Z and top-p 0.35 keeps 40-43. Every seed's draw must fall among those.
+    split_small(monkeypatch)
+    rows, vocab = 16, 150
+    scores = torch.zeros(rows, vocab, device=device)
+    scores[:, 40:60] = 8.0
+    params = random_params(rows, vocab, device)
+    params.update(temperature=torch.ones(rows, device=device), top_k=torch.full((rows,), 10, device=device),
+                  top_p=torch.full((rows,), 0.3 if feature == "top_p" else 0.35, device=device),
+                  min_p=torch.full((rows,), 0.05, device=device))
+    tokens = check_split(scores, params, FEATURES[feature]).tolist()
+    assert set(tokens) <= set(kept) and len(set(tokens)) > 2
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_one_live_chunk(monkeypatch, feature, device):
+    # Grammar-like rows whose allowed ids all lie in one chunk (a different one each, the last one
+    # partial) and a row allowing nothing, which gives token 0.
+    split_small(monkeypatch)
+    rows, vocab = 5, 230
+    scores = torch.full((rows, vocab), float("-inf"), device=device)
+    starts = [0, 48, 96, 192]
+    for row, start in enumerate(starts):
+        scores[row, start:start + 48] = torch.randn(min(48, vocab - start), device=device) * 3
+    params = random_params(rows, vocab, device)
+    params["top_k"][:2] = 100  # more than the allowed ids: the cut falls among the -inf
+    tokens = check_split(scores, params, FEATURES[feature]).tolist()
+    assert all(start <= token < start + 48 for token, start in zip(tokens, starts)) and tokens[4] == 0
 
 
 def test_rows_with_neutral_parameters_ignore_the_stages(device):
