@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import random_model  # noqa: E402
-from overrides import apply_overrides  # noqa: E402
+from overrides import add_override_arguments, apply_overrides  # noqa: E402
 
 from kiln.compiler.compile import compile_model  # noqa: E402
 from kiln.compiler.options import CompileOptions  # noqa: E402
@@ -134,8 +134,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                        help="override a kiln module constant for this run (see bench/overrides.py)")
+    add_override_arguments(parser, skip_pass=False)
     args = parser.parse_args()
     apply_overrides(args.set, [])
     if not torch.cuda.is_available():

@@ -5,9 +5,19 @@ variants of the same run."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import importlib
 import sys
+
+
+def add_override_arguments(parser: argparse.ArgumentParser, skip_pass: bool = True) -> None:
+    """``--set`` (and, unless ``skip_pass`` is off, ``--skip-pass``) for ``apply_overrides``."""
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                        help="override a kiln module constant for this run")
+    if skip_pass:
+        parser.add_argument("--skip-pass", action="append", default=[], metavar="NAME",
+                            help="compile without this pass of the pipeline")
 
 
 def apply_overrides(settings: list[str], skipped: list[str]) -> None:

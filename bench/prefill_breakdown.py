@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import random_model  # noqa: E402
-from overrides import apply_overrides  # noqa: E402
+from overrides import add_override_arguments, apply_overrides  # noqa: E402
 from step_breakdown import kernel_table  # noqa: E402
 
 from kiln.compiler.compile import compile_model  # noqa: E402
@@ -42,8 +42,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--eager", action="store_true", help="without prefill graphs (op by op)")
-    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE")
-    parser.add_argument("--skip-pass", action="append", default=[], metavar="NAME")
+    add_override_arguments(parser)
     args = parser.parse_args()
     apply_overrides(args.set, args.skip_pass)
     _, source = random_model(args.shape, layers=args.layers)

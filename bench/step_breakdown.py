@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import random_model  # noqa: E402
-from overrides import apply_overrides  # noqa: E402
+from overrides import add_override_arguments, apply_overrides  # noqa: E402
 
 from kiln.compiler.compile import compile_model  # noqa: E402
 from kiln.compiler.options import CompileOptions  # noqa: E402
@@ -59,8 +59,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--top", type=int, default=15)
-    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE")
-    parser.add_argument("--skip-pass", action="append", default=[], metavar="NAME")
+    add_override_arguments(parser)
     args = parser.parse_args()
     apply_overrides(args.set, args.skip_pass)
     _, source = random_model(args.shape, layers=args.layers)
