@@ -184,31 +184,21 @@ def test_requests_arriving_together_share_their_common_prefix(model, hf_greedy):
     assert_no_leaks(core)
 
 
-def test_padded_decode_buckets_give_the_same_tokens(model, hf_greedy):
-    # On a CPU the bucketed decode path runs eagerly over the same static, padded buffers the GPU
-    # captures; its results must not depend on the padding rows.
-    core = make_core(model, decode_buckets=(1, 2, 4, 8))
+@pytest.mark.parametrize("graphs", [dict(decode_buckets=(1, 2, 4, 8)),
+                                    dict(decode_buckets=(1, 2, 4), prefill_graphs=True)], ids=["decode", "prefill"])
+def test_padded_buckets_give_the_same_tokens(model, hf_greedy, graphs):
+    # On a CPU the bucketed graph paths run eagerly over the same static, padded buffers the GPU
+    # captures; results must not depend on the padding. With prefill graphs that covers chunked
+    # prefills, prefix-cache hits (contexts longer than the new tokens) and steps mixing prefill
+    # chunks with decode rows; both runs include a seeded sampled request.
+    core = make_core(model, **graphs)
     sampled = SamplingParams(temperature=0.9, seed=11, max_new_tokens=10, ignore_eos=True)
     requests = {f"r{i}": (p, GREEDY) for i, p in enumerate(PROMPTS)} | {"s": (PROMPTS[2], sampled)}
     outputs = run_all(core, requests)
     for i, prompt in enumerate(PROMPTS):
         assert outputs[f"r{i}"][0] == hf_greedy(prompt)
     assert outputs["s"] == run_all(make_core(model), {"s": (PROMPTS[2], sampled)})["s"]
-    assert_no_leaks(core)
-
-
-def test_padded_prefill_buckets_give_the_same_tokens(model, hf_greedy):
-    # Prefill and mixed steps through the bucketed graph path (run eagerly on a CPU over the same
-    # padded buffers): chunked prefills, prefix-cache hits (contexts longer than the new tokens),
-    # steps mixing prefill chunks with decode rows, and a seeded sampled request.
-    core = make_core(model, decode_buckets=(1, 2, 4), prefill_graphs=True)
-    sampled = SamplingParams(temperature=0.9, seed=11, max_new_tokens=10, ignore_eos=True)
-    requests = {f"r{i}": (p, GREEDY) for i, p in enumerate(PROMPTS)} | {"s": (PROMPTS[2], sampled)}
-    outputs = run_all(core, requests)
-    for i, prompt in enumerate(PROMPTS):
-        assert outputs[f"r{i}"][0] == hf_greedy(prompt)
-    assert outputs["s"] == run_all(make_core(model), {"s": (PROMPTS[2], sampled)})["s"]
-    assert core.runner.prefill_graphs is not None
+    assert (core.runner.prefill_graphs is not None) == bool(graphs.get("prefill_graphs"))
     assert_no_leaks(core)
 
 
