@@ -65,7 +65,7 @@ def _paged_attention(q, k_cache, v_cache, q_start, q_len, kv_len, page_table, *,
     out.copy_(ref_paged_attention(q, k_cache, v_cache, q_start, q_len, kv_len, page_table, **attrs))
 
 
-register_impl("paged_attention", "torch", _paged_attention)
+register_impl("paged_attention", "torch", _paged_attention, reads_device=True)  # loops over the lengths
 
 
 # --- Triton -----------------------------------------------------------------------------------------

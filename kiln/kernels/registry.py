@@ -9,7 +9,9 @@ Calling convention (what generated programs call): ``fn(*inputs, out=..., **attr
 ``out`` (a tensor, or a tuple for several outputs) for ops that make fresh values; ops whose
 outputs alias their inputs (views, in-place stores) take no ``out`` and return their outputs.
 Implementations registered with ``wants_sizes=True`` also receive ``sizes``: the step's symbol
-sizes and host-side facts such as ``max_q_len``.
+sizes and host-side facts such as ``max_q_len``. Those registered with ``reads_device=True`` copy
+device values to the host mid-step (references that loop over sequences), so a step that runs one
+cannot be captured as a CUDA graph.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class KernelImpl:
     checker: Checker
     priority: int
     wants_sizes: bool
+    reads_device: bool = False
 
 
 _IMPLS: dict[str, list[KernelImpl]] = {}
@@ -43,10 +46,10 @@ _BY_NAME: dict[str, KernelImpl] = {}
 
 
 def register_impl(op: str, backend: str, fn: Callable[..., Any], checker: Checker = always, priority: int = 0,
-                  name: str | None = None, wants_sizes: bool = False) -> KernelImpl:
+                  name: str | None = None, wants_sizes: bool = False, reads_device: bool = False) -> KernelImpl:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; known: {BACKENDS}")
-    impl = KernelImpl(name or f"{backend}.{op}", op, backend, fn, checker, priority, wants_sizes)
+    impl = KernelImpl(name or f"{backend}.{op}", op, backend, fn, checker, priority, wants_sizes, reads_device)
     if impl.name in _BY_NAME:
         raise ValueError(f"kernel {impl.name!r} is registered twice")
     _IMPLS.setdefault(op, []).append(impl)

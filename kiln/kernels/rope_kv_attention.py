@@ -40,7 +40,7 @@ def _rope_kv_attention(q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_s
                                     page_table, **attrs)[0])
 
 
-register_impl("rope_kv_attention", "torch", _rope_kv_attention)
+register_impl("rope_kv_attention", "torch", _rope_kv_attention, reads_device=True)
 
 
 def triton_rope_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

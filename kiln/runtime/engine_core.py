@@ -26,6 +26,7 @@ from .constraints import Constraints, constraint_of
 from .kvcache.allocator import PageAllocator
 from .kvcache.pool import pages_for_mem_fraction, pages_for_tokens
 from .kvcache.radix import RadixCache
+from .executor import graph_blockers
 from .model_runner import ModelRunner
 from .outputs import SampleEvent, TokenLogprob
 from .sampling import SamplerOutput, SamplingBatch, SamplingParams, SamplingRow, child_seed, masked_argmax, new_seed
@@ -47,7 +48,8 @@ class EngineOptions:
     schedule_policy: str = "lpm"
     enable_prefix_cache: bool = True
     # Batch sizes whose decode steps run as captured CUDA graphs; None: DEFAULT_DECODE_BUCKETS on a
-    # GPU, none on a CPU (where the padded path only adds work).
+    # GPU, none on a CPU (where the padded path only adds work) or where capture is impossible (see
+    # graph_settings).
     decode_buckets: tuple[int, ...] | None = None
     # Run other steps (prefill, mixed) as CUDA graphs too, captured per token and sequence bucket on
     # first use; None: on a GPU, off on a CPU (where the padded path only adds work).
@@ -65,6 +67,22 @@ DEFAULT_CPU_KV_TOKENS = 32768
 DEFAULT_DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
+def graph_settings(options: EngineOptions, device: torch.device, blockers: list[str]) -> tuple[tuple[int, ...], bool]:
+    """The decode buckets and whether prefill runs as graphs: the options where set, else graphs on a
+    GPU unless one of the program's kernels (``blockers``) reads device values on the host, which
+    capture forbids; asking for graphs on a GPU with such kernels is an error that names them."""
+    capturable = device.type == "cuda" and not blockers
+    buckets = options.decode_buckets
+    if buckets is None:
+        buckets = DEFAULT_DECODE_BUCKETS if capturable else ()
+    prefill_graphs = capturable if options.prefill_graphs is None else options.prefill_graphs
+    if device.type == "cuda" and blockers and (buckets or prefill_graphs):
+        raise ValueError(f"CUDA graphs cannot capture kernels that copy device values to the host mid-step: "
+                         f"{', '.join(blockers)} (an artifact compiled for the torch backend?); compile for the "
+                         "triton backend, or set decode_buckets=() and prefill_graphs=False")
+    return tuple(buckets), prefill_graphs
+
+
 class EngineCore:
     def __init__(self, artifact_path: str, options: EngineOptions | None = None) -> None:
         self.options = options or EngineOptions()
@@ -76,12 +94,7 @@ class EngineCore:
         self.vocab_size: int = rt["vocab_size"]
         self.page_size: int = rt["page_size"]
         self.tokenizer = Tokenizer.from_dir(self.artifact.tokenizer_dir) if self.artifact.tokenizer_dir else None
-        buckets = self.options.decode_buckets
-        if buckets is None:
-            buckets = DEFAULT_DECODE_BUCKETS if device.type == "cuda" else ()
-        prefill_graphs = self.options.prefill_graphs
-        if prefill_graphs is None:
-            prefill_graphs = device.type == "cuda"
+        buckets, prefill_graphs = graph_settings(self.options, device, graph_blockers(self.artifact))
         self.runner = ModelRunner(self.artifact, device, self._num_pages(device, rt), tuple(buckets), prefill_graphs)
         # Even with one request the pool must hold a full context, or that request could never run.
         if (self.runner.pool.num_pages - 1) * self.page_size < self.max_seq_len:

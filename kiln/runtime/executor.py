@@ -64,6 +64,14 @@ def kernel_table(artifact: Artifact, device: torch.device) -> dict[str, Callable
     return table
 
 
+def graph_blockers(artifact: Artifact) -> list[str]:
+    """The program's kernels that copy device values to the host mid-step when run on a GPU (torch
+    references such as the attention's, in artifacts compiled for the torch backend): a step that
+    runs one cannot be captured as a CUDA graph. Generated kernels are Triton and never do."""
+    return [name for name in artifact.manifest["kernels"]
+            if not name.startswith(GENERATED_KERNEL_PREFIX) and get_impl(name).reads_device]
+
+
 def load_generated(file: Path) -> Callable:
     spec = importlib.util.spec_from_file_location(f"kiln_generated_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
