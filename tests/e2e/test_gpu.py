@@ -25,13 +25,18 @@ BUCKETS = (1, 2, 4, 8)
 NEW_TOKENS = 16
 
 
-def build(shape: str, layers: int | None, dtype: torch.dtype, tmp_path: Path):
+def compile_random(shape: str, layers: int | None, dtype: torch.dtype, tmp_path: Path, backend: str = "triton"):
     from models import random_model
 
     model, source = random_model(shape, dtype, layers)
     artifact = compile_model(source, tmp_path / "m.kiln", CompileOptions(
-        dtype="fp32" if dtype == torch.float32 else "bf16", backend="triton", max_batch_tokens=512,
+        dtype="fp32" if dtype == torch.float32 else "bf16", backend=backend, max_batch_tokens=512,
         max_batch_size=8, max_logit_rows=512, max_seq_len=256, page_size=16))
+    return model, artifact
+
+
+def build(shape: str, layers: int | None, dtype: torch.dtype, tmp_path: Path):
+    model, artifact = compile_random(shape, layers, dtype, tmp_path)
     core = EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=4096, decode_buckets=BUCKETS))
     return model, core
 
@@ -78,6 +83,19 @@ def test_greedy_with_graphs_matches_hf(tmp_path, shape, layers, dtype):
         for i, token in enumerate(tokens):
             row = logits[len(prompt) - 1 + i]
             assert row[token] >= row.max() - 0.1 * row.std(), (i, token, int(row.argmax()))
+
+
+def test_torch_backend_runs_eagerly_on_gpu(tmp_path):
+    # Its attention reference reads the lengths on the host, which capture forbids: the engine leaves
+    # graphs off by default, refuses them when asked, and still generates HF's tokens.
+    model, artifact = compile_random("smollm2-135m", 2, torch.float32, tmp_path, backend="torch")
+    with pytest.raises(ValueError, match="torch.rope_kv_attention"):
+        EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=4096, decode_buckets=BUCKETS))
+    core = EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=4096))
+    assert core.runner.decode_graphs is None and core.runner.prefill_graphs is None
+    prompts = [[5, 9, 200, 7], list(range(100, 131))]
+    for prompt, tokens in zip(prompts, generate(core, prompts)):
+        assert tokens == hf_greedy(model, prompt, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
