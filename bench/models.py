@@ -2,17 +2,23 @@
 
 ``random_model(shape, layers=None)`` returns an HF model (random weights, scaled so logits have
 clear margins) and a kiln ``ModelSource`` over the same tensors, so kiln and HF run identical
-weights without a checkpoint round trip through the disk.
+weights without a checkpoint round trip through the disk. ``random_engine`` compiles one for the
+triton backend and loads it into an ``EngineCore``, as the breakdown benchmarks run it.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import tempfile
 from pathlib import Path
 
 import torch
 
+from kiln.compiler.compile import compile_model
+from kiln.compiler.options import CompileOptions
 from kiln.compiler.sources.hf import MemoryTensors, ModelSource
+from kiln.runtime.engine_core import EngineCore, EngineOptions
 
 SHAPES = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -56,3 +62,24 @@ def random_model(shape: str, dtype: torch.dtype = torch.bfloat16, layers: int | 
                if not (config.tie_word_embeddings and name == "lm_head.weight")}
     fingerprint = hashlib.sha256(f"{shape}:{layers}:{seed}:{dtype}".encode()).hexdigest()[:16]
     return model, ModelSource(Path(f"<random {shape}>"), hf_config, MemoryTensors(tensors), (), fingerprint)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments ``random_engine`` reads: the shape, its layers, and the batch of prompts."""
+    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=None, help="cut the shape to this many layers")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt-len", type=int, default=128)
+
+
+def random_engine(args: argparse.Namespace, max_seq_len: int, **options) -> EngineCore:
+    """An engine on the GPU over a random ``args.shape`` model in bf16, compiled for the triton backend
+    with room for ``args.batch`` prompts of ``args.prompt_len`` tokens, prefix cache off (every
+    request computes its whole prompt); ``options`` are further ``EngineOptions``."""
+    _, source = random_model(args.shape, layers=args.layers)
+    with tempfile.TemporaryDirectory() as tmp:
+        artifact = compile_model(source, Path(tmp) / "m.kiln", CompileOptions(
+            dtype="bf16", backend="triton", max_batch_tokens=max(512, args.batch * args.prompt_len),
+            max_batch_size=args.batch, max_seq_len=max_seq_len))
+        return EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=args.batch * 1024,
+                                                       enable_prefix_cache=False, **options))

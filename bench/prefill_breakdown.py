@@ -16,43 +16,29 @@ import cProfile
 import io
 import pstats
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import random_model  # noqa: E402
+from models import add_model_arguments, random_engine  # noqa: E402
 from overrides import add_override_arguments, apply_overrides  # noqa: E402
 from step_breakdown import kernel_table  # noqa: E402
 
-from kiln.compiler.compile import compile_model  # noqa: E402
-from kiln.compiler.options import CompileOptions  # noqa: E402
-from kiln.runtime.engine_core import EngineCore, EngineOptions  # noqa: E402
 from kiln.runtime.sampling import SamplingParams  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="smollm2-135m")
-    parser.add_argument("--layers", type=int, default=None)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--prompt-len", type=int, default=128)
+    add_model_arguments(parser)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--eager", action="store_true", help="without prefill graphs (op by op)")
     add_override_arguments(parser)
     args = parser.parse_args()
     apply_overrides(args.set, args.skip_pass)
-    _, source = random_model(args.shape, layers=args.layers)
-    with tempfile.TemporaryDirectory() as tmp:
-        artifact = compile_model(source, Path(tmp) / "m.kiln", CompileOptions(
-            dtype="bf16", backend="triton", max_batch_tokens=max(512, args.batch * args.prompt_len),
-            max_batch_size=args.batch, max_seq_len=args.prompt_len + 16))
-        core = EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=args.batch * 1024,
-                                                       enable_prefix_cache=False, decode_buckets=(),
-                                                       prefill_graphs=not args.eager))
+    core = random_engine(args, args.prompt_len + 16, decode_buckets=(), prefill_graphs=not args.eager)
     params = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
     counter = iter(range(1 << 30))
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -21,12 +20,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import random_model  # noqa: E402
+from models import add_model_arguments, random_engine  # noqa: E402
 from overrides import add_override_arguments, apply_overrides  # noqa: E402
 
-from kiln.compiler.compile import compile_model  # noqa: E402
-from kiln.compiler.options import CompileOptions  # noqa: E402
-from kiln.runtime.engine_core import EngineCore, EngineOptions  # noqa: E402
 from kiln.runtime.sampling import SamplingParams  # noqa: E402
 
 
@@ -53,22 +49,13 @@ def kernel_table(replay, steps: int, top: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="smollm2-135m")
-    parser.add_argument("--layers", type=int, default=None)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--prompt-len", type=int, default=128)
+    add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--top", type=int, default=15)
     add_override_arguments(parser)
     args = parser.parse_args()
     apply_overrides(args.set, args.skip_pass)
-    _, source = random_model(args.shape, layers=args.layers)
-    with tempfile.TemporaryDirectory() as tmp:
-        artifact = compile_model(source, Path(tmp) / "m.kiln", CompileOptions(
-            dtype="bf16", backend="triton", max_batch_tokens=max(512, args.batch * args.prompt_len),
-            max_batch_size=args.batch, max_seq_len=args.prompt_len + args.steps + 128))
-        core = EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=args.batch * 1024,
-                                                       enable_prefix_cache=False, decode_buckets=(args.batch,)))
+    core = random_engine(args, args.prompt_len + args.steps + 128, decode_buckets=(args.batch,))
     params = SamplingParams(temperature=0, max_new_tokens=args.steps + 100, ignore_eos=True)
     for i in range(args.batch):
         core.add_request(f"r{i}", list(range(1 + i, args.prompt_len + 1 + i)), params)

@@ -23,10 +23,10 @@ import torch
 
 from .artifact import load_artifact
 from .constraints import Constraints, constraint_of
+from .executor import graph_blockers
 from .kvcache.allocator import PageAllocator
 from .kvcache.pool import pages_for_mem_fraction, pages_for_tokens
 from .kvcache.radix import RadixCache
-from .executor import graph_blockers
 from .model_runner import ModelRunner
 from .outputs import SampleEvent, TokenLogprob
 from .sampling import SamplerOutput, SamplingBatch, SamplingParams, SamplingRow, child_seed, masked_argmax, new_seed
@@ -52,7 +52,8 @@ class EngineOptions:
     # graph_settings).
     decode_buckets: tuple[int, ...] | None = None
     # Run other steps (prefill, mixed) as CUDA graphs too, captured per token and sequence bucket on
-    # first use; None: on a GPU, off on a CPU (where the padded path only adds work).
+    # first use; None: on a GPU, off on a CPU (where the padded path only adds work) or where capture is
+    # impossible (see graph_settings).
     prefill_graphs: bool | None = None
     # Launch a greedy decode step before reading the previous one's tokens (hides the host's work
     # behind the device's); None: on whenever decode graphs are.
@@ -95,7 +96,7 @@ class EngineCore:
         self.page_size: int = rt["page_size"]
         self.tokenizer = Tokenizer.from_dir(self.artifact.tokenizer_dir) if self.artifact.tokenizer_dir else None
         buckets, prefill_graphs = graph_settings(self.options, device, graph_blockers(self.artifact))
-        self.runner = ModelRunner(self.artifact, device, self._num_pages(device, rt), tuple(buckets), prefill_graphs)
+        self.runner = ModelRunner(self.artifact, device, self._num_pages(device, rt), buckets, prefill_graphs)
         # Even with one request the pool must hold a full context, or that request could never run.
         if (self.runner.pool.num_pages - 1) * self.page_size < self.max_seq_len:
             raise ValueError(f"the KV pool holds {(self.runner.pool.num_pages - 1) * self.page_size} tokens, less than "
