@@ -2,7 +2,7 @@
 # One device session, in stages, logs under $OUT (or ./out). Run on the GPU machine from the repository root:
 #   bench/gpu_session.sh tests kernels breakdown structured     # ~4 min
 #   bench/gpu_session.sh decode                                 # ~5 min: bench/decode.py, both shapes, HF in the same run
-# Stages: tests (GPU tests), kernels (bench/kernels.py), breakdown (bench/step_breakdown.py, SmolLM2 batch 1 and
+# Stages: tests (GPU tests), kernels (bench/kernels.py), breakdown (bench/step_breakdown.py with --timeline, SmolLM2 batch 1 and
 # Llama-3-8B shape with 8 layers), structured (bench/structured.py on random SmolLM2 weights; needs the real
 # tokenizer files in $TOKENIZER_DIR, default .bench-tokenizer), structured-profile (the same at batch 1 with the
 # engine steps' host profile, into structured_profile.log), sweep (SmolLM2 batch 1 step time under tuning variants:
@@ -20,8 +20,8 @@ for stage in "$@"; do
     tests) python3 -m pytest tests/e2e/test_gpu.py tests/kernels -m gpu -q -p no:cacheprovider --timeout 400 2>&1 \
              | tee "$out/gpu_tests.log" | tail -25 ;;
     kernels) python3 bench/kernels.py 2>&1 | tee "$out/kernels.log" | grep -v Warning ;;
-    breakdown) for args in "--shape smollm2-135m --batch 1" "--shape smollm2-135m --batch 64 --top 8" \
-                           "--shape llama3-8b --layers 8 --batch 1 --top 8"; do
+    breakdown) for args in "--shape smollm2-135m --batch 1 --timeline" "--shape smollm2-135m --batch 64 --top 8" \
+                           "--shape llama3-8b --layers 8 --batch 1 --top 8 --timeline"; do
                  python3 bench/step_breakdown.py $args 2>&1 | grep -v Warning
                  # The same without programmatic dependent launch, to measure what it gives.
                  KILN_PDL=0 python3 bench/step_breakdown.py $args --top 0 2>&1 | grep -v Warning | head -1 | sed 's/^/KILN_PDL=0 /'

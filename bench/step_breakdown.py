@@ -1,7 +1,7 @@
 """Where a decode step's time goes: the captured graph's replay alone against the whole engine step
 (scheduling, staging inputs, replay, reading tokens back), and the replay's kernels one by one.
 
-    python bench/step_breakdown.py --shape smollm2-135m --batch 1
+    python bench/step_breakdown.py --shape smollm2-135m --batch 1 [--timeline]
 
 Tuning experiments: ``--set MODULE.NAME=VALUE`` overrides a module constant read at launch time
 (e.g. ``kiln.kernels.attention_decode.MIN_SPLIT_TOKENS=64``) and ``--skip-pass NAME`` compiles
@@ -22,22 +22,27 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import add_model_arguments, random_engine  # noqa: E402
 from overrides import add_override_arguments, apply_overrides  # noqa: E402
+from timeline import Kernel, critical_path_table  # noqa: E402
 
 from kiln.runtime.sampling import SamplingParams  # noqa: E402
 
 
-def kernel_table(replay, steps: int, top: int) -> str:
-    """Per-kernel GPU time per replay, from the profiler's trace of ``steps`` replays."""
+def trace(replay, steps: int) -> list:
+    """The profiler's device-kernel events of ``steps`` calls of ``replay``."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             replay()
         torch.cuda.synchronize()
+    return [event for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def kernel_table(events: list, steps: int, top: int) -> str:
+    """Per-kernel GPU time per replay, from the trace of ``steps`` replays."""
     per_kernel: dict[str, list[float]] = defaultdict(list)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[event.name[:90]].append(event.device_time)
+    for event in events:
+        per_kernel[event.name[:90]].append(event.device_time)
     total = sum(sum(v) for v in per_kernel.values()) / steps
     lines = [f"kernels per replay: {sum(len(v) for v in per_kernel.values()) / steps:.0f}, "
              f"GPU busy {total:.1f} us per replay",
@@ -52,6 +57,8 @@ def main() -> None:
     add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--timeline", action="store_true",
+                        help="also each kernel's share of the replay's critical path (bench/timeline.py)")
     add_override_arguments(parser)
     args = parser.parse_args()
     apply_overrides(args.set, args.skip_pass)
@@ -77,8 +84,13 @@ def main() -> None:
     label = f"{args.shape} batch {args.batch}" + (f" [{variant}]" if variant else "")
     print(f"{label}: engine step {step_ms:.3f} ms, graph replay alone {replay_ms:.3f} ms, "
           f"host share {step_ms - replay_ms:.3f} ms")
-    if args.top:
-        print(kernel_table(graph.replay, 20, args.top))
+    if args.top or args.timeline:
+        events = trace(graph.replay, 20)
+        if args.top:
+            print(kernel_table(events, 20, args.top))
+        if args.timeline:
+            kernels = [Kernel(e.name, e.time_range.start, e.time_range.end) for e in events]
+            print(critical_path_table(kernels, 20, args.top or 40))
 
 
 if __name__ == "__main__":
