@@ -58,3 +58,30 @@ def rewrite_nodes(graph: Graph, replaced: dict[int, Node], removed: set[int]) ->
     if not replaced and not removed:
         return graph
     return graph.replace(nodes=[replaced.get(id(n), n) for n in graph.nodes if id(n) not in removed])
+
+
+def fold_operand_producers(graph: Graph, op: str, producer_op: str, sides: tuple[int, int],
+                           fold: Callable[[Node, Node, str], Node | None]) -> Graph:
+    """Folds into each two-input ``op`` node the ``producer_op`` node that makes one of its operands for
+    it alone: ``fold(node, producer, other_operand)`` returns the fused node (placed where ``node``
+    was; the producer is dropped) or None to leave that pairing. Operand ``sides[0]`` is tried first,
+    then ``sides[1]``; a producer is folded once."""
+    producers = graph.producers()
+    users = graph.users()
+    replaced: dict[int, Node] = {}
+    absorbed: set[int] = set()
+    for node in graph.nodes:
+        if node.op != op:
+            continue
+        for side in sides:
+            producer = producers.get(node.inputs[side])
+            if (producer is None or producer.op != producer_op or id(producer) in absorbed
+                    or sole_reader(graph, users, producer.out) is None):
+                continue
+            fused = fold(node, producer, node.inputs[1 - side])
+            if fused is not None:
+                replaced[id(node)] = fused
+                absorbed.add(id(producer))
+                break
+    return rewrite_nodes(graph, replaced, absorbed)
+

@@ -9,30 +9,19 @@ output and can join the GEMM after it (``fuse_norm_linear``). Linears with a bia
 
 from __future__ import annotations
 
-from kiln.ir import Graph, make_node
+from kiln.ir import Graph, Node, make_node
 
-from .base import PassContext, rewrite_nodes, sole_reader
+from .base import PassContext, fold_operand_producers
 
 
 def fuse_linear_residual(graph: Graph, ctx: PassContext) -> Graph:
-    producers = graph.producers()
-    users = graph.users()
     types = graph.value_types()
-    replaced: dict[int, object] = {}
-    absorbed: set[int] = set()
-    for node in graph.nodes:
-        if node.op != "add":
-            continue
-        for gemm_side, other in ((1, 0), (0, 1)):
-            linear = producers.get(node.inputs[gemm_side])
-            residual = node.inputs[other]
-            if (linear is None or linear.op != "linear" or len(linear.inputs) != 2 or id(linear) in absorbed
-                    or sole_reader(graph, users, linear.out) is None
-                    or types[residual] != types[linear.out]):
-                continue
-            x, weight = linear.inputs
-            replaced[id(node)] = make_node("linear_residual", [x, weight, residual], [node.out],
-                                           [types[x], types[weight], types[residual]])
-            absorbed.add(id(linear))
-            break
-    return rewrite_nodes(graph, replaced, absorbed)
+
+    def fold(add: Node, linear: Node, residual: str) -> Node | None:
+        if len(linear.inputs) != 2 or types[residual] != types[linear.out]:
+            return None
+        x, weight = linear.inputs
+        return make_node("linear_residual", [x, weight, residual], [add.out], [types[x], types[weight], types[residual]])
+
+    # Models write the residual stream first (h + o), so the GEMM is looked for on the right first.
+    return fold_operand_producers(graph, "add", "linear", (1, 0), fold)
