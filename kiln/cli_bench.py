@@ -16,7 +16,7 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 # Modules the benchmarks import, not benchmarks themselves.
-BENCH_HELPERS = frozenset({"models", "overrides"})
+BENCH_HELPERS = frozenset({"models", "overrides", "timeline"})
 
 
 def available() -> list[str]:
