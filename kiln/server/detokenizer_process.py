@@ -15,9 +15,7 @@ REJECT, STATS and FATAL pass through unchanged.
 
 from __future__ import annotations
 
-import json
 import logging
-import signal
 import sys
 from typing import Any
 
@@ -87,23 +85,14 @@ def run(inbox: zmq.Socket, outbox: zmq.Socket, parent: ipc.ParentWatch) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = json.loads((argv if argv is not None else sys.argv[1:])[0])
-    logging.basicConfig(level=config.get("log_level", "INFO").upper(), format="kiln detokenizer: %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    context = zmq.Context()
-    inbox = ipc.pull_socket(context, ipc.address(config["ipc_dir"], ipc.DETOKENIZER_SOCKET))
-    outbox = ipc.push_socket(context, ipc.address(config["ipc_dir"], ipc.HTTP_SOCKET))
-    try:
-        return run(inbox, outbox, ipc.ParentWatch(config["parent_pid"]))
-    except Exception as exc:
-        log.exception("the detokenizer failed")
-        outbox.send(ipc.pack([ipc.FATAL, f"the detokenizer failed: {type(exc).__name__}: {exc}"]))
-        return 1
-    finally:
-        inbox.close()
-        outbox.close()
-        context.term()
+    args = argv if argv is not None else sys.argv[1:]
+    with ipc.worker_process(args, "detokenizer", ipc.DETOKENIZER_SOCKET, ipc.HTTP_SOCKET) as (config, inbox, outbox):
+        try:
+            return run(inbox, outbox, ipc.ParentWatch(config["parent_pid"]))
+        except Exception as exc:
+            log.exception("the detokenizer failed")
+            outbox.send(ipc.pack([ipc.FATAL, f"the detokenizer failed: {type(exc).__name__}: {exc}"]))
+            return 1
 
 
 if __name__ == "__main__":

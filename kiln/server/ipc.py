@@ -23,9 +23,13 @@ Messages:
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
+import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import msgpack
 import zmq
@@ -78,6 +82,28 @@ def pull_socket(context: zmq.Context, addr: str) -> zmq.Socket:
     socket.setsockopt(zmq.LINGER, 0)
     socket.bind(addr)
     return socket
+
+
+@contextlib.contextmanager
+def worker_process(argv: list[str], role: str, inbox_name: str,
+                   outbox_name: str) -> Iterator[tuple[dict[str, Any], zmq.Socket, zmq.Socket]]:
+    """What the scheduler and detokenizer processes start with: their JSON config (``argv[0]``, from
+    the launcher), logging that names ``role``, SIGINT and SIGTERM ignored, and their inbox (bound)
+    and outbox sockets, closed with their context when the block ends."""
+    config = json.loads(argv[0])
+    logging.basicConfig(level=config.get("log_level", "INFO").upper(), format=f"kiln {role}: %(message)s")
+    # Ctrl-C reaches the whole process group; the HTTP process decides how to stop (it drains first).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    context = zmq.Context()
+    inbox = pull_socket(context, address(config["ipc_dir"], inbox_name))
+    outbox = push_socket(context, address(config["ipc_dir"], outbox_name))
+    try:
+        yield config, inbox, outbox
+    finally:
+        inbox.close()
+        outbox.close()
+        context.term()
 
 
 def recv_ready(socket: zmq.Socket, timeout_ms: int) -> list[list[Any]]:

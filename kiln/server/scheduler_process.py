@@ -13,9 +13,7 @@ parent, which drains before stopping its children.
 
 from __future__ import annotations
 
-import json
 import logging
-import signal
 import sys
 import time
 from dataclasses import asdict
@@ -99,15 +97,8 @@ class SchedulerLoop:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = json.loads((argv if argv is not None else sys.argv[1:])[0])
-    logging.basicConfig(level=config.get("log_level", "INFO").upper(), format="kiln scheduler: %(message)s")
-    # Ctrl-C reaches the whole process group; the HTTP process decides how to stop (it drains first).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    context = zmq.Context()
-    inbox = ipc.pull_socket(context, ipc.address(config["ipc_dir"], ipc.SCHEDULER_SOCKET))
-    outbox = ipc.push_socket(context, ipc.address(config["ipc_dir"], ipc.DETOKENIZER_SOCKET))
-    try:
+    args = argv if argv is not None else sys.argv[1:]
+    with ipc.worker_process(args, "scheduler", ipc.SCHEDULER_SOCKET, ipc.DETOKENIZER_SOCKET) as (config, inbox, outbox):
         try:
             core = EngineCore(config["artifact"], EngineOptions(**config["engine"]))
         except Exception as exc:  # any load failure is reported the same way: a message and exit 1
@@ -122,10 +113,6 @@ def main(argv: list[str] | None = None) -> int:
             outbox.send(ipc.pack([ipc.FATAL, f"the scheduler failed: {type(exc).__name__}: {exc}"]))
             return 1
         return 0
-    finally:
-        inbox.close()
-        outbox.close()
-        context.term()
 
 
 def model_facts(core: EngineCore) -> dict[str, Any]:
