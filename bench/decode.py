@@ -27,7 +27,8 @@ from overrides import add_override_arguments, apply_overrides  # noqa: E402
 
 from kiln.compiler.compile import compile_model  # noqa: E402
 from kiln.compiler.options import CompileOptions  # noqa: E402
-from kiln.runtime.engine_core import EngineCore, EngineOptions  # noqa: E402
+from kiln.runtime.engine_core import EngineCore  # noqa: E402
+from kiln.runtime.engine_options import EngineOptions  # noqa: E402
 from kiln.runtime.sampling import SamplingParams  # noqa: E402
 
 

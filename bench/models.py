@@ -18,7 +18,8 @@ import torch
 from kiln.compiler.compile import compile_model
 from kiln.compiler.options import CompileOptions
 from kiln.compiler.sources.hf import MemoryTensors, ModelSource
-from kiln.runtime.engine_core import EngineCore, EngineOptions
+from kiln.runtime.engine_core import EngineCore
+from kiln.runtime.engine_options import EngineOptions
 
 SHAPES = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

@@ -20,7 +20,8 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence, Union
 
 from kiln.artifact_cache import ensure_artifact
 from kiln.compiler.options import CompileOptions
-from kiln.runtime.engine_core import EngineCore, EngineOptions
+from kiln.runtime.engine_core import EngineCore
+from kiln.runtime.engine_options import EngineOptions
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.request_handle import RequestHandle
 from kiln.runtime.sampling import SamplingParams

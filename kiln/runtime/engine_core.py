@@ -16,13 +16,13 @@ pool) breaks the chain and the next step is scheduled normally.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, Hashable
 
 import torch
 
 from .artifact import load_artifact
 from .constraints import Constraints, constraint_of
+from .engine_options import DEFAULT_CPU_KV_TOKENS, EngineOptions, graph_settings
 from .executor import graph_blockers
 from .kvcache.allocator import PageAllocator
 from .kvcache.pool import pages_for_mem_fraction, pages_for_tokens
@@ -36,52 +36,6 @@ from .scheduler.scheduler import Scheduler, SchedulerConfig
 from .stop_rules import STOP_WATCH, StopWatch, finish_reason, sampled_on_device
 from .token_readback import InflightStep, TokenReadback
 from .tokenizer import Tokenizer
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    device: str | None = None              # default: cuda when present, else cpu
-    kv_cache_tokens: int | None = None     # explicit pool size; default from mem_fraction on GPU
-    mem_fraction: float = 0.85             # of device memory for weights + KV (GPU)
-    max_batch_tokens: int | None = None    # step token budget; default the artifact's bound
-    max_running: int | None = None         # running requests; default the artifact's bound
-    schedule_policy: str = "lpm"
-    enable_prefix_cache: bool = True
-    # Batch sizes whose decode steps run as captured CUDA graphs; None: DEFAULT_DECODE_BUCKETS on a
-    # GPU, none on a CPU (where the padded path only adds work) or where capture is impossible (see
-    # graph_settings).
-    decode_buckets: tuple[int, ...] | None = None
-    # Run other steps (prefill, mixed) as CUDA graphs too, captured per token and sequence bucket on
-    # first use; None: on a GPU, off on a CPU (where the padded path only adds work) or where capture is
-    # impossible (see graph_settings).
-    prefill_graphs: bool | None = None
-    # Launch a greedy decode step before reading the previous one's tokens (hides the host's work
-    # behind the device's); None: on whenever decode graphs are.
-    overlap_schedule: bool | None = None
-
-    def resolved_device(self) -> torch.device:
-        return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-
-
-# On CPU there is no memory fraction to size by: a pool of this many tokens unless told otherwise.
-DEFAULT_CPU_KV_TOKENS = 32768
-DEFAULT_DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-
-
-def graph_settings(options: EngineOptions, device: torch.device, blockers: list[str]) -> tuple[tuple[int, ...], bool]:
-    """The decode buckets and whether prefill runs as graphs: the options where set, else graphs on a
-    GPU unless one of the program's kernels (``blockers``) reads device values on the host, which
-    capture forbids; asking for graphs on a GPU with such kernels is an error that names them."""
-    capturable = device.type == "cuda" and not blockers
-    buckets = options.decode_buckets
-    if buckets is None:
-        buckets = DEFAULT_DECODE_BUCKETS if capturable else ()
-    prefill_graphs = capturable if options.prefill_graphs is None else options.prefill_graphs
-    if device.type == "cuda" and blockers and (buckets or prefill_graphs):
-        raise ValueError(f"CUDA graphs cannot capture kernels that copy device values to the host mid-step: "
-                         f"{', '.join(blockers)} (an artifact compiled for the torch backend?); compile for the "
-                         "triton backend, or set decode_buckets=() and prefill_graphs=False")
-    return tuple(buckets), prefill_graphs
 
 
 class EngineCore:

@@ -22,7 +22,8 @@ from typing import Any
 import zmq
 
 from kiln.runtime.detokenizer import PROMPT_CONTEXT_TOKENS
-from kiln.runtime.engine_core import EngineCore, EngineOptions
+from kiln.runtime.engine_core import EngineCore
+from kiln.runtime.engine_options import EngineOptions
 from kiln.runtime.sampling import SamplingParams
 from kiln.server import ipc
 

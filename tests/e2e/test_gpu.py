@@ -12,7 +12,8 @@ import torch
 
 from kiln.compiler.compile import compile_model
 from kiln.compiler.options import CompileOptions
-from kiln.runtime.engine_core import EngineCore, EngineOptions
+from kiln.runtime.engine_core import EngineCore
+from kiln.runtime.engine_options import EngineOptions
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.scheduler.batch import StepLists
 from tests.support.hf_models import hf_greedy

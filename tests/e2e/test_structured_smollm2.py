@@ -127,7 +127,8 @@ def test_overlapped_greedy_steps_keep_constrained_results(engine):
     # once N's token has been accepted. Greedy and seeded sampled rows, with and without grammars, a
     # stop token, and requests whose grammar completes while others go on: the results must equal
     # the plain step-by-step engine's.
-    from kiln.runtime.engine_core import EngineCore, EngineOptions
+    from kiln.runtime.engine_core import EngineCore
+    from kiln.runtime.engine_options import EngineOptions
 
     prompts = [ask(engine, f"Describe person {i} as JSON.") for i in range(3)] + [ask(engine, "Count to five.")]
     free = engine.generate(prompts[3], SamplingParams(temperature=0, max_new_tokens=12))

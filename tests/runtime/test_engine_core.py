@@ -5,11 +5,11 @@ against HF transformers or against a run without the feature, and the pool check
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kiln.compiler.compile import compile_model
 from kiln.compiler.options import CompileOptions
-from kiln.runtime.engine_core import DEFAULT_DECODE_BUCKETS, EngineCore, EngineOptions, graph_settings
+from kiln.runtime.engine_core import EngineCore
+from kiln.runtime.engine_options import EngineOptions
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.scheduler.request import PENDING
 from tests.support.hf_models import hf_greedy as greedy_continuation
@@ -293,15 +293,3 @@ def test_overlapped_sampled_steps_give_the_same_results(model):
     assert core.overlapped_steps > 5
     assert results[1] == results[0]
     assert len(results[0]) == 6
-
-
-def test_graph_settings_follow_the_device_and_the_program():
-    cpu, gpu, blockers = torch.device("cpu"), torch.device("cuda"), ["torch.rope_kv_attention"]
-    assert graph_settings(EngineOptions(), cpu, []) == ((), False)  # a CPU runs steps eagerly by default
-    assert graph_settings(EngineOptions(), gpu, []) == (DEFAULT_DECODE_BUCKETS, True)
-    assert graph_settings(EngineOptions(), gpu, blockers) == ((), False)  # a kernel capture forbids: no graphs
-    # Asked for on a CPU, the padded path runs eagerly (nothing is captured), so any kernel may run.
-    assert graph_settings(EngineOptions(decode_buckets=[2, 1], prefill_graphs=True), cpu, blockers) == ((2, 1), True)
-    for options in (EngineOptions(decode_buckets=(1,)), EngineOptions(prefill_graphs=True)):
-        with pytest.raises(ValueError, match="copy device values to the host mid-step: torch.rope_kv_attention"):
-            graph_settings(options, gpu, blockers)

@@ -9,7 +9,8 @@ import torch
 
 from kiln.compiler.compile import compile_model
 from kiln.compiler.options import CompileOptions
-from kiln.runtime.engine_core import EngineCore, EngineOptions
+from kiln.runtime.engine_core import EngineCore
+from kiln.runtime.engine_options import EngineOptions
 from kiln.runtime.prefill_graphs import bucket_sizes
 from tests.support.hf_models import make_hf_model
 from tests.support.stepping import pages_for, step_lists
