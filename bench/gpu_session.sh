@@ -24,7 +24,7 @@ for stage in "$@"; do
                            "--shape llama3-8b --layers 8 --batch 1 --top 8 --timeline"; do
                  python3 bench/step_breakdown.py $args 2>&1 | grep -v Warning
                  # The same without programmatic dependent launch, to measure what it gives.
-                 KILN_PDL=0 python3 bench/step_breakdown.py $args --top 0 2>&1 | grep -v Warning | head -1 | sed 's/^/KILN_PDL=0 /'
+                 KILN_PDL=0 python3 bench/step_breakdown.py ${args/ --timeline/} --top 0 2>&1 | grep -v Warning | head -1 | sed 's/^/KILN_PDL=0 /'
                done | tee "$out/breakdown.log" ;;
     sweep) ad=kiln.kernels.attention_decode lf=kiln.kernels.linear_fused
            for variant in "" "--skip-pass fuse_rope_attention" "--set $ad.MIN_SPLIT_TOKENS=64" \

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import add_model_arguments, random_engine  # noqa: E402
 from overrides import add_override_arguments, apply_overrides  # noqa: E402
-from step_breakdown import kernel_table  # noqa: E402
+from step_breakdown import kernel_table, trace  # noqa: E402
 
 from kiln.runtime.sampling import SamplingParams  # noqa: E402
 
@@ -60,7 +60,7 @@ def main() -> None:
           f"({args.batch * args.prompt_len / prefill_ms * 1e3:.0f} tok/s)")
     if not args.top:
         return
-    print(kernel_table(prefill, args.repeats, args.top))
+    print(kernel_table(trace(prefill, args.repeats), args.repeats, args.top))
     profiler = cProfile.Profile()
     for _ in range(args.repeats):
         profiler.runcall(prefill)

@@ -4,7 +4,8 @@
     scheduler    --PUSH--> detokenizer.sock --PULL-- detokenizer process
     detokenizer  --PUSH--> http.sock --PULL-- HTTP process
 
-Each receiver binds its socket in a private temporary directory (``ipc://``, never TCP). A message
+Each receiver binds its socket in a private temporary directory (``ipc://``, never TCP); the
+scheduler and detokenizer processes open theirs through ``worker_process``. A message
 is one msgpack array whose first item names its kind (the constants below). msgpack carries only
 plain data (no pickle, no ext types), so nothing a request sends can execute code on the way.
 
