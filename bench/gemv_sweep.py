@@ -8,13 +8,15 @@ norm + qkv, o + residual, norm + gate/up + SiLU gate, down + residual. Each op i
 graph of that op over every layer's weights; the chain as a graph of whole layers, where the output
 of one op feeds the next (so programmatic dependent launch overlaps each GEMV with the one before).
 A variant sets module constants of ``kiln.kernels.gemv`` (``NAME=VALUE`` pairs separated by spaces,
-values as Python literals) for its rows only. Each row's max abs error is against the composition.
+values as Python literals; ``MODULE.NAME=VALUE`` for another ``kiln.kernels`` module, e.g.
+``linear_fused.GEMV_STREAM_MIN_WEIGHT_BYTES=0``) for its rows only. Each row's max abs error is against the composition.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import importlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,15 +121,18 @@ def max_error(op: str, layer: Layer, tokens: int) -> float:
     return (outputs[0] - outputs[1]).abs().max().item()
 
 
-def apply_variant(variant: str) -> dict[str, object]:
-    """Sets gemv's constants named in ``variant``; returns their old values."""
+def apply_variant(variant: str) -> dict[tuple[object, str], object]:
+    """Sets the constants named in ``variant`` (``NAME`` of kiln.kernels.gemv, or ``MODULE.NAME`` of
+    another kiln.kernels module); returns their old values by (module, name)."""
     old = {}
     for setting in variant.split():
-        name, value = setting.split("=", 1)
-        if not hasattr(gemv, name):
-            raise SystemExit(f"kiln.kernels.gemv has no {name}")
-        old[name] = getattr(gemv, name)
-        setattr(gemv, name, ast.literal_eval(value))
+        target, value = setting.split("=", 1)
+        module_name, _, name = target.rpartition(".")
+        module = importlib.import_module(f"kiln.kernels.{module_name}") if module_name else gemv
+        if not hasattr(module, name):
+            raise SystemExit(f"{module.__name__} has no {name}")
+        old[module, name] = getattr(module, name)
+        setattr(module, name, ast.literal_eval(value))
     return old
 
 
@@ -146,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--variant", action="append", default=None,
-                        help="NAME=VALUE settings of kiln.kernels.gemv, space-separated ('' = the defaults)")
+                        help="NAME=VALUE settings of kiln.kernels.gemv (MODULE.NAME=VALUE: of kiln.kernels.MODULE), "
+                             "space-separated ('' = the defaults)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/gemv_sweep.py needs a CUDA GPU.", file=sys.stderr)
@@ -166,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 print(measure(variant or "gemv defaults", True, layers, tokens, ceiling), flush=True)
             finally:
-                for name, value in old.items():
-                    setattr(gemv, name, value)
+                for (module, name), value in old.items():
+                    setattr(module, name, value)
     return 0
 
 

@@ -12,6 +12,8 @@ variants of the same step.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 import time
 from collections import defaultdict
@@ -59,6 +61,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--timeline", action="store_true",
                         help="also each kernel's share of the replay's critical path (bench/timeline.py)")
+    parser.add_argument("--dump-trace", type=Path, default=None,
+                        help="write the traced replays' kernels (name, start and end in us) to this JSON file")
     add_override_arguments(parser)
     args = parser.parse_args()
     apply_overrides(args.set, args.skip_pass)
@@ -84,13 +88,15 @@ def main() -> None:
     label = f"{args.shape} batch {args.batch}" + (f" [{variant}]" if variant else "")
     print(f"{label}: engine step {step_ms:.3f} ms, graph replay alone {replay_ms:.3f} ms, "
           f"host share {step_ms - replay_ms:.3f} ms")
-    if args.top or args.timeline:
+    if args.top or args.timeline or args.dump_trace:
         events = trace(graph.replay, 20)
+        kernels = [Kernel(e.name, e.time_range.start, e.time_range.end) for e in events]
         if args.top:
             print(kernel_table(events, 20, args.top))
         if args.timeline:
-            kernels = [Kernel(e.name, e.time_range.start, e.time_range.end) for e in events]
             print(critical_path_table(kernels, 20, args.top or 40))
+        if args.dump_trace:
+            args.dump_trace.write_text(json.dumps([dataclasses.asdict(k) for k in kernels]))
 
 
 if __name__ == "__main__":
