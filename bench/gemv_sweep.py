@@ -9,25 +9,25 @@ graph of that op over every layer's weights; the chain as a graph of whole layer
 of one op feeds the next (so programmatic dependent launch overlaps each GEMV with the one before).
 A variant sets module constants of ``kiln.kernels.gemv`` (``NAME=VALUE`` pairs separated by spaces,
 values as Python literals; ``MODULE.NAME=VALUE`` for another ``kiln.kernels`` module, e.g.
-``linear_fused.GEMV_STREAM_MIN_WEIGHT_BYTES=0``) for its rows only. Each row's max abs error is against the composition.
+``linear_fused.GEMV_MAX_WEIGHT_BYTES=16777216``) for its rows only. Each row's max abs error is
+against the composition.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels import copy_bandwidth  # noqa: E402
+from overrides import set_constant  # noqa: E402
 
-from kiln.kernels import gemv  # noqa: E402
 from kiln.kernels import linear_fused as lf  # noqa: E402
 
 HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 6144  # Llama-3-8B
@@ -121,19 +121,11 @@ def max_error(op: str, layer: Layer, tokens: int) -> float:
     return (outputs[0] - outputs[1]).abs().max().item()
 
 
-def apply_variant(variant: str) -> dict[tuple[object, str], object]:
+def apply_variant(variant: str) -> list[tuple[ModuleType, str, object]]:
     """Sets the constants named in ``variant`` (``NAME`` of kiln.kernels.gemv, or ``MODULE.NAME`` of
-    another kiln.kernels module); returns their old values by (module, name)."""
-    old = {}
-    for setting in variant.split():
-        target, value = setting.split("=", 1)
-        module_name, _, name = target.rpartition(".")
-        module = importlib.import_module(f"kiln.kernels.{module_name}") if module_name else gemv
-        if not hasattr(module, name):
-            raise SystemExit(f"{module.__name__} has no {name}")
-        old[module, name] = getattr(module, name)
-        setattr(module, name, ast.literal_eval(value))
-    return old
+    another kiln.kernels module); returns (module, name, old value) of each."""
+    settings = [s if "." in s.split("=", 1)[0] else f"gemv.{s}" for s in variant.split()]
+    return [set_constant(f"kiln.kernels.{s}", "--variant") for s in settings]
 
 
 def measure(label: str, fused: bool, layers: list[Layer], tokens: int, ceiling: float) -> str:
@@ -172,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 print(measure(variant or "gemv defaults", True, layers, tokens, ceiling), flush=True)
             finally:
-                for (module, name), value in old.items():
+                for module, name, value in old:
                     setattr(module, name, value)
     return 0
 

@@ -9,6 +9,7 @@ import argparse
 import ast
 import importlib
 import sys
+from types import ModuleType
 
 
 def add_override_arguments(parser: argparse.ArgumentParser, skip_pass: bool = True) -> None:
@@ -20,14 +21,23 @@ def add_override_arguments(parser: argparse.ArgumentParser, skip_pass: bool = Tr
                             help="compile without this pass of the pipeline")
 
 
+def set_constant(setting: str, flag: str = "--set") -> tuple[ModuleType, str, object]:
+    """Applies one ``MODULE.NAME=VALUE`` setting (VALUE a Python literal); returns the module, the
+    name and the value it replaced, so a caller can put it back. Exits naming ``flag`` if the module
+    has no such constant."""
+    name, value = setting.split("=", 1)
+    module, attr = name.rsplit(".", 1)
+    target = importlib.import_module(module)
+    if not hasattr(target, attr):
+        sys.exit(f"{flag}: {module} has no {attr}")
+    old = getattr(target, attr)
+    setattr(target, attr, ast.literal_eval(value))
+    return target, attr, old
+
+
 def apply_overrides(settings: list[str], skipped: list[str]) -> None:
     for setting in settings:
-        name, value = setting.split("=", 1)
-        module, attr = name.rsplit(".", 1)
-        target = importlib.import_module(module)
-        if not hasattr(target, attr):
-            sys.exit(f"--set: {module} has no {attr}")
-        setattr(target, attr, ast.literal_eval(value))
+        set_constant(setting)
     if skipped:
         from kiln.compiler import pipeline
 
