@@ -4,7 +4,8 @@
 table (position ``j`` lives at slot ``page_table[j // page_size] * page_size + j % page_size``), scores
 them against the query tile, and folds them into the running online-softmax state (row max ``m``,
 row sum ``l``, unnormalized output ``acc``), all in f32. Scores are kept in base-2 units (scaled by
-log2(e)) so the exponentials are ``exp2``.
+log2(e)) so the exponentials are ``exp2``. Its two halves are separate functions (``load_kv_block``,
+``fold_block``) so that decode can load a block before its query exists.
 """
 
 from __future__ import annotations
@@ -19,13 +20,10 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def attend_block(acc, m_i, l_i, q, q_pos, k_base, v_base, page_row, n0, kv_end, slot_stride, page_size,
-                 offs_d, d_mask, scale, soft_cap, window,
-                 MASKED: tl.constexpr, SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    # q: [BLOCK_M, BLOCK_D] (already f32 when DOT_F32); q_pos: [BLOCK_M] the context position of each
-    # query row. Keys at or past kv_end are never read. MASKED applies the causal (and window)
-    # condition per score; callers leave it off for blocks wholly before every query of the tile.
+def load_kv_block(k_base, v_base, page_row, n0, kv_end, slot_stride, page_size, offs_d, d_mask,
+                  BLOCK_N: tl.constexpr):
+    # The K and V tiles [BLOCK_N, BLOCK_D] of context positions n0 .. n0 + BLOCK_N (zeros at or past
+    # kv_end), both issued before either is used, so their latencies overlap.
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < kv_end
     page = tl.load(page_row + offs_n // page_size, mask=n_mask, other=0).to(tl.int64)
@@ -33,6 +31,21 @@ def attend_block(acc, m_i, l_i, q, q_pos, k_base, v_base, page_row, n0, kv_end, 
     kv_offsets = slot[:, None] * slot_stride + offs_d[None, :]
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_base + kv_offsets, mask=kv_mask, other=0.0)
+    v = tl.load(v_base + kv_offsets, mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def fold_block(acc, m_i, l_i, q, q_pos, k, v, n0, kv_end, scale, soft_cap, window,
+               MASKED: tl.constexpr, SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    # Folds the K/V tiles of positions n0 .. n0 + BLOCK_N (load_kv_block's) into the online-softmax
+    # state of the query tile q: [BLOCK_M, BLOCK_D] (already f32 when DOT_F32); q_pos: [BLOCK_M] the
+    # context position of each query row. Positions at or past kv_end count for nothing. MASKED
+    # applies the causal (and window) condition per score; callers leave it off for blocks wholly
+    # before every query of the tile.
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < kv_end
     if DOT_F32:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
@@ -52,13 +65,23 @@ def attend_block(acc, m_i, l_i, q, q_pos, k_base, v_base, page_row, n0, kv_end, 
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + kv_offsets, mask=kv_mask, other=0.0)
     # The probabilities go into the second product in V's dtype (tensor cores on the GPU); under
     # DOT_F32 they are still rounded to it so both paths compute the same thing.
-    p = p.to(v_base.dtype.element_ty)
+    p = p.to(v.dtype)
     if DOT_F32:
         pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
     else:
         pv = tl.dot(p, v)
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
+
+
+@triton.jit
+def attend_block(acc, m_i, l_i, q, q_pos, k_base, v_base, page_row, n0, kv_end, slot_stride, page_size,
+                 offs_d, d_mask, scale, soft_cap, window,
+                 MASKED: tl.constexpr, SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    # load_kv_block then fold_block: positions n0 .. n0 + BLOCK_N (keys at or past kv_end are never read).
+    k, v = load_kv_block(k_base, v_base, page_row, n0, kv_end, slot_stride, page_size, offs_d, d_mask, BLOCK_N)
+    return fold_block(acc, m_i, l_i, q, q_pos, k, v, n0, kv_end, scale, soft_cap, window, MASKED=MASKED,
+                      SOFT_CAP=SOFT_CAP, SLIDING=SLIDING, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N)

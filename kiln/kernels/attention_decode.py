@@ -22,10 +22,12 @@ whose docstring says why kernels in one stream can share them), one per sequence
 With ``new_tokens`` (the fused ``rope_kv_attention``) the step's q, k and v arrive unrotated, and
 the rotary embedding and the KV store happen here instead of in a kernel of their own: every
 program rotates its group's query heads in registers, and the program whose slice holds the new
-token (the context's last position) rotates its k, writes k and v to the token's pool slot, and
-waits at a block barrier before its loop reads that slot back (``bar.sync`` makes a CTA's global
-stores visible to all of its threads). No other program reads that slot: other splits cover other
-positions and other groups other heads. A decode step then runs one launch per layer fewer.
+token (the context's last position) rotates its k and writes k and v to the token's pool slot before
+its loop reads them back. A decode step then runs one launch per layer fewer. And since the kernel
+before stores nothing in the pool, each program may load its first key block before waiting for
+that kernel (under PDL, while it still runs): at batch 1 that is the whole cached context, so what
+is left after the wait is q, one block's arithmetic and the merge. It pays only while the whole
+grid is resident at once (``preloads_first_block``).
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_block import attend_block
-from .triton_support import await_previous_kernel, dot_in_f32, pdl_launch, pow2, semaphore_counters
+from .attention_block import attend_block, fold_block, load_kv_block
+from .triton_support import await_previous_kernel, dot_in_f32, pdl_launch, pow2, semaphore_counters, sm_count
 
 # Below this many context tokens per split the fixed per-program cost (loading q, the partials and
 # their merge) outweighs the extra parallelism. Measured on an H200 (SmolLM2-135M decode step at batch
@@ -48,6 +50,12 @@ MAX_SPLITS = 64
 # Keys per loop step. Measured on an H200 (B=64 and B=8, 4096-token contexts, 8 KV heads of 128):
 # 64 keys at 4 warps and 2 stages read 4.4 TB/s; 32 keys, 8 warps or 3 stages were slower.
 DECODE_BLOCK_N = 64
+# Programs an SM holds at once: 4 warps at up to 255 registers a thread (ptxas takes them all) fill
+# half of an SM's 64K registers. Loading the first key block before the PDL wait pays only for a grid
+# of at most that many an SM (``preloads_first_block``). Measured on an H200 (decode kernel, us a
+# layer, with / without): Llama-3-8B batch 1 (264 programs) 11.6 / 14.5; SmolLM2-135M batch 1 (24)
+# 6.5 / 7.4; but Llama-3-8B batch 8 (320) 14.5 / 12.9 and SmolLM2-135M batch 64 (384) 13.3 / 12.4.
+PRELOAD_MAX_PROGRAMS_PER_SM = 2
 # Elements of one [heads, splits, head_dim] tile of partials in the merge: 64 f32 registers a thread
 # at 4 warps, so the merge needs no more registers than the attention loop before it.
 MERGE_TILE = 8192
@@ -78,6 +86,14 @@ def _rotated(x_ptrs, d, mask, cs_row, half, rot, dtype: tl.constexpr):
     sin = tl.load(cs_row + half + j, mask=rotated, other=0.0).to(dtype).to(tl.float32)
     sign = tl.where(d < half, -1.0, 1.0)
     return ((x * cos).to(dtype).to(tl.float32) + sign * (x_partner * sin).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _with_new_token(tile, row, n0, pos, BLOCK_N: tl.constexpr):
+    # The [BLOCK_N, BLOCK_D] K or V tile of positions n0 .. n0 + BLOCK_N with position pos's row
+    # replaced by `row` (a tile without that position is returned as it is).
+    here = (n0 + tl.arange(0, BLOCK_N)) == pos
+    return tl.where(here[:, None], row.to(tile.dtype)[None, :], tile)
 
 
 @triton.jit
@@ -124,7 +140,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_o_ptr, part_lse_ptr, cou
                    num_heads, group, head_dim, page_size, scale, soft_cap, window, num_splits,
                    ROPE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr,
                    MERGE_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+                   SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr, PRELOAD: tl.constexpr,
+                   PDL: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -152,40 +169,68 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_o_ptr, part_lse_ptr, cou
     d_mask = offs_d < head_dim
     mask = g_mask[:, None] & d_mask[None, :]
     q_ptrs = q_ptr + q_start * q_st + heads[:, None] * q_sh + offs_d[None, :]
+    k_base = kc_ptr + kv_head.to(tl.int64) * head_stride
+    v_base = vc_ptr + kv_head.to(tl.int64) * head_stride
+    page_row = pt_ptr + b.to(tl.int64) * pt_stride
+    # The context's last position holds the step's new token.
+    new_pos = kv_len - 1
     if ROPE:
         half = rot // 2
         cs_row = cs_ptr + tl.load(pos_ptr + q_start).to(tl.int64) * rot
         slot = tl.load(slot_ptr + q_start).to(tl.int64)
+    if PRELOAD:
+        # The slice's first key block (PRELOAD comes only with ROPE). The kernel before this one
+        # stores nothing in the pool (this kernel stores the new token itself), so every cached
+        # position is final: under PDL the block loads while that kernel is still running, off the
+        # critical path. The new token's row is stale here; _with_new_token puts it in below.
+        k_first, v_first = load_kv_block(k_base, v_base, page_row, start, end, slot_stride, page_size, offs_d,
+                                         d_mask, BLOCK_N)
     # Up to here the program read only the step's inputs (copied in before the step's first kernel
-    # started) and constants, so under PDL it did so while the kernel before it was still running.
-    # q, the new k and v, and the pool entries the previous kernel may have stored come after the wait.
+    # started), constants and (PRELOAD) the cached KV, so under PDL it did so while the kernel before
+    # it was still running. q, the new k and v, and (without ROPE) the new token the previous kernel
+    # stored come after the wait.
     await_previous_kernel(PDL)
     if ROPE:
-        q = _rotated(q_ptrs, offs_d[None, :], mask, cs_row, half, rot, q_ptr.dtype.element_ty)
-        # A padded row of a decode graph (slot < 0: nothing stored) attends like any other row.
-        if (slot >= 0) & ((kv_len - 1 - lo) // per_split == split):
-            # This slice holds the new token: put its k and v in the pool before the loop reads them.
-            k_new = _rotated(k_ptr + q_start * k_st + kv_head * k_sh + offs_d, offs_d, d_mask, cs_row, half, rot,
-                             q_ptr.dtype.element_ty)
+        dtype = q_ptr.dtype.element_ty
+        q = _rotated(q_ptrs, offs_d[None, :], mask, cs_row, half, rot, dtype)
+        # The program whose slice holds the new token (a padded row of a decode graph, slot < 0,
+        # has none: it stores nothing and attends to the pool as it is) rotates its k and stores k
+        # and v in the pool, where its loop reads them back: bar.sync makes a CTA's global stores
+        # visible to all of its threads. No other program reads that slot (other splits cover other
+        # positions, other groups other heads), and for them these loads are masked off.
+        holds = (slot >= 0) & ((new_pos - lo) // per_split == split)
+        k_new = _rotated(k_ptr + q_start * k_st + kv_head * k_sh + offs_d, offs_d, d_mask & holds, cs_row, half,
+                         rot, dtype)
+        v_new = tl.load(v_ptr + q_start * v_st + kv_head * v_sh + offs_d, mask=d_mask & holds)
+        if holds:
             tl.store(kc_ptr + slot * slot_stride + kv_head * head_stride + offs_d, k_new, mask=d_mask)
-            v_new = tl.load(v_ptr + q_start * v_st + kv_head * v_sh + offs_d, mask=d_mask)
             tl.store(vc_ptr + slot * slot_stride + kv_head * head_stride + offs_d, v_new, mask=d_mask)
             tl.debug_barrier()
     else:
         q = tl.load(q_ptrs, mask=mask, other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
-    q_pos = tl.zeros([BLOCK_G], tl.int32) + (kv_len - 1)
+    q_pos = tl.zeros([BLOCK_G], tl.int32) + new_pos
 
-    k_base = kc_ptr + kv_head.to(tl.int64) * head_stride
-    v_base = vc_ptr + kv_head.to(tl.int64) * head_stride
-    page_row = pt_ptr + b.to(tl.int64) * pt_stride
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     # Every key in [start, end) is causally visible and inside the window; MASKED only cuts the
-    # block at `end`.
-    for n0 in range(start, end, BLOCK_N):
+    # block at `end` (an empty slice's first block is all cut, and folds to nothing).
+    loop_start = start
+    if PRELOAD:
+        # The preloaded block predates the store: the new token (position -1, in no block, for a
+        # program that stored nothing) goes in from registers. The loop's blocks go from the pool
+        # to the dots untouched: the same replacement there takes each pipelined tile out of shared
+        # memory into registers and back (sm_90 TTGIR: 9 shared buffers against 4), and made the
+        # kernel slower on an H200 (SmolLM2 at batch 64: 12.2 -> 14.1 us a layer).
+        stored_pos = tl.where(holds, new_pos, -1)
+        k_first = _with_new_token(k_first, k_new, start, stored_pos, BLOCK_N)
+        v_first = _with_new_token(v_first, v_new, start, stored_pos, BLOCK_N)
+        acc, m_i, l_i = fold_block(acc, m_i, l_i, q, q_pos, k_first, v_first, start, end, scale, soft_cap, window,
+                                   MASKED=True, SOFT_CAP=SOFT_CAP, SLIDING=False, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N)
+        loop_start = start + BLOCK_N
+    for n0 in range(loop_start, end, BLOCK_N):
         acc, m_i, l_i = attend_block(acc, m_i, l_i, q, q_pos, k_base, v_base, page_row, n0, end, slot_stride,
                                      page_size, offs_d, d_mask, scale, soft_cap, window, MASKED=True,
                                      SOFT_CAP=SOFT_CAP, SLIDING=False, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N)
@@ -230,6 +275,12 @@ def decode_splits(batch: int, kv_heads: int, kv_bound: int, sm_count: int) -> in
     return max(1, min(wanted, most, MAX_SPLITS))
 
 
+def preloads_first_block(programs: int, sm_count: int) -> bool:
+    """Whether each program of a grid of ``programs`` loads its first key block before the PDL wait:
+    only when all of them are resident at once, so every one of them starts under the kernel before."""
+    return programs <= PRELOAD_MAX_PROGRAMS_PER_SM * sm_count
+
+
 def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
                   q_len: torch.Tensor, kv_len: torch.Tensor, page_table: torch.Tensor, out: torch.Tensor, *,
                   scale: float, page_size: int, sliding_window: int, soft_cap: float, num_splits: int,
@@ -262,6 +313,8 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         page_table.stride(0), heads, group, head_dim, page_size, scale, soft_cap, sliding_window, num_splits,
         ROPE=new is not None, SPLIT=num_splits > 1, BLOCK_G=pow2(group, 16), BLOCK_H=block_h,
         MERGE_S=min(MAX_SPLITS, max(1, MERGE_TILE // (block_h * block_d))), BLOCK_N=block_n, BLOCK_D=block_d,
-        SOFT_CAP=soft_cap > 0, SLIDING=sliding_window > 0, DOT_F32=dot_in_f32(q.dtype), num_warps=4, num_stages=2,
+        SOFT_CAP=soft_cap > 0, SLIDING=sliding_window > 0, DOT_F32=dot_in_f32(q.dtype),
+        PRELOAD=new is not None and preloads_first_block(batch * kv_heads * num_splits, sm_count(q)),
+        num_warps=4, num_stages=2,
         # With the rotation, an fma would skip the rounding of a product to the dtype that ref_rope does.
         enable_fp_fusion=new is None, **pdl_launch(q))

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.kernels import triton_support
-from kiln.kernels.attention_decode import NewTokens, launch_decode
+from kiln.kernels import attention_decode, triton_support
+from kiln.kernels.attention_decode import NewTokens, launch_decode, preloads_first_block
 from kiln.kernels.registry import get_impl
 from kiln.kernels.rope_kv_attention import ref_rope_kv_attention, triton_rope_kv_attention
 
@@ -35,6 +35,13 @@ def new_tokens(batch: Batch, rot: int, page_size: int, max_pos: int | None = Non
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1).to(batch.q.device)
     return NewTokens(kv[:, :kv_heads], kv[:, kv_heads:2 * kv_heads], positions.to(batch.q.device), cos_sin,
                      slots.to(batch.q.device))
+
+
+@pytest.fixture(params=[False, True], ids=["loaded_after_wait", "preloaded"])
+def first_block(request, monkeypatch):
+    """Runs a test with every decode program loading its first key block after the PDL wait, and with
+    every one loading it before (whatever the grid's size)."""
+    monkeypatch.setattr(attention_decode, "PRELOAD_MAX_PROGRAMS_PER_SM", 10**6 if request.param else 0)
 
 
 def reference(batch: Batch, new: NewTokens, **kw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -65,7 +72,7 @@ DECODE_CASES = [
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", DECODE_CASES)
-def test_decode_rotates_and_stores(case, dtype, device, poisoned, assert_matches):
+def test_decode_rotates_and_stores(case, dtype, device, poisoned, assert_matches, first_block):
     q_lens, kv_lens, heads, kv_heads, head_dim, rot, page_size, window, cap, splits = case
     batch = make_batch(q_lens, kv_lens, heads, kv_heads, head_dim, page_size, dtype, device, gap=1)
     new = new_tokens(batch, rot, page_size)
@@ -77,7 +84,7 @@ def test_decode_rotates_and_stores(case, dtype, device, poisoned, assert_matches
     assert all(not c.any() for c in triton_support._counters.values())
 
 
-def test_padding_rows_store_nothing(device, poisoned, assert_matches):
+def test_padding_rows_store_nothing(device, poisoned, assert_matches, first_block):
     # A decode graph pads its batch with rows of one query over one token of context on the reserved
     # page 0 and slot -1: they attend, and store nothing (a store at slot -1 would write out of bounds).
     batch = make_batch([1, 1, 1], [20, 1, 1], 6, 2, 64, 4, torch.bfloat16, device)
@@ -91,6 +98,11 @@ def test_padding_rows_store_nothing(device, poisoned, assert_matches):
     check(batch, new, out, want, assert_matches)
     changed = (batch.k_cache != before).any(dim=(1, 2)).nonzero().flatten().tolist()
     assert changed == [int(new.slots[0])]
+
+
+def test_preloads_only_a_grid_resident_at_once():
+    assert preloads_first_block(264, sm_count=132)
+    assert not preloads_first_block(265, sm_count=132)
 
 
 @pytest.mark.parametrize("sizes", [
