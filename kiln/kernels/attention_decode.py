@@ -4,20 +4,14 @@ in one launch.
 Grid ``(sequences, kv_heads, splits)``: program ``(b, g, s)`` takes the ``s``-th of ``splits`` equal
 slices of sequence ``b``'s context and attends *all* query heads of KV group ``g`` to it at once, so
 each K/V entry is read from memory once per step (the query heads form the rows of one tile, padded
-to 16 for the tensor cores). With one split the program writes the output itself. With several it
-writes an f32 partial output and its log-sum-exp per head, then takes a ticket from the group's
-counter; the program that draws the last ticket merges the group's splits into ``out`` and puts the
-counter back to zero. A decode step is launch-bound at small batch (a CUDA-graph replay pays a few
-microseconds per kernel, every layer), so this serial fix-up replaces a second, merging launch.
+to 16 for the tensor cores). With one split the program writes the output itself. With several,
+the group's last split to finish merges them in the same launch (``attention_split_merge``).
 The split count is a runtime argument (not a compile-time constant) so that batches of every size
 share one compiled kernel.
 
 Splitting a long context is what keeps the GPU busy at small batch (B * kv_heads programs alone
 would leave most SMs idle); how many splits is a host-side choice (``decode_splits``) that never
 changes the result, so a CUDA graph captured with one split count stays correct for any lengths.
-
-The counters are the device's shared semaphore counters (``triton_support.semaphore_counters``,
-whose docstring says why kernels in one stream can share them), one per sequence and KV group.
 
 With ``new_tokens`` (the fused ``rope_kv_attention``) the step's q, k and v arrive unrotated, and
 the rotary embedding and the KV store happen here instead of in a kernel of their own: every
@@ -39,6 +33,7 @@ import triton
 import triton.language as tl
 
 from .attention_block import attend_block, fold_block, load_kv_block
+from .attention_split_merge import splits_merged_at_once, store_split_and_merge
 from .triton_support import await_previous_kernel, dot_in_f32, pdl_launch, pow2, semaphore_counters, sm_count
 
 # Below this many context tokens per split the fixed per-program cost (loading q, the partials and
@@ -56,9 +51,6 @@ DECODE_BLOCK_N = 64
 # layer, with / without): Llama-3-8B batch 1 (264 programs) 11.6 / 14.5; SmolLM2-135M batch 1 (24)
 # 6.5 / 7.4; but Llama-3-8B batch 8 (320) 14.5 / 12.9 and SmolLM2-135M batch 64 (384) 13.3 / 12.4.
 PRELOAD_MAX_PROGRAMS_PER_SM = 2
-# Elements of one [heads, splits, head_dim] tile of partials in the merge: 64 f32 registers a thread
-# at 4 warps, so the merge needs no more registers than the attention loop before it.
-MERGE_TILE = 8192
 
 
 @dataclass(frozen=True)
@@ -94,42 +86,6 @@ def _with_new_token(tile, row, n0, pos, BLOCK_N: tl.constexpr):
     # replaced by `row` (a tile without that position is returned as it is).
     here = (n0 + tl.arange(0, BLOCK_N)) == pos
     return tl.where(here[:, None], row.to(tile.dtype)[None, :], tile)
-
-
-@triton.jit
-def _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, b, kv_head, row, o_st, o_sh, num_heads, group, head_dim,
-                  num_splits, BLOCK_H: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    # out = sum_s w_s o_s / sum_s w_s over the splits of each query head of the group, with
-    # w_s = 2^(lse_s - max lse), the softmax over the splits' log-sum-exps. Splits come MERGE_S at a
-    # time, so the max is a running one (m starts finite, as in attend_block, so that the -inf lse
-    # of an empty split, or of a padded head, weighs exactly 0 instead of making -inf - -inf).
-    h = tl.arange(0, BLOCK_H)
-    h_mask = h < group
-    heads = kv_head * group + h
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < head_dim
-    first = (b.to(tl.int64) * num_heads + heads) * num_splits
-    m = tl.full([BLOCK_H], -1.0e30, tl.float32)
-    den = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for s0 in range(0, num_splits, MERGE_S):
-        s = s0 + tl.arange(0, MERGE_S)
-        hs_mask = h_mask[:, None] & (s < num_splits)[None, :]
-        part = first[:, None] + s[None, :]
-        # .cg reads L2, where the other programs' partials are, never a stale L1 line.
-        lse = tl.load(part_lse_ptr + part, mask=hs_mask, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(part_o_ptr + part[:, :, None] * head_dim + offs_d[None, None, :],
-                    mask=hs_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse, 1))
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new[:, None])
-        den = den * alpha + tl.sum(w, 1)
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
-        m = m_new
-    # Split 0 of a sequence is never empty, so den > 0 for every real head; padded heads are not stored.
-    out = acc / tl.where(den > 0, den, 1.0)[:, None]
-    tl.store(out_ptr + row * o_st + heads[:, None] * o_sh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=h_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -236,32 +192,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_o_ptr, part_lse_ptr, cou
                                      SOFT_CAP=SOFT_CAP, SLIDING=False, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if SPLIT:
-        # Partials are [B, heads, splits, head_dim] and [B, heads, splits]; the lse is in base 2.
-        part = (b.to(tl.int64) * num_heads + heads) * num_splits + split
-        tl.store(part_o_ptr + part[:, None] * head_dim + offs_d[None, :], out, mask=mask)
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + part, lse, mask=g_mask)
-        # Why the last ticket sees every split's partials on a GPU:
-        # - Release: the barrier orders the stores of all this program's threads before the
-        #   atomic, which one thread issues (Triton predicates a scalar atomic to a single thread);
-        #   its gpu-scope release is cumulative, so it publishes the whole CTA's partials (the
-        #   pattern of cooperative groups' grid sync: bar.sync, then one thread's fence + atomic).
-        # - Acquire: the tickets form one release sequence of read-modify-writes, so the atomic that
-        #   returns num_splits - 1 reads from, and synchronizes with, every other split's release.
-        #   Triton hands a scalar atomic's result to all threads through shared memory behind a
-        #   barrier, so every thread of the merging program sees the same ticket (the branch below,
-        #   whose reductions use barriers, is uniform) and reads after the acquire; the merge's
-        #   loads also go to L2 (.cg).
-        # - Reset: every split has taken its ticket by then and none touches the counter again in
-        #   this launch; the next launch (the next layer, or the next graph replay) is ordered after
-        #   this one by the stream.
-        tl.debug_barrier()
-        counter = counter_ptr + b * tl.num_programs(1) + kv_head
-        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if ticket == num_splits - 1:
-            _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, b, kv_head, q_start, o_st, o_sh, num_heads, group,
-                          head_dim, num_splits, BLOCK_H=BLOCK_H, MERGE_S=MERGE_S, BLOCK_D=BLOCK_D)
-            tl.store(counter, 0)
+        store_split_and_merge(out, m_i, l_i, part_o_ptr, part_lse_ptr, counter_ptr, out_ptr, b, kv_head, split,
+                              q_start, heads, g_mask, offs_d, mask, o_st, o_sh, num_heads, group, head_dim,
+                              num_splits, BLOCK_H=BLOCK_H, MERGE_S=MERGE_S, BLOCK_D=BLOCK_D)
     else:
         tl.store(out_ptr + q_start * o_st + heads[:, None] * o_sh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -312,7 +245,7 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         page_table.stride(0), heads, group, head_dim, page_size, scale, soft_cap, sliding_window, num_splits,
         ROPE=new is not None, SPLIT=num_splits > 1, BLOCK_G=pow2(group, 16), BLOCK_H=block_h,
-        MERGE_S=min(MAX_SPLITS, max(1, MERGE_TILE // (block_h * block_d))), BLOCK_N=block_n, BLOCK_D=block_d,
+        MERGE_S=min(MAX_SPLITS, splits_merged_at_once(block_h, block_d)), BLOCK_N=block_n, BLOCK_D=block_d,
         SOFT_CAP=soft_cap > 0, SLIDING=sliding_window > 0, DOT_F32=dot_in_f32(q.dtype),
         PRELOAD=new is not None and preloads_first_block(batch * kv_heads * num_splits, sm_count(q)),
         num_warps=4, num_stages=2,

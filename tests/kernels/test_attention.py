@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kiln.ir.types import DType, TensorType
-from kiln.kernels import attention, attention_decode, select_impl, triton_support
+from kiln.kernels import attention, attention_split_merge, select_impl, triton_support
 from kiln.kernels.attention import ref_paged_attention, triton_paged_attention
 from kiln.kernels.attention_decode import decode_splits, launch_decode
 from kiln.kernels.attention_extend import launch_extend
@@ -177,7 +177,7 @@ def test_decode_counter_per_sequence_and_group(fresh_counters, device, poisoned)
 
 def test_decode_merge_in_chunks(fresh_counters, monkeypatch, device, poisoned, assert_matches):
     # A merge tile of 2 splits: the merge's running max crosses chunks, the last one partial.
-    monkeypatch.setattr(attention_decode, "MERGE_TILE", 2 * 4 * 64)
+    monkeypatch.setattr(attention_split_merge, "MERGE_TILE", 2 * 4 * 64)
     batch = make_batch([1, 1, 1], [90, 3, 50], 6, 2, 64, 4, torch.float32, device, gap=1)
     run_decode(batch, 5, 64, 4, poisoned, assert_matches)
 
