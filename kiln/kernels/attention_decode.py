@@ -45,6 +45,9 @@ MAX_SPLITS = 64
 # Keys per loop step. Measured on an H200 (B=64 and B=8, 4096-token contexts, 8 KV heads of 128):
 # 64 keys at 4 warps and 2 stages read 4.4 TB/s; 32 keys, 8 warps or 3 stages were slower.
 DECODE_BLOCK_N = 64
+# Measured on an H200 (SmolLM2-135M batch-1 step): 8 warps 0.499 ms against 4 warps' 0.485, though
+# at 8 the kernel spills no registers (Llama-3-8B's head_dim 128 spills at 4 with the preload).
+DECODE_NUM_WARPS = 4
 # Programs an SM holds at once: 4 warps at up to 255 registers a thread (ptxas takes them all) fill
 # half of an SM's 64K registers. Loading the first key block before the PDL wait pays only for a grid
 # of at most that many an SM (``preloads_first_block``). Measured on an H200 (decode kernel, us a
@@ -217,11 +220,12 @@ def preloads_first_block(programs: int, sm_count: int) -> bool:
 def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
                   q_len: torch.Tensor, kv_len: torch.Tensor, page_table: torch.Tensor, out: torch.Tensor, *,
                   scale: float, page_size: int, sliding_window: int, soft_cap: float, num_splits: int,
-                  block_n: int = DECODE_BLOCK_N, new_tokens: NewTokens | None = None) -> None:
+                  block_n: int | None = None, new_tokens: NewTokens | None = None) -> None:
     """Launches decode attention on inputs the dispatcher has checked; every ``q_len[b]`` must be 0 or 1.
     With ``new_tokens``, ``q`` is unrotated and the kernel rotates it and stores the new k and v
     first; then every token with a pool slot must be the query of a sequence (``q_start[b]`` with
-    ``q_len[b] = 1``), as in every decode step, since only those are stored."""
+    ``q_len[b] = 1``), as in every decode step, since only those are stored. ``block_n`` defaults to
+    ``DECODE_BLOCK_N``, read at each call so that a benchmark may set it."""
     tokens, heads, head_dim = q.shape
     batch, kv_heads = q_len.shape[0], k_cache.shape[1]
     if tokens == 0 or batch == 0:
@@ -245,9 +249,9 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         page_table.stride(0), heads, group, head_dim, page_size, scale, soft_cap, sliding_window, num_splits,
         ROPE=new is not None, SPLIT=num_splits > 1, BLOCK_G=pow2(group, 16), BLOCK_H=block_h,
-        MERGE_S=min(MAX_SPLITS, splits_merged_at_once(block_h, block_d)), BLOCK_N=block_n, BLOCK_D=block_d,
-        SOFT_CAP=soft_cap > 0, SLIDING=sliding_window > 0, DOT_F32=dot_in_f32(q.dtype),
+        MERGE_S=min(MAX_SPLITS, splits_merged_at_once(block_h, block_d)), BLOCK_N=block_n or DECODE_BLOCK_N,
+        BLOCK_D=block_d, SOFT_CAP=soft_cap > 0, SLIDING=sliding_window > 0, DOT_F32=dot_in_f32(q.dtype),
         PRELOAD=new is not None and preloads_first_block(batch * kv_heads * num_splits, sm_count(q)),
-        num_warps=4, num_stages=2,
+        num_warps=DECODE_NUM_WARPS, num_stages=2,
         # With the rotation, an fma would skip the rounding of a product to the dtype that ref_rope does.
         enable_fp_fusion=new is None, **pdl_launch(q))
