@@ -51,7 +51,10 @@ class OpDef:
     be followed by other optional ones), ``attrs`` its attribute schema, ``infer`` its typing rule,
     ``aliases[i]`` the input index output ``i`` shares storage with (None: fresh storage).
     ``num_outputs=None`` lets the inference decide how many outputs there are (``split``); all of
-    them then share the alias of the last ``aliases`` entry."""
+    them then share the alias of the last ``aliases`` entry. ``reuses[i]`` names an input of output
+    ``i``'s type whose storage the memory plan may give that output when this node is the input's
+    last reader: every implementation must then allow ``out`` to be that input (each reads an
+    element of it before writing the same element of ``out``)."""
 
     name: str
     inputs: tuple[str, ...]
@@ -59,6 +62,7 @@ class OpDef:
     infer: InferFn
     num_outputs: int | None = 1
     aliases: tuple[int | None, ...] = ()
+    reuses: tuple[int | None, ...] = ()
     doc: str = ""
     # Ops with an effect (writes to an input) are never removed by dead-code elimination.
     has_effect: bool = False
@@ -69,6 +73,9 @@ class OpDef:
         if self.num_outputs is None:
             return self.aliases[min(index, len(self.aliases) - 1)]
         return self.aliases[index] if index < len(self.aliases) else None
+
+    def output_reuse(self, index: int) -> int | None:
+        return self.reuses[index] if index < len(self.reuses) else None
 
     @property
     def min_inputs(self) -> int:

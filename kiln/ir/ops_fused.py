@@ -105,7 +105,9 @@ register_op(OpDef(
     _rmsnorm_linear_silu_mul,
     doc="h = linear(rmsnorm(x, norm_weight), weight); gate, up = split(h, 2 halves); silu_mul(gate, up)",
 ))
+# Its output may take over the residual's storage (the residual stream is read last here): then no
+# copy of the residual into a fresh output precedes cuBLAS's beta=1 GEMM.
 register_op(OpDef(
-    "linear_residual", ("x", "weight", "residual"), {}, _linear_residual,
+    "linear_residual", ("x", "weight", "residual"), {}, _linear_residual, reuses=(2,),
     doc="add(linear(x, weight), residual)",
 ))

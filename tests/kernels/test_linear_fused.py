@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kiln.ir.types import DType, TensorType
-from kiln.kernels import select_impl
+from kiln.kernels import get_impl, select_impl
 from kiln.kernels.gemv import (GEMV_BLOCK_K, GEMV_BLOCK_N, GEMV_MAX_ROWS, GEMV_PRODUCT_ELEMENTS, GEMV_PROGRAMS_PER_SM,
                                gemv_config)
 from kiln.kernels.linear_fused import (ref_linear_residual, ref_rmsnorm_linear,
@@ -80,6 +80,19 @@ def test_linear_residual(tokens, k, n, dtype, device, poisoned):
     out = poisoned((tokens, n), dtype)
     triton_linear_residual(x, weight, residual, out=out)
     _assert_close(out, ref_linear_residual(x, weight, residual))
+
+
+@pytest.mark.parametrize("impl", ["triton.linear_residual", "torch.linear_residual"])
+@pytest.mark.parametrize("tokens,k,n", [(1, 3000, 40), (5, 576, 100), (40, 576, 960)])
+def test_linear_residual_may_write_over_its_residual(tokens, k, n, impl, device):
+    # The memory plan gives linear_residual's output the residual's storage where the residual is
+    # read last (OpDef.reuses): every implementation must read each residual element before writing it.
+    x = _strided(tokens, k, torch.float32, device)
+    weight = _weight(n, k, torch.float32, device)
+    residual = torch.randn(tokens, n, device=device)
+    expected = ref_linear_residual(x, weight, residual.clone())
+    get_impl(impl).fn(x, weight, residual, out=residual)
+    _assert_close(residual, expected)
 
 
 @pytest.mark.parametrize("tokens", [1, 3])

@@ -48,3 +48,56 @@ def test_disjoint_lifetimes_share_and_live_ones_do_not():
 
 def test_sizes_follow_the_symbol_bounds():
     assert plan({"T": 8}).arena_bytes == 2 * plan({"T": 4}).arena_bytes
+
+
+# A residual stream through two linear_residuals (o and down projections of a layer).
+RESIDUAL_CHAIN = textwrap.dedent("""
+    graph g {
+      input %x: f32[T, 64]
+      param @w: f32[64]
+      param @wo: f32[64, 64]
+      %h = rmsnorm(%x, @w) {eps=1e-06} : f32[T, 64]
+      %a = rmsnorm(%h, @w) {eps=1e-06} : f32[T, 64]
+      %h1 = linear_residual(%a, @wo, %h) : f32[T, 64]
+      %b = rmsnorm(%h1, @w) {eps=1e-06} : f32[T, 64]
+      %h2 = linear_residual(%b, @wo, %h1) : f32[T, 64]
+      %y = rmsnorm(%h2, @w) {eps=1e-06} : f32[T, 64]
+      return %y
+    }
+""")
+
+
+def plan_text(text: str, bounds=None):
+    ctx = PassContext(symbol_bounds=bounds or {"T": 4})
+    plan_memory(parse_graph(text), ctx)
+    return ctx.memory_plan
+
+
+def test_linear_residual_takes_over_the_residual_it_reads_last():
+    p = plan_text(RESIDUAL_CHAIN)
+    # h1 and h2 are h's storage: no copy of the residual into a fresh output, and h lives until y reads h2.
+    assert p.roots["h1"] == "h" and p.roots["h2"] == "h"
+    assert set(p.offsets) == {"h", "a", "b", "y"}
+    size = 4 * 64 * 4
+    assert not overlap(p, "h2", "b", size) and not overlap(p, "h1", "a", size)
+
+
+def test_a_residual_read_later_keeps_its_storage():
+    # h is read again after h1 is made: h1 needs storage of its own.
+    text = RESIDUAL_CHAIN.replace("%b = rmsnorm(%h1, @w)", "%b = rmsnorm(%h, @w)")
+    p = plan_text(text)
+    assert p.roots["h1"] == "h1" and p.roots["h2"] == "h1"
+    assert not overlap(p, "h", "h1", 4 * 64 * 4)
+
+
+def test_no_takeover_of_a_view_an_output_a_graph_input_or_an_operand():
+    view = RESIDUAL_CHAIN.replace(
+        "%h1 = linear_residual(%a, @wo, %h)",
+        '%hv = reshape(%h) {shape=["T", 64]} : f32[T, 64]\n  %h1 = linear_residual(%a, @wo, %hv)')
+    assert plan_text(view).roots["h1"] == "h1"  # a view need not span its root whole
+    returned = RESIDUAL_CHAIN.replace("return %y", "return %y, %h1")
+    assert plan_text(returned).roots["h2"] == "h2"  # h1 lives to the end
+    from_input = RESIDUAL_CHAIN.replace("linear_residual(%a, @wo, %h)", "linear_residual(%a, @wo, %x)")
+    assert plan_text(from_input).roots["h1"] == "h1"  # the step's inputs are not the arena's
+    operand = RESIDUAL_CHAIN.replace("linear_residual(%a, @wo, %h)", "linear_residual(%h, @wo, %h)")
+    assert plan_text(operand).roots["h1"] == "h1"  # x is read while the output is written
