@@ -48,6 +48,11 @@ DECODE_BLOCK_N = 64
 # Measured on an H200 (SmolLM2-135M batch-1 step): 8 warps 0.499 ms against 4 warps' 0.485, though
 # at 8 the kernel spills no registers (Llama-3-8B's head_dim 128 spills at 4 with the preload).
 DECODE_NUM_WARPS = 4
+# Two stages give the loop one shared K and one V buffer (sm_90 TTGIR: 1x64x64): a block's copies go
+# out once the previous block's dots are done, so a program's blocks run one after another at
+# memory latency and only other programs hide it. Fine for long contexts (the 4.4 TB/s above); at
+# Llama-3-8B batch 64 with 338-token contexts the kernel read 2.9 TB/s.
+DECODE_NUM_STAGES = 2
 # Programs an SM holds at once: 4 warps at up to 255 registers a thread (ptxas takes them all) fill
 # half of an SM's 64K registers. Loading the first key block before the PDL wait pays only for a grid
 # of at most that many an SM (``preloads_first_block``). Measured on an H200 (decode kernel, us a
@@ -252,6 +257,6 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         MERGE_S=min(MAX_SPLITS, splits_merged_at_once(block_h, block_d)), BLOCK_N=block_n or DECODE_BLOCK_N,
         BLOCK_D=block_d, SOFT_CAP=soft_cap > 0, SLIDING=sliding_window > 0, DOT_F32=dot_in_f32(q.dtype),
         PRELOAD=new is not None and preloads_first_block(batch * kv_heads * num_splits, sm_count(q)),
-        num_warps=DECODE_NUM_WARPS, num_stages=2,
+        num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
         # With the rotation, an fma would skip the rounding of a product to the dtype that ref_rope does.
         enable_fp_fusion=new is None, **pdl_launch(q))
