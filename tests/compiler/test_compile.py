@@ -59,6 +59,14 @@ def test_artifact_layout_and_manifest(artifact):
     assert " q_proj" not in graph_text
 
 
+def test_the_residual_stream_is_one_buffer_written_in_place(artifact):
+    plan = json.loads((artifact / "manifest.json").read_text())["memory_plan"]
+    residuals = [name for name in plan["roots"] if ".resid_" in name]
+    assert len(residuals) >= 4 and len({plan["roots"][name] for name in residuals}) == 1
+    program = (artifact / "program.py").read_text()
+    assert program.count("# in place of") == len(residuals)
+
+
 def test_dump_ir_writes_each_pass(artifact):
     dumped = sorted(p.name for p in (artifact.parent / "ir").iterdir())
     assert dumped[0] == "00_input.txt" and len(dumped) == len(PIPELINE) + 1

@@ -85,7 +85,11 @@ def _node_lines(node, impl_name: str, kernel: str, idents: "_Identifiers", plan:
         ident = idents.define(out)
         fresh.append(ident)
         shape = ", ".join(str(d) for d in t.shape) + ("," if t.rank == 1 else "")
-        lines.append(f"{ident} = A({plan.offsets[plan.roots[out]]}, {torch_dtype(t.dtype)}, ({shape}))")
+        root = plan.roots[out]
+        # An output that took over an input's storage (OpDef.reuses) says whose, so a reader sees the
+        # kernel write in place.
+        taken = f"  # in place of {idents.ref(node.inputs[opdef.output_reuse(i)])}" if root != out else ""
+        lines.append(f"{ident} = A({plan.offsets[root]}, {torch_dtype(t.dtype)}, ({shape})){taken}")
     if fresh:
         kwargs.insert(0, f"out={fresh[0] if len(fresh) == 1 else '(' + ', '.join(fresh) + ')'}")
     lines.append(f"{kernel}({', '.join(args + kwargs)})")
