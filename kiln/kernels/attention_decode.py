@@ -45,8 +45,9 @@ MAX_SPLITS = 64
 # Keys per loop step. Measured on an H200 (B=64 and B=8, 4096-token contexts, 8 KV heads of 128):
 # 64 keys at 4 warps and 2 stages read 4.4 TB/s; 32 keys, 8 warps or 3 stages were slower.
 DECODE_BLOCK_N = 64
-# Measured on an H200 (SmolLM2-135M batch-1 step): 8 warps 0.499 ms against 4 warps' 0.485, though
-# at 8 the kernel spills no registers (Llama-3-8B's head_dim 128 spills at 4 with the preload).
+# Measured on an H200 (SmolLM2-135M batch-1 step, the eighth session's variant of the preload): 8
+# warps 0.499 ms against 4 warps' 0.485, though at 8 the kernel spills no registers (compiled for
+# sm_90, Llama-3-8B's head_dim 128 spills 588 B at 4 with the preload); not yet measured on Llama.
 DECODE_NUM_WARPS = 4
 # Two stages give the loop one shared K and one V buffer (sm_90 TTGIR: 1x64x64): a block's copies go
 # out once the previous block's dots are done, so a program's blocks run one after another at
