@@ -61,13 +61,13 @@ def random_layers(count: int) -> list[Layer]:
 
 
 class Activations:
-    """The step's activations for ``tokens`` rows: residual stream, qkv, gated MLP input."""
+    """The step's activations for ``tokens`` rows: residual stream, qkv, gate/up output."""
 
     def __init__(self, tokens: int) -> None:
         def buf(width: int) -> torch.Tensor:
             return torch.randn(tokens, width, device="cuda", dtype=DTYPE)
 
-        self.h, self.h2, self.qkv, self.mlp = buf(HIDDEN), buf(HIDDEN), buf(QKV), buf(INTERMEDIATE)
+        self.h, self.h2, self.qkv, self.gate_up = buf(HIDDEN), buf(HIDDEN), buf(QKV), buf(2 * INTERMEDIATE)
 
 
 def op_runner(op: str, layer: Layer, act: Activations, fused: bool) -> Callable[[], None]:
@@ -80,10 +80,10 @@ def op_runner(op: str, layer: Layer, act: Activations, fused: bool) -> Callable[
         fn = lf.triton_linear_residual if fused else lf.composed_linear_residual
         return lambda: fn(act.qkv[:, :HIDDEN], layer.o, act.h, out=act.h2)
     if op == "gate_up":
-        fn = lf.triton_rmsnorm_linear_silu_mul if fused else lf.composed_rmsnorm_linear_silu_mul
-        return lambda: fn(act.h2, layer.norm2, layer.gate_up, out=act.mlp, eps=EPS)
-    fn = lf.triton_linear_residual if fused else lf.composed_linear_residual
-    return lambda: fn(act.mlp, layer.down, act.h2, out=act.h)
+        fn = lf.triton_rmsnorm_linear if fused else lf.composed_rmsnorm_linear
+        return lambda: fn(act.h2, layer.norm2, layer.gate_up, out=act.gate_up, eps=EPS)
+    fn = lf.triton_silu_mul_linear_residual if fused else lf.composed_silu_mul_linear_residual
+    return lambda: fn(act.gate_up, layer.down, act.h2, out=act.h)
 
 
 def graph_us(calls: list[Callable[[], None]], replays: int = 20) -> float:
@@ -117,7 +117,7 @@ def max_error(op: str, layer: Layer, tokens: int) -> float:
         torch.manual_seed(0)
         act = Activations(tokens)
         op_runner(op, layer, act, fused)()
-        outputs.append({"qkv": act.qkv, "o": act.h2, "gate_up": act.mlp, "down": act.h}[op].float())
+        outputs.append({"qkv": act.qkv, "o": act.h2, "gate_up": act.gate_up, "down": act.h}[op].float())
     return (outputs[0] - outputs[1]).abs().max().item()
 
 

@@ -190,13 +190,13 @@ def _attention_cases(quick: bool) -> list[Case]:
 FUSED_GEMMS = [
     ("llama3-8b", "qkv", "rmsnorm_linear", HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN),
     ("llama3-8b", "o", "linear_residual", HIDDEN, HIDDEN),
-    ("llama3-8b", "gate_up", "rmsnorm_linear_silu_mul", 2 * INTERMEDIATE, HIDDEN),
-    ("llama3-8b", "down", "linear_residual", HIDDEN, INTERMEDIATE),
+    ("llama3-8b", "gate_up", "rmsnorm_linear", 2 * INTERMEDIATE, HIDDEN),
+    ("llama3-8b", "down", "silu_mul_linear_residual", HIDDEN, INTERMEDIATE),
     ("llama3-8b", "lm_head", "rmsnorm_linear", 128256, HIDDEN),
     ("smollm2-135m", "qkv", "rmsnorm_linear", 960, 576),
     ("smollm2-135m", "o", "linear_residual", 576, 576),
-    ("smollm2-135m", "gate_up", "rmsnorm_linear_silu_mul", 3072, 576),
-    ("smollm2-135m", "down", "linear_residual", 576, 1536),
+    ("smollm2-135m", "gate_up", "rmsnorm_linear", 3072, 576),
+    ("smollm2-135m", "down", "silu_mul_linear_residual", 576, 1536),
     ("smollm2-135m", "lm_head", "rmsnorm_linear", 49152, 576),
 ]
 
@@ -205,21 +205,21 @@ def _linear_fused_case(op: str, label: str, weight: torch.Tensor, tokens: int) -
     from kiln.kernels import linear_fused as lf
 
     n, k = weight.shape
-    x = torch.randn(tokens, k, device="cuda", dtype=DTYPE)
+    # silu_mul_linear_residual's input holds gate and up side by side.
+    x = torch.randn(tokens, 2 * k if op == "silu_mul_linear_residual" else k, device="cuda", dtype=DTYPE)
     norm_weight = torch.randn(k, device="cuda", dtype=DTYPE)
     residual = torch.randn(tokens, n, device="cuda", dtype=DTYPE)
-    width = n // 2 if op == "rmsnorm_linear_silu_mul" else n
-    out, want = (torch.empty(tokens, width, device="cuda", dtype=DTYPE) for _ in range(2))
-    if op == "linear_residual":
-        fused = partial(lf.triton_linear_residual, x, weight, residual, out=out)
-        composed = partial(lf.composed_linear_residual, x, weight, residual, out=want)
-        inputs = (x, weight, residual)
-    else:
-        fused_fn, composed_fn = ((lf.triton_rmsnorm_linear, lf.composed_rmsnorm_linear) if op == "rmsnorm_linear"
-                                 else (lf.triton_rmsnorm_linear_silu_mul, lf.composed_rmsnorm_linear_silu_mul))
-        fused = partial(fused_fn, x, norm_weight, weight, out=out, eps=1e-5)
-        composed = partial(composed_fn, x, norm_weight, weight, out=want, eps=1e-5)
+    out, want = (torch.empty(tokens, n, device="cuda", dtype=DTYPE) for _ in range(2))
+    if op == "rmsnorm_linear":
+        fused = partial(lf.triton_rmsnorm_linear, x, norm_weight, weight, out=out, eps=1e-5)
+        composed = partial(lf.composed_rmsnorm_linear, x, norm_weight, weight, out=want, eps=1e-5)
         inputs = (x, norm_weight, weight)
+    else:
+        fused_fn, composed_fn = ((lf.triton_linear_residual, lf.composed_linear_residual) if op == "linear_residual"
+                                 else (lf.triton_silu_mul_linear_residual, lf.composed_silu_mul_linear_residual))
+        fused = partial(fused_fn, x, weight, residual, out=out)
+        composed = partial(composed_fn, x, weight, residual, out=want)
+        inputs = (x, weight, residual)
 
     def reference() -> torch.Tensor:
         composed()

@@ -3,7 +3,7 @@
 Transforms rewrite the graph; analyses (kernel selection, memory planning) leave their results in
 the context for codegen. The order matters: the linear fusions must see the unfused projections,
 silu·mul must see the split the gate/up fusion made, the residual adds must join their GEMMs
-before the norms join theirs (and the gate/up GEMM's silu·mul with them), rope+KV store must see the q/k norms before
+before silu·mul joins the down GEMM and the norms join theirs, rope+KV store must see the q/k norms before
 anything else touches them (and joins the attention after that), and planning runs last on the final graph.
 """
 
@@ -23,6 +23,7 @@ from .passes.fuse_norm_linear import fuse_norm_linear
 from .passes.fuse_rope_attention import fuse_rope_attention
 from .passes.fuse_rope_kv_store import fuse_rope_kv_store
 from .passes.fuse_silu_mul import fuse_silu_mul
+from .passes.fuse_silu_mul_linear import fuse_silu_mul_linear
 from .passes.plan_memory import plan_memory
 from .passes.select_kernels import select_kernels
 
@@ -38,6 +39,7 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("fuse_gate_up", fuse_gate_up),
     ("fuse_silu_mul", fuse_silu_mul),
     ("fuse_linear_residual", fuse_linear_residual),
+    ("fuse_silu_mul_linear", fuse_silu_mul_linear),
     ("fuse_norm_linear", fuse_norm_linear),
     ("fuse_add_rmsnorm", fuse_add_rmsnorm),
     ("fuse_rope_kv_store", fuse_rope_kv_store),

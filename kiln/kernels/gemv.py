@@ -3,7 +3,7 @@
 Decode multiplies one token per sequence by every weight matrix, so each GEMM is a read of the
 weights with almost no arithmetic: its time is the weight bytes over the memory bandwidth, plus the
 kernel's ramp-up and tail. This kernel owns that stream for ``linear_fused``'s three ops. It applies
-the RMSNorm to the tiny input (a prologue), and the bias, residual add or SiLU gate to the
+the RMSNorm or the SiLU gate to the tiny input (a prologue), and the bias or residual add to the
 accumulator (an epilogue), so the norm and activation kernels around a cuBLAS call disappear.
 
 How it keeps the memory busy:
@@ -37,7 +37,7 @@ GEMV_MAX_ROWS = 16
 GEMV_PROGRAMS_PER_SM = 2  # at least this many column tiles per SM, so every SM streams
 GEMV_BLOCK_N = (4, 8)  # least and most weight rows (output columns) per tile
 GEMV_BLOCK_K = (64, 1024)  # least and most of K per tile; contiguous runs that load as wide vectors
-# A one-row tile holds this many weights (gate and up rows together for the SiLU-gated op): 128 a
+# A one-row tile holds this many weights: 128 a
 # thread at 4 warps, twice that with the next tile in flight beside it. Measured on an H200 at
 # Llama-3-8B's shapes: tiles of 8192 weights streamed at 2.4-3.4 TB/s, tiles of 16384 at 3.2-3.9.
 GEMV_PRODUCT_ELEMENTS = 16384
@@ -51,10 +51,10 @@ GEMV_NUM_STAGES = 1  # the loop pipelines its weight tiles in registers itself
 # The norm's first pass over x reads this many elements at a time (all rows together).
 NORM_PASS_ELEMENTS = 4096
 
-# Epilogue kinds; constexprs so that the kernel may read them.
-PLAIN = tl.constexpr(0)
-RESIDUAL = tl.constexpr(1)
-SILU_MUL = tl.constexpr(2)
+# Prologue kinds (what the GEMM's input is made from); constexprs so that the kernel may read them.
+RAW = tl.constexpr(0)
+NORM = tl.constexpr(1)  # rmsnorm(x, norm_weight)
+SILU_MUL = tl.constexpr(2)  # x's rows hold [gate | up], 2K wide: silu(gate) * up
 
 
 @dataclass(frozen=True)
@@ -66,12 +66,11 @@ class GemvConfig:
     use_dot: bool
 
 
-def gemv_config(rows: int, n: int, k: int, sms: int, gated: bool = False) -> GemvConfig:
-    """Tiles for ``rows`` (<= GEMV_MAX_ROWS) rows of output ``n`` columns wide over ``k``; ``gated``
-    programs read two weight rows (gate and up) per output column."""
+def gemv_config(rows: int, n: int, k: int, sms: int) -> GemvConfig:
+    """Tiles for ``rows`` (<= GEMV_MAX_ROWS) rows of output ``n`` columns wide over ``k``."""
     use_dot = rows > 1
     block_t = 16 if use_dot else 1
-    elements = GEMV_PRODUCT_ELEMENTS // (2 if gated else 1)
+    elements = GEMV_PRODUCT_ELEMENTS
     least_n = 16 if use_dot else GEMV_BLOCK_N[0]
     most_n = GEMV_BLOCK_N[1] if use_dot else elements // GEMV_BLOCK_K[0]
     block_n = max(least_n, min(GEMV_BLOCK_N[1], most_n))
@@ -101,29 +100,27 @@ def _tile_product(x, w, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile(w_ptr, cols, N, w_st, k, K, GATED: tl.constexpr):
-    # The gate (or only) rows' tile and, for SiLU-gated ops, the up rows' tile beside it. Columns at
-    # or past N (the last tile's padding) load nothing.
+def _weight_tile(w_ptr, cols, N, w_st, k, K):
+    # Columns at or past N (the last tile's padding) load nothing.
     w_mask = (cols < N)[:, None] & (k < K)[None, :]
-    w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * w_st + k[None, :], mask=w_mask, other=0.0)
-    if GATED:
-        w_up = tl.load(w_ptr + (cols + N).to(tl.int64)[:, None] * w_st + k[None, :], mask=w_mask, other=0.0)
-    else:
-        w_up = w
-    return w, w_up
+    return tl.load(w_ptr + cols.to(tl.int64)[:, None] * w_st + k[None, :], mask=w_mask, other=0.0)
 
 
 @triton.jit
-def _input_tile(x_rows, nw_ptr, row_mask, k, K, NORM: tl.constexpr):
-    # x's tile as loaded and, with the norm, the norm weight's beside it: normalized only when used,
-    # so that the loads have a whole tile's arithmetic to land.
+def _input_tile(x_rows, nw_ptr, row_mask, k, K, PROLOGUE: tl.constexpr):
+    # x's tile as loaded and its partner beside it: the norm weight's tile (NORM) or the up half's
+    # (SILU_MUL, K columns to the right). Combined only when used, so that the loads have a whole
+    # tile's arithmetic to land.
     k_mask = k < K
-    xk = tl.load(x_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-    if NORM:
-        nw = tl.load(nw_ptr + k, mask=k_mask, other=0.0)
+    mask = row_mask[:, None] & k_mask[None, :]
+    xk = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
+    if PROLOGUE == NORM:
+        partner = tl.load(nw_ptr + k, mask=k_mask, other=0.0)
+    elif PROLOGUE == SILU_MUL:
+        partner = tl.load(x_rows + K + k[None, :], mask=mask, other=0.0)
     else:
-        nw = xk
-    return xk, nw
+        partner = xk
+    return xk, partner
 
 
 @triton.jit
@@ -134,9 +131,19 @@ def _normalize(xk, rstd, nw, dtype: tl.constexpr):
 
 
 @triton.jit
-def _tile_input(xk, nw, rstd, NORM: tl.constexpr, dtype: tl.constexpr):
-    if NORM:
-        return _normalize(xk, rstd, nw, dtype)
+def _silu_mul(gate, up, dtype: tl.constexpr):
+    # As triton_silu_mul: silu(gate) rounded to the dtype before the multiply, the product rounded.
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return (silu * up.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _tile_input(xk, partner, rstd, PROLOGUE: tl.constexpr, dtype: tl.constexpr):
+    if PROLOGUE == NORM:
+        return _normalize(xk, rstd, partner, dtype)
+    if PROLOGUE == SILU_MUL:
+        return _silu_mul(xk, partner, dtype)
     return xk
 
 
@@ -154,83 +161,73 @@ def _row_rstd(x_rows, row_mask, K, eps, BLOCK_T: tl.constexpr, NORM_BLOCK_K: tl.
 
 @triton.jit
 def _gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, r_ptr, y_ptr, T, N, K, eps, x_st, w_st, r_st, y_st,
-                 NORM: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
+                 PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                  USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, NORM_BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # Program p computes output columns p*BLOCK_N .. +BLOCK_N of every row, stepping through K; step
-    # i+1's loads go out before step i's arithmetic. For SILU_MUL, N is the output width I, and the
-    # program also reads the up rows I + n of the [2I, K] weight.
-    dtype = x_ptr.dtype.element_ty
-    GATED: tl.constexpr = EPILOGUE == SILU_MUL
+    # i+1's loads go out before step i's arithmetic.
+    dtype = y_ptr.dtype.element_ty
     rows = tl.arange(0, BLOCK_T)
     row_mask = rows < T
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_st
     # The first weight tile goes out before the wait; x is written by the kernel before, so after it.
-    w, w_up = _weight_tile(w_ptr, cols, N, w_st, offs_k, K, GATED)
+    w = _weight_tile(w_ptr, cols, N, w_st, offs_k, K)
     await_previous_kernel(PDL)
-    xk, nw = _input_tile(x_rows, nw_ptr, row_mask, offs_k, K, NORM)
+    xk, partner = _input_tile(x_rows, nw_ptr, row_mask, offs_k, K, PROLOGUE)
     rstd = tl.zeros([BLOCK_T], tl.float32)
-    if NORM:
+    if PROLOGUE == NORM:
         if ONE_TILE:  # x's only tile holds all of it
             xf = xk.to(tl.float32)
             rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / K + eps)
         else:
             rstd = _row_rstd(x_rows, row_mask, K, eps, BLOCK_T, NORM_BLOCK_K)
     acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         # The next step's loads first, so the memory never waits on the math (past K they load nothing).
         next_k = k0 + BLOCK_K + offs_k
-        w_next, w_up_next = _weight_tile(w_ptr, cols, N, w_st, next_k, K, GATED)
-        x_next, nw_next = _input_tile(x_rows, nw_ptr, row_mask, next_k, K, NORM)
-        xn = _tile_input(xk, nw, rstd, NORM, dtype)
-        acc += _tile_product(xn, w, USE_DOT, DOT_F32)
-        if GATED:
-            acc_up += _tile_product(xn, w_up, USE_DOT, DOT_F32)
+        w_next = _weight_tile(w_ptr, cols, N, w_st, next_k, K)
+        x_next, partner_next = _input_tile(x_rows, nw_ptr, row_mask, next_k, K, PROLOGUE)
+        acc += _tile_product(_tile_input(xk, partner, rstd, PROLOGUE, dtype), w, USE_DOT, DOT_F32)
         w = w_next
-        w_up = w_up_next
         xk = x_next
-        nw = nw_next
-    _epilogue(acc, acc_up, b_ptr, r_ptr, y_ptr, rows, cols, row_mask, cols < N, r_st, y_st, dtype,
-              HAS_BIAS, EPILOGUE)
+        partner = partner_next
+    _epilogue(acc, b_ptr, r_ptr, y_ptr, rows, cols, row_mask, cols < N, r_st, y_st, dtype, HAS_BIAS, HAS_RESIDUAL)
 
 
 @triton.jit
-def _epilogue(acc, acc_up, b_ptr, r_ptr, y_ptr, rows, cols, row_mask, col_mask, r_st, y_st, dtype: tl.constexpr,
-              HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr):
+def _epilogue(acc, b_ptr, r_ptr, y_ptr, rows, cols, row_mask, col_mask, r_st, y_st, dtype: tl.constexpr,
+              HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     if HAS_BIAS:
         # cuBLAS adds the bias to the f32 accumulator and rounds once; so does this.
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     out_mask = row_mask[:, None] & col_mask[None, :]
-    if EPILOGUE == RESIDUAL:
+    if HAS_RESIDUAL:
         # The unfused graph rounds the GEMM's output before the add.
         r = tl.load(r_ptr + rows.to(tl.int64)[:, None] * r_st + cols[None, :], mask=out_mask, other=0.0)
         acc = acc.to(dtype).to(tl.float32) + r.to(tl.float32)
-    elif EPILOGUE == SILU_MUL:
-        # gate and up are rounded as the GEMM's output, silu(gate) as its own op's, as in triton_silu_mul.
-        gate = acc.to(dtype).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        acc = silu * acc_up.to(dtype).to(tl.float32)
-    tl.store(y_ptr + rows.to(tl.int64)[:, None] * y_st + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * y_st + cols[None, :], acc.to(dtype), mask=out_mask)
 
 
-def launch_gemv(x: torch.Tensor, norm_weight: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
-                residual: torch.Tensor | None, out: torch.Tensor, eps: float, epilogue: int) -> None:
-    """``out = epilogue(rmsnorm(x) @ weight.T + bias)`` for checked operands; ``epilogue`` is one of
-    PLAIN, RESIDUAL (adds ``residual``) and SILU_MUL (``weight`` stacks gate and up rows)."""
-    rows, k = x.shape
-    n = out.shape[1]
+def launch_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
+                gated: bool = False, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                eps: float = 0.0) -> None:
+    """``out = prologue(x) @ weight.T + bias + residual`` for checked operands, where the prologue is
+    ``rmsnorm(x, norm_weight)`` when a norm weight is given, ``silu(gate) * up`` when ``gated`` (x's
+    rows then hold [gate | up], twice weight's K), and x itself otherwise."""
+    rows = x.shape[0]
+    n, k = weight.shape
     if rows == 0 or n == 0:
         return
-    cfg = gemv_config(rows, n, k, sm_count(x), gated=epilogue == SILU_MUL.value)
+    prologue = NORM if norm_weight is not None else SILU_MUL if gated else RAW
+    cfg = gemv_config(rows, n, k, sm_count(x))
     # Absent inputs are never read (their constexpr flag is off); any tensor stands in for the pointer.
     res = residual if residual is not None else out
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x, res, out,
         rows, n, k, eps, x.stride(0), weight.stride(0), res.stride(0), out.stride(0),
-        NORM=norm_weight is not None, HAS_BIAS=bias is not None, EPILOGUE=epilogue,
+        PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         USE_DOT=cfg.use_dot, DOT_F32=dot_in_f32(x.dtype), BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, ONE_TILE=cfg.block_k >= k, NORM_BLOCK_K=min(pow2(k, 16), max(16, NORM_PASS_ELEMENTS // cfg.block_t)),
         num_warps=GEMV_NUM_WARPS, num_stages=GEMV_NUM_STAGES, **pdl_launch(x))

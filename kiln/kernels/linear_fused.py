@@ -1,14 +1,14 @@
-"""GEMMs fused with their neighbours: ``rmsnorm_linear``, ``rmsnorm_linear_silu_mul``, ``linear_residual``.
+"""GEMMs fused with their neighbours: ``rmsnorm_linear``, ``linear_residual``, ``silu_mul_linear_residual``.
 
 At decode's few rows (``T <= GEMV_MAX_ROWS``) the Triton implementations are one GEMV launch
-(``gemv.py``) that reads the weights once and applies the RMSNorm before (a prologue over the tiny ``[T, K]`` input) and
-the bias, residual add or SiLU gate after (an epilogue on the accumulator). At more rows they compose
-the unfused fast paths instead (Triton rmsnorm, cuBLAS, Triton silu_mul): the GEMM is then compute
+(``gemv.py``) that reads the weights once and applies the RMSNorm or the SiLU gate before (a
+prologue over the tiny input) and the bias or residual add after (an epilogue on the accumulator). At more rows they compose
+the unfused fast paths instead (Triton rmsnorm or silu_mul, cuBLAS): the GEMM is then compute
 bound and cuBLAS is the better kernel. The row count is a host fact (the input's shape), never a
 device value, so the decode path can be captured in a CUDA graph.
 
 The GEMV rounds where the unfused graph does: the normalized input and the GEMM output are rounded
-to the activation dtype before the next step uses them. The composed linear_residual (cuBLAS addmm)
+to the activation dtype before the next step uses them, as is silu(gate) * up. The composed linear_residual (cuBLAS addmm)
 rounds GEMM + residual once instead, at most an ulp from the unfused graph.
 """
 
@@ -21,7 +21,7 @@ import torch
 from kiln.ir.types import TensorType
 
 from .elementwise import ref_silu_mul, triton_silu_mul
-from .gemv import GEMV_MAX_ROWS, PLAIN, RESIDUAL, SILU_MUL, launch_gemv
+from .gemv import GEMV_MAX_ROWS, launch_gemv
 from .linear import ref_linear
 from .norm import ref_rmsnorm, triton_rmsnorm
 from .registry import Checker, register_impl
@@ -34,31 +34,29 @@ def ref_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch
     return ref_linear(ref_rmsnorm(x, norm_weight, eps).to(x.dtype), weight, bias)
 
 
-def ref_rmsnorm_linear_silu_mul(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
-                                eps: float) -> torch.Tensor:
-    gate, up = ref_rmsnorm_linear(x, norm_weight, weight, None, eps).chunk(2, dim=-1)
-    return ref_silu_mul(gate, up)
-
-
 def ref_linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     return ref_linear(x, weight) + residual
+
+
+def ref_silu_mul_linear_residual(gate_up: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    return ref_linear_residual(ref_silu_mul(*gate_up.chunk(2, dim=-1)), weight, residual)
 
 
 def _rmsnorm_linear(x, norm_weight, weight, bias=None, *, out, eps):
     out.copy_(ref_rmsnorm_linear(x, norm_weight, weight, bias, eps))
 
 
-def _rmsnorm_linear_silu_mul(x, norm_weight, weight, *, out, eps):
-    out.copy_(ref_rmsnorm_linear_silu_mul(x, norm_weight, weight, eps))
-
-
 def _linear_residual(x, weight, residual, *, out):
     out.copy_(ref_linear_residual(x, weight, residual))
 
 
+def _silu_mul_linear_residual(gate_up, weight, residual, *, out):
+    out.copy_(ref_silu_mul_linear_residual(gate_up, weight, residual))
+
+
 register_impl("rmsnorm_linear", "torch", _rmsnorm_linear)
-register_impl("rmsnorm_linear_silu_mul", "torch", _rmsnorm_linear_silu_mul)
 register_impl("linear_residual", "torch", _linear_residual)
+register_impl("silu_mul_linear_residual", "torch", _silu_mul_linear_residual)
 
 
 # --- Triton GEMV ------------------------------------------------------------------------------------
@@ -82,20 +80,24 @@ def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _check_gemv(kernel: str, x: torch.Tensor, norm_weight: torch.Tensor | None, weight: torch.Tensor,
-                extras: Sequence[tuple[str, torch.Tensor, tuple[int, ...]]], out: torch.Tensor, out_cols: int) -> None:
-    """Checks the inputs of any of the three ops; ``extras`` are (name, tensor, shape) of bias or residual."""
-    require(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], kernel,
-            lambda: f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [T, K] and [N, K]")
-    require_float(kernel, "x", x)
-    rows, k = x.shape
-    named = [("weight", weight, tuple(weight.shape)), *extras, ("out", out, (rows, out_cols))]
+                extras: Sequence[tuple[str, torch.Tensor, tuple[int, ...]]], out: torch.Tensor,
+                x_name: str = "x", x_cols_per_k: int = 1) -> None:
+    """Checks the inputs of any of the three ops; ``extras`` are (name, tensor, shape) of bias or
+    residual. x's rows are ``x_cols_per_k`` times weight's K wide (2 for [gate | up])."""
+    k = weight.shape[-1]
+    require(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == x_cols_per_k * k, kernel,
+            lambda: f"{x_name} {tuple(x.shape)} and weight {tuple(weight.shape)} must be "
+                    f"[T, {'2K' if x_cols_per_k == 2 else 'K'}] and [N, K]")
+    require_float(kernel, x_name, x)
+    rows = x.shape[0]
+    named = [("weight", weight, tuple(weight.shape)), *extras, ("out", out, (rows, weight.shape[0]))]
     if norm_weight is not None:
         named.append(("norm_weight", norm_weight, (k,)))
     for name, t, shape in named:
         require(tuple(t.shape) == shape and t.dtype == x.dtype, kernel,
                 lambda: f"{name} {tuple(t.shape)} {t.dtype} must be {list(shape)} {x.dtype}")
         require_unit_last_stride(kernel, name, t)
-    require_unit_last_stride(kernel, "x", x)
+    require_unit_last_stride(kernel, x_name, x)
     require_device(kernel, x, *(t for _, t, _ in named))
 
 
@@ -111,51 +113,49 @@ def composed_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: 
         torch.addmm(bias, normed, weight.t(), out=out)
 
 
-def composed_rmsnorm_linear_silu_mul(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, *,
-                                     out: torch.Tensor, eps: float) -> None:
-    both = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    composed_rmsnorm_linear(x, norm_weight, weight, out=both, eps=eps)
-    gate, up = both.chunk(2, dim=-1)
-    triton_silu_mul(gate, up, out=out)
-
-
 def composed_linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
                              out: torch.Tensor) -> None:
     # One rounding of GEMM + residual where the unfused graph rounds twice: at most an ulp apart.
     torch.addmm(residual, x, weight.t(), out=out)
 
 
+def composed_silu_mul_linear_residual(gate_up: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
+                                      out: torch.Tensor) -> None:
+    activated = torch.empty(gate_up.shape[0], weight.shape[1], dtype=gate_up.dtype, device=gate_up.device)
+    triton_silu_mul(*gate_up.chunk(2, dim=-1), out=activated)
+    composed_linear_residual(activated, weight, residual, out=out)
+
+
 def triton_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
                           bias: torch.Tensor | None = None, *, out: torch.Tensor, eps: float) -> None:
     n = weight.shape[0]
     extras = [("bias", bias, (n,))] if bias is not None else []
-    _check_gemv("triton.rmsnorm_linear", x, norm_weight, weight, extras, out, n)
+    _check_gemv("triton.rmsnorm_linear", x, norm_weight, weight, extras, out)
     if not uses_gemv(x, weight):
         composed_rmsnorm_linear(x, norm_weight, weight, bias, out=out, eps=eps)
     else:
-        launch_gemv(x, norm_weight, weight, bias, None, out, eps, PLAIN.value)
-
-
-def triton_rmsnorm_linear_silu_mul(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, *,
-                                   out: torch.Tensor, eps: float) -> None:
-    kernel = "triton.rmsnorm_linear_silu_mul"
-    require(weight.dim() == 2 and weight.shape[0] % 2 == 0, kernel,
-            lambda: f"weight {tuple(weight.shape)} must stack gate and up rows (an even count)")
-    _check_gemv(kernel, x, norm_weight, weight, [], out, weight.shape[0] // 2)
-    if not uses_gemv(x, weight):
-        composed_rmsnorm_linear_silu_mul(x, norm_weight, weight, out=out, eps=eps)
-    else:
-        launch_gemv(x, norm_weight, weight, None, None, out, eps, SILU_MUL.value)
+        launch_gemv(x, weight, out, norm_weight=norm_weight, bias=bias, eps=eps)
 
 
 def triton_linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
                            out: torch.Tensor) -> None:
-    n = weight.shape[0]
-    _check_gemv("triton.linear_residual", x, None, weight, [("residual", residual, (x.shape[0], n))], out, n)
+    residual_shape = (x.shape[0], weight.shape[0])
+    _check_gemv("triton.linear_residual", x, None, weight, [("residual", residual, residual_shape)], out)
     if not uses_gemv(x, weight):
         composed_linear_residual(x, weight, residual, out=out)
     else:
-        launch_gemv(x, None, weight, None, residual, out, 0.0, RESIDUAL.value)
+        launch_gemv(x, weight, out, residual=residual)
+
+
+def triton_silu_mul_linear_residual(gate_up: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
+                                    out: torch.Tensor) -> None:
+    residual_shape = (gate_up.shape[0], weight.shape[0])
+    _check_gemv("triton.silu_mul_linear_residual", gate_up, None, weight, [("residual", residual, residual_shape)],
+                out, x_name="gate_up", x_cols_per_k=2)
+    if not uses_gemv(gate_up, weight):
+        composed_silu_mul_linear_residual(gate_up, weight, residual, out=out)
+    else:
+        launch_gemv(gate_up, weight, out, gated=True, residual=residual)
 
 
 def _floats_like_x(weight_index: int) -> Checker:
@@ -171,6 +171,6 @@ def _floats_like_x(weight_index: int) -> Checker:
 
 
 register_impl("rmsnorm_linear", "triton", triton_rmsnorm_linear, checker=_floats_like_x(2), priority=10)
-register_impl("rmsnorm_linear_silu_mul", "triton", triton_rmsnorm_linear_silu_mul, checker=_floats_like_x(2),
-              priority=10)
 register_impl("linear_residual", "triton", triton_linear_residual, checker=_floats_like_x(1), priority=10)
+register_impl("silu_mul_linear_residual", "triton", triton_silu_mul_linear_residual, checker=_floats_like_x(1),
+              priority=10)

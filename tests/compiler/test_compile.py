@@ -55,7 +55,7 @@ def test_artifact_layout_and_manifest(artifact):
     assert [entry["pass"] for entry in manifest["passes"]] == [name for name, _ in PIPELINE]
     assert all(entry["seconds"] >= 0 for entry in manifest["passes"])
     graph_text = (artifact / "graph.txt").read_text()
-    assert "qkv_proj" in graph_text and "rmsnorm_linear_silu_mul" in graph_text and "linear_residual" in graph_text
+    assert "qkv_proj" in graph_text and "silu_mul_linear_residual" in graph_text and "linear_residual" in graph_text
     assert " q_proj" not in graph_text
 
 

@@ -1,9 +1,7 @@
-"""Triton rmsnorm_linear, rmsnorm_linear_silu_mul and linear_residual against their torch references,
+"""Triton rmsnorm_linear, linear_residual and silu_mul_linear_residual against their torch references,
 on the fused GEMV (T <= GEMV_MAX_ROWS) and on the composed path (more rows)."""
 
 from __future__ import annotations
-
-import itertools
 
 import pytest
 import torch
@@ -12,9 +10,8 @@ from kiln.ir.types import DType, TensorType
 from kiln.kernels import get_impl, select_impl
 from kiln.kernels.gemv import (GEMV_BLOCK_K, GEMV_BLOCK_N, GEMV_MAX_ROWS, GEMV_PRODUCT_ELEMENTS, GEMV_PROGRAMS_PER_SM,
                                gemv_config)
-from kiln.kernels.linear_fused import (ref_linear_residual, ref_rmsnorm_linear,
-                                       ref_rmsnorm_linear_silu_mul, triton_linear_residual, triton_rmsnorm_linear,
-                                       triton_rmsnorm_linear_silu_mul)
+from kiln.kernels.linear_fused import (ref_linear_residual, ref_rmsnorm_linear, ref_silu_mul_linear_residual,
+                                       triton_linear_residual, triton_rmsnorm_linear, triton_silu_mul_linear_residual)
 
 from .conftest import TOLERANCES
 
@@ -62,17 +59,6 @@ def test_rmsnorm_linear(tokens, k, n, has_bias, dtype, device, poisoned):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,k,n", CASES)
-def test_rmsnorm_linear_silu_mul(tokens, k, n, dtype, device, poisoned):
-    x = _strided(tokens, k, dtype, device)
-    norm_weight = torch.randn(k, device=device).to(dtype)
-    weight = _weight(n, k, dtype, device)
-    out = poisoned((tokens, n // 2), dtype)
-    triton_rmsnorm_linear_silu_mul(x, norm_weight, weight, out=out, eps=EPS)
-    _assert_close(out, ref_rmsnorm_linear_silu_mul(x, norm_weight, weight, EPS))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens,k,n", CASES)
 def test_linear_residual(tokens, k, n, dtype, device, poisoned):
     x = _strided(tokens, k, dtype, device)
     weight = _weight(n, k, dtype, device)
@@ -82,16 +68,29 @@ def test_linear_residual(tokens, k, n, dtype, device, poisoned):
     _assert_close(out, ref_linear_residual(x, weight, residual))
 
 
-@pytest.mark.parametrize("impl", ["triton.linear_residual", "torch.linear_residual"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,k,n", CASES)
+def test_silu_mul_linear_residual(tokens, k, n, dtype, device, poisoned):
+    gate_up = _strided(tokens, 2 * k, dtype, device)
+    weight = _weight(n, k, dtype, device)
+    residual = _strided(tokens, n, dtype, device, scale=2.0)
+    out = poisoned((tokens, n), dtype)
+    triton_silu_mul_linear_residual(gate_up, weight, residual, out=out)
+    _assert_close(out, ref_silu_mul_linear_residual(gate_up, weight, residual))
+
+
+@pytest.mark.parametrize("op", ["linear_residual", "silu_mul_linear_residual"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("tokens,k,n", [(1, 3000, 40), (5, 576, 100), (40, 576, 960)])
-def test_linear_residual_may_write_over_its_residual(tokens, k, n, impl, device):
-    # The memory plan gives linear_residual's output the residual's storage where the residual is
-    # read last (OpDef.reuses): every implementation must read each residual element before writing it.
-    x = _strided(tokens, k, torch.float32, device)
+def test_residual_ops_may_write_over_their_residual(tokens, k, n, op, backend, device):
+    # The memory plan gives these ops' output the residual's storage where the residual is read last
+    # (OpDef.reuses): every implementation must read each residual element before writing it.
+    x = _strided(tokens, k * (2 if op.startswith("silu") else 1), torch.float32, device)
     weight = _weight(n, k, torch.float32, device)
     residual = torch.randn(tokens, n, device=device)
-    expected = ref_linear_residual(x, weight, residual.clone())
-    get_impl(impl).fn(x, weight, residual, out=residual)
+    ref = ref_silu_mul_linear_residual if op.startswith("silu") else ref_linear_residual
+    expected = ref(x, weight, residual.clone())
+    get_impl(f"{backend}.{op}").fn(x, weight, residual, out=residual)
     _assert_close(residual, expected)
 
 
@@ -106,24 +105,26 @@ def test_large_weights_take_the_composed_path(tokens, device, poisoned, monkeypa
     bound = "GEMV_ONE_ROW_MAX_WEIGHT_BYTES" if tokens == 1 else "GEMV_MAX_WEIGHT_BYTES"
     monkeypatch.setattr(linear_fused, bound, weight.numel() * 4 - 1)
     assert not linear_fused.uses_gemv(x, weight)
-    out = poisoned((tokens, 24), torch.float32)
-    triton_rmsnorm_linear_silu_mul(x, norm_weight, weight, out=out, eps=EPS)
-    _assert_close(out, ref_rmsnorm_linear_silu_mul(x, norm_weight, weight, EPS))
     out = poisoned((tokens, 48), torch.float32)
+    triton_rmsnorm_linear(x, norm_weight, weight, out=out, eps=EPS)
+    _assert_close(out, ref_rmsnorm_linear(x, norm_weight, weight, None, EPS))
     triton_linear_residual(x, weight, residual, out=out)
     _assert_close(out, ref_linear_residual(x, weight, residual))
+    gate_up = torch.randn(tokens, 144, device=device)
+    triton_silu_mul_linear_residual(gate_up, weight, residual, out=out)
+    _assert_close(out, ref_silu_mul_linear_residual(gate_up, weight, residual))
 
 
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096),
                                  (960, 576), (576, 576), (1536, 576), (576, 1536), (49152, 576)])
 def test_gemv_tiles_fill_an_h200(n, k):
     sms = 132
-    for rows, gated in itertools.product(range(1, GEMV_MAX_ROWS + 1), (False, True)):
-        cfg = gemv_config(rows, n, k, sms, gated)
+    for rows in range(1, GEMV_MAX_ROWS + 1):
+        cfg = gemv_config(rows, n, k, sms)
         assert cfg.block_t >= rows and cfg.block_n >= min(rows, 16) and cfg.block_k >= GEMV_BLOCK_K[0]
         assert cfg.use_dot == (rows > 1)
-        # A one-row program's weight tiles (two when gated) stay within the register budget.
-        assert cfg.use_dot or cfg.block_n * cfg.block_k * (2 if gated else 1) <= GEMV_PRODUCT_ELEMENTS
+        # A one-row program's weight tile stays within the register budget.
+        assert cfg.use_dot or cfg.block_n * cfg.block_k <= GEMV_PRODUCT_ELEMENTS
         # Enough programs for every SM, unless the tiles are already as narrow as they go.
         narrowest = 16 if cfg.use_dot else GEMV_BLOCK_N[0]
         assert -(-n // cfg.block_n) >= sms * GEMV_PROGRAMS_PER_SM or cfg.block_n == narrowest
@@ -138,10 +139,10 @@ def test_rejects_bad_inputs(device):
         triton_rmsnorm_linear(x, nw.half(), w, out=out, eps=EPS)
     with pytest.raises(ValueError, match="bias .* must be \\[32\\]"):
         triton_rmsnorm_linear(x, nw, w, torch.randn(33, device=device), out=out, eps=EPS)
-    with pytest.raises(ValueError, match="an even count"):
-        triton_rmsnorm_linear_silu_mul(x, nw, w[:31], out=out[:, :15], eps=EPS)
-    with pytest.raises(ValueError, match="out .* must be \\[2, 16\\]"):
-        triton_rmsnorm_linear_silu_mul(x, nw, w, out=out, eps=EPS)
+    with pytest.raises(ValueError, match="gate_up \\(2, 64\\) and weight \\(32, 64\\) must be \\[T, 2K\\] and \\[N, K\\]"):
+        triton_silu_mul_linear_residual(x, w, out, out=out)
+    with pytest.raises(ValueError, match="out .* must be \\[2, 32\\]"):
+        triton_silu_mul_linear_residual(x, w[:, :32], out, out=out[:, :16])
     with pytest.raises(ValueError, match="contiguous in its last dim"):
         triton_linear_residual(x, torch.randn(64, 32, device=device).t(), out, out=torch.empty_like(out))
     with pytest.raises(ValueError, match="residual .* must be \\[2, 32\\]"):
@@ -155,9 +156,10 @@ def test_registration_and_checker(device):
     assert select_impl("rmsnorm_linear", [x, nw, w], attrs, "triton").name == "triton.rmsnorm_linear"
     bias = TensorType((960,), bf16)
     assert select_impl("rmsnorm_linear", [x, nw, w, bias], attrs, "triton").name == "triton.rmsnorm_linear"
-    assert (select_impl("rmsnorm_linear_silu_mul", [x, nw, w], attrs, "triton").name
-            == "triton.rmsnorm_linear_silu_mul")
     assert select_impl("linear_residual", [x, w, y], {}, "triton").name == "triton.linear_residual"
+    gate_up, down = TensorType(("T", 1920), bf16), TensorType((576, 960), bf16)
+    assert (select_impl("silu_mul_linear_residual", [gate_up, down, x], {}, "triton").name
+            == "triton.silu_mul_linear_residual")
     # An f32 norm weight on bf16 activations goes to the reference, which rounds as the unfused graph.
     impl = select_impl("rmsnorm_linear", [x, nw.with_dtype(DType.f32), w], attrs, "triton")
     assert impl.name == "torch.rmsnorm_linear"
@@ -180,10 +182,12 @@ def test_llama_shapes_on_gpu(tokens, k, n, device, poisoned, monkeypatch):
     x = torch.randn(tokens, k, device=device, dtype=dtype)
     norm_weight = torch.randn(k, device=device, dtype=dtype)
     weight = _weight(n, k, dtype, device)
-    out = poisoned((tokens, n // 2), dtype)
-    triton_rmsnorm_linear_silu_mul(x, norm_weight, weight, out=out, eps=EPS)
-    _assert_close(out, ref_rmsnorm_linear_silu_mul(x, norm_weight, weight, EPS))
-    residual = torch.randn(tokens, n, device=device, dtype=dtype)
     out = poisoned((tokens, n), dtype)
+    triton_rmsnorm_linear(x, norm_weight, weight, out=out, eps=EPS)
+    _assert_close(out, ref_rmsnorm_linear(x, norm_weight, weight, None, EPS))
+    residual = torch.randn(tokens, n, device=device, dtype=dtype)
     triton_linear_residual(x, weight, residual, out=out)
     _assert_close(out, ref_linear_residual(x, weight, residual))
+    gate_up = torch.randn(tokens, 2 * k, device=device, dtype=dtype)
+    triton_silu_mul_linear_residual(gate_up, weight, residual, out=out)
+    _assert_close(out, ref_silu_mul_linear_residual(gate_up, weight, residual))

@@ -1,8 +1,9 @@
-"""Before/Expected IR tests of fuse_linear_residual and fuse_norm_linear (GEMMs absorbing the norm
-before them and the residual add or gated activation after them)."""
+"""Before/Expected IR tests of fuse_linear_residual, fuse_silu_mul_linear and fuse_norm_linear (GEMMs
+absorbing the norm or gated activation before them and the residual add after them)."""
 
 from kiln.compiler.passes.fuse_linear_residual import fuse_linear_residual
 from kiln.compiler.passes.fuse_norm_linear import fuse_norm_linear
+from kiln.compiler.passes.fuse_silu_mul_linear import fuse_silu_mul_linear
 
 from .test_fusions import dedent, run
 
@@ -63,8 +64,41 @@ def test_fuse_linear_residual_keeps_gemm_outputs_read_elsewhere_and_biased_gemms
     assert "linear_residual(%m" not in run(fuse_linear_residual, biased)
 
 
-def test_fuse_norm_linear_after_residuals():
-    assert run(fuse_norm_linear, AFTER_RESIDUAL) == dedent("""
+AFTER_SILU_MUL = dedent("""
+    graph g {
+      input %h: f32[T, 8]
+      param @ln1: f32[8]
+      param @wqkv: f32[16, 8]
+      param @wo: f32[8, 16]
+      param @ln2: f32[8]
+      param @wgu: f32[12, 8]
+      param @wd: f32[8, 6]
+      %n1 = rmsnorm(%h, @ln1) {eps=1e-05} : f32[T, 8]
+      %qkv = linear(%n1, @wqkv) : f32[T, 16]
+      %r1 = linear_residual(%qkv, @wo, %h) : f32[T, 8]
+      %n2 = rmsnorm(%r1, @ln2) {eps=1e-05} : f32[T, 8]
+      %gu = linear(%n2, @wgu) : f32[T, 12]
+      %r2 = silu_mul_linear_residual(%gu, @wd, %r1) : f32[T, 8]
+      return %r2
+    }
+""")
+
+
+def test_fuse_silu_mul_linear_folds_split_and_activation_into_the_down_gemm():
+    assert run(fuse_silu_mul_linear, AFTER_RESIDUAL) == AFTER_SILU_MUL
+
+
+def test_fuse_silu_mul_linear_keeps_halves_or_activations_read_elsewhere():
+    for value in ("%g", "%u", "%m"):
+        read_elsewhere = AFTER_RESIDUAL.replace("return %r2", f"return %r2, {value}")
+        assert run(fuse_silu_mul_linear, read_elsewhere) == read_elsewhere
+    # Only the residual GEMM takes it (a down projection without the add keeps its silu_mul).
+    no_residual = LAYER_BEFORE.replace("%r2 = add(%d, %r1) : f32[T, 8]\n  ", "").replace("return %r2", "return %d")
+    assert run(fuse_silu_mul_linear, no_residual) == no_residual
+
+
+def test_fuse_norm_linear_after_residuals_and_activation():
+    assert run(fuse_norm_linear, AFTER_SILU_MUL) == dedent("""
         graph g {
           input %h: f32[T, 8]
           param @ln1: f32[8]
@@ -75,18 +109,11 @@ def test_fuse_norm_linear_after_residuals():
           param @wd: f32[8, 6]
           %qkv = rmsnorm_linear(%h, @ln1, @wqkv) {eps=1e-05} : f32[T, 16]
           %r1 = linear_residual(%qkv, @wo, %h) : f32[T, 8]
-          %m = rmsnorm_linear_silu_mul(%r1, @ln2, @wgu) {eps=1e-05} : f32[T, 6]
-          %r2 = linear_residual(%m, @wd, %r1) : f32[T, 8]
+          %gu = rmsnorm_linear(%r1, @ln2, @wgu) {eps=1e-05} : f32[T, 12]
+          %r2 = silu_mul_linear_residual(%gu, @wd, %r1) : f32[T, 8]
           return %r2
         }
     """)
-
-
-def test_fuse_norm_linear_keeps_the_split_when_its_halves_are_read_elsewhere():
-    gate_read = AFTER_RESIDUAL.replace("return %r2", "return %r2, %g")
-    after = run(fuse_norm_linear, gate_read)
-    assert "%gu = rmsnorm_linear(%r1, @ln2, @wgu) {eps=1e-05} : f32[T, 12]" in after
-    assert "%m = silu_mul(%g, %u)" in after
 
 
 def test_fuse_norm_linear_keeps_norms_with_several_readers_or_non_gemm_readers():
