@@ -45,14 +45,17 @@ MAX_SPLITS = 64
 # Keys per loop step. Measured on an H200 (B=64 and B=8, 4096-token contexts, 8 KV heads of 128):
 # 64 keys at 4 warps and 2 stages read 4.4 TB/s; 32 keys, 8 warps or 3 stages were slower.
 DECODE_BLOCK_N = 64
-# Measured on an H200 (SmolLM2-135M batch-1 step, the eighth session's variant of the preload): 8
-# warps 0.499 ms against 4 warps' 0.485, though at 8 the kernel spills no registers (compiled for
-# sm_90, Llama-3-8B's head_dim 128 spills 588 B at 4 with the preload); not yet measured on Llama.
+# Measured on an H200: 8 warps made the SmolLM2-135M batch-1 step 0.499 ms against 4 warps' 0.485
+# (the eighth session's variant of the preload) and Llama-3-8B's 8-layer batch-1 step 1.266 against
+# 1.259, though at 8 the kernel spills no registers (compiled for sm_90, head_dim 128 spills 588 B at
+# 4 with the preload).
 DECODE_NUM_WARPS = 4
 # Two stages give the loop one shared K and one V buffer (sm_90 TTGIR: 1x64x64): a block's copies go
 # out once the previous block's dots are done, so a program's blocks run one after another at
 # memory latency and only other programs hide it. Fine for long contexts (the 4.4 TB/s above); at
-# Llama-3-8B batch 64 with 338-token contexts the kernel read 2.9 TB/s.
+# Llama-3-8B batch 64 with 338-token contexts the kernel read 2.9 TB/s. Yet a loop that carries the
+# next block's slots, so that 3-4 stages ring real K/V copies, made that step slower on an H200
+# (1.663-1.676 ms against 1.599 at 3-4 stages, 4-8 warps; bench/RESULTS.md, tenth session).
 DECODE_NUM_STAGES = 2
 # Programs an SM holds at once: 4 warps at up to 255 registers a thread (ptxas takes them all) fill
 # half of an SM's 64K registers. Loading the first key block before the PDL wait pays only for a grid
