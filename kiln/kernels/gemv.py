@@ -1,4 +1,4 @@
-"""The decode GEMV: ``y = epilogue(norm(x) @ W.T)`` for a few rows of x, one launch that streams W once.
+"""The decode GEMV: ``y = epilogue(prologue(x) @ W.T)`` for a few rows of x, one launch that streams W once.
 
 Decode multiplies one token per sequence by every weight matrix, so each GEMM is a read of the
 weights with almost no arithmetic: its time is the weight bytes over the memory bandwidth, plus the
@@ -229,5 +229,6 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, nor
         rows, n, k, eps, x.stride(0), weight.stride(0), res.stride(0), out.stride(0),
         PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         USE_DOT=cfg.use_dot, DOT_F32=dot_in_f32(x.dtype), BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, ONE_TILE=cfg.block_k >= k, NORM_BLOCK_K=min(pow2(k, 16), max(16, NORM_PASS_ELEMENTS // cfg.block_t)),
+        BLOCK_K=cfg.block_k, ONE_TILE=cfg.block_k >= k,
+        NORM_BLOCK_K=min(pow2(k, 16), max(16, NORM_PASS_ELEMENTS // cfg.block_t)),
         num_warps=GEMV_NUM_WARPS, num_stages=GEMV_NUM_STAGES, **pdl_launch(x))

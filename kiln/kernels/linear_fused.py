@@ -2,14 +2,14 @@
 
 At decode's few rows (``T <= GEMV_MAX_ROWS``) the Triton implementations are one GEMV launch
 (``gemv.py``) that reads the weights once and applies the RMSNorm or the SiLU gate before (a
-prologue over the tiny input) and the bias or residual add after (an epilogue on the accumulator). At more rows they compose
-the unfused fast paths instead (Triton rmsnorm or silu_mul, cuBLAS): the GEMM is then compute
-bound and cuBLAS is the better kernel. The row count is a host fact (the input's shape), never a
-device value, so the decode path can be captured in a CUDA graph.
+prologue over the tiny input) and the bias or residual add after (an epilogue on the accumulator).
+At more rows they compose the unfused fast paths instead (Triton rmsnorm or silu_mul, cuBLAS): the
+GEMM is then compute bound and cuBLAS is the better kernel. The row count is a host fact (the
+input's shape), never a device value, so the decode path can be captured in a CUDA graph.
 
-The GEMV rounds where the unfused graph does: the normalized input and the GEMM output are rounded
-to the activation dtype before the next step uses them, as is silu(gate) * up. The composed linear_residual (cuBLAS addmm)
-rounds GEMM + residual once instead, at most an ulp from the unfused graph.
+The GEMV rounds where the unfused graph does: the normalized input, silu(gate) * up and the GEMM
+output are rounded to the activation dtype before the next step uses them. The composed residual
+ops (cuBLAS addmm) round GEMM + residual once instead, at most an ulp from the unfused graph.
 """
 
 from __future__ import annotations
