@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import copy_bandwidth  # noqa: E402
+from kernel_bench import copy_bandwidth  # noqa: E402
 from overrides import set_constant  # noqa: E402
 
 from kiln.kernels import linear_fused as lf  # noqa: E402

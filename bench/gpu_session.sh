@@ -2,7 +2,7 @@
 # One device session, in stages, logs under $OUT (or ./out). Run on the GPU machine from the repository root:
 #   bench/gpu_session.sh tests kernels breakdown structured     # ~4 min
 #   bench/gpu_session.sh decode                                 # ~5 min: bench/decode.py, both shapes, HF in the same run
-# Stages: tests (GPU tests), kernels (bench/kernels.py), breakdown (bench/step_breakdown.py with --timeline, SmolLM2 batch 1 and
+# Stages: tests (GPU tests), kernels (bench/kernel_bench.py), breakdown (bench/step_breakdown.py with --timeline, SmolLM2 batch 1 and
 # Llama-3-8B shape with 8 layers), structured (bench/structured.py on random SmolLM2 weights; needs the real
 # tokenizer files in $TOKENIZER_DIR, default .bench-tokenizer), structured-profile (the same at batch 1 with the
 # engine steps' host profile, into structured_profile.log), sweep (SmolLM2 batch 1 step time under tuning variants:
@@ -19,7 +19,7 @@ for stage in "$@"; do
   case "$stage" in
     tests) python3 -m pytest tests/e2e/test_gpu.py tests/kernels -m gpu -q -p no:cacheprovider --timeout 400 2>&1 \
              | tee "$out/gpu_tests.log" | tail -25 ;;
-    kernels) python3 bench/kernels.py 2>&1 | tee "$out/kernels.log" | grep -v Warning ;;
+    kernels) python3 bench/kernel_bench.py 2>&1 | tee "$out/kernels.log" | grep -v Warning ;;
     breakdown) for args in "--shape smollm2-135m --batch 1 --timeline" "--shape smollm2-135m --batch 64 --top 8" \
                            "--shape llama3-8b --layers 8 --batch 1 --top 8 --timeline"; do
                  python3 bench/step_breakdown.py $args 2>&1 | grep -v Warning

@@ -38,7 +38,7 @@ from .triton_support import (await_previous_kernel, pdl_launch, pow2, require, r
 ARGMAX_BLOCK = 2048
 # Programs to aim for per SM when choosing the chunk count. More than one: each program has only one
 # step's loads in flight, and several resident programs per SM are what hide the memory latency when
-# a large batch gives every program many steps. Not yet tuned on a GPU (bench/kernels.py times it).
+# a large batch gives every program many steps. Not yet tuned on a GPU (bench/kernel_bench.py times it).
 PROGRAMS_PER_SM = 4
 # Partials reduced per step of the merge; the chunk count is at most 4 * SMs (528 on an H200).
 MERGE_BLOCK = 256

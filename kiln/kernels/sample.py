@@ -74,7 +74,7 @@ from .sample_filters import NO_KEY, key_value, keys_and_cut_kernel, scaled
 from .triton_support import (await_previous_kernel, pdl_launch, pow2, require, require_device, require_unit_last_stride,
                              semaphore_counters)
 
-# Tunables, not yet tuned on a GPU (bench/kernels.py times the sampler). Ids per program of both
+# Tunables, not yet tuned on a GPU (bench/kernel_bench.py times the sampler). Ids per program of both
 # launches: 32 programs a row for a 128k vocabulary.
 SAMPLE_CHUNK = 4096
 # Elements per loop step, in the chunks and in the search's passes.

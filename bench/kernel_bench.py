@@ -15,7 +15,7 @@ device-to-device copy timed in the same run (bytes read + bytes written over its
 "% of copy" column says how close a kernel comes to what the memory system delivers. Attention also
 reports TFLOP/s (QK^T and PV, causal pairs only): prefill is compute-bound.
 
-Usage: ``python bench/kernels.py [--quick]``; from code, ``run(quick)`` returns the markdown table.
+Usage: ``python bench/kernel_bench.py [--quick]``; from code, ``run(quick)`` returns the markdown table.
 """
 
 from __future__ import annotations
@@ -308,7 +308,7 @@ def run(quick: bool = False, log: Callable[[str], None] = print, only: str | Non
     """Benchmarks every kernel (with ``only``, those whose name contains it) and returns (and logs
     line by line) a markdown table."""
     if not torch.cuda.is_available():
-        raise RuntimeError("bench/kernels.py needs a CUDA GPU: it times compiled Triton kernels")
+        raise RuntimeError("bench/kernel_bench.py needs a CUDA GPU: it times compiled Triton kernels")
     import triton.testing
 
     tokens = [64] if quick else [64, 4096]
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, metavar="TEXT", help="only kernels whose name contains TEXT")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA GPU: it times compiled Triton kernels against torch; none found.",
+        print("bench/kernel_bench.py needs a CUDA GPU: it times compiled Triton kernels against torch; none found.",
               file=sys.stderr)
         return 2
     run(args.quick, only=args.only)
