@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from .ops import AttrSpec, OpDef, expect, expect_same, register_op
+from .ops import AttrSpec, OpDef, expect, expect_rank, expect_same, register_op
 from .ops_core import infer_kv_store, infer_linear, infer_paged_attention, infer_rmsnorm, infer_rope
 from .types import TensorType
 
@@ -93,6 +93,7 @@ def _linear_residual(t: Sequence[TensorType], a: Mapping[str, Any]) -> tuple[Ten
 
 def _silu_mul_linear_residual(t: Sequence[TensorType], a: Mapping[str, Any]) -> tuple[TensorType, ...]:
     gate_up, weight, residual = t
+    expect_rank("silu_mul_linear_residual", "gate_up", gate_up, 2)
     rows, width = gate_up.shape
     expect(isinstance(width, int) and width % 2 == 0,
            f"silu_mul_linear_residual: gate_up {gate_up} must hold gate and up halves (an even, static width)")

@@ -70,9 +70,8 @@ def gemv_config(rows: int, n: int, k: int, sms: int) -> GemvConfig:
     """Tiles for ``rows`` (<= GEMV_MAX_ROWS) rows of output ``n`` columns wide over ``k``."""
     use_dot = rows > 1
     block_t = 16 if use_dot else 1
-    elements = GEMV_PRODUCT_ELEMENTS
     least_n = 16 if use_dot else GEMV_BLOCK_N[0]
-    most_n = GEMV_BLOCK_N[1] if use_dot else elements // GEMV_BLOCK_K[0]
+    most_n = GEMV_BLOCK_N[1] if use_dot else GEMV_PRODUCT_ELEMENTS // GEMV_BLOCK_K[0]
     block_n = max(least_n, min(GEMV_BLOCK_N[1], most_n))
     # The widest tile that still gives every SM its programs: wider tiles reload x less often.
     while block_n > least_n and triton.cdiv(n, block_n) < sms * GEMV_PROGRAMS_PER_SM:
@@ -82,10 +81,10 @@ def gemv_config(rows: int, n: int, k: int, sms: int) -> GemvConfig:
         # Measured on an H200: all of K in one tl.dot step (its operands in shared memory) ran 3-10x
         # slower than stepping through K.
         block_k = GEMV_DOT_BLOCK_K
-    elif whole_k <= GEMV_ONE_STEP_MAX_K and block_n * whole_k <= elements:
+    elif whole_k <= GEMV_ONE_STEP_MAX_K and block_n * whole_k <= GEMV_PRODUCT_ELEMENTS:
         block_k = whole_k
     else:
-        block_k = max(GEMV_BLOCK_K[0], min(GEMV_BLOCK_K[1], elements // block_n))
+        block_k = max(GEMV_BLOCK_K[0], min(GEMV_BLOCK_K[1], GEMV_PRODUCT_ELEMENTS // block_n))
     return GemvConfig(block_t, block_n, min(block_k, whole_k), use_dot)
 
 

@@ -79,20 +79,22 @@ def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.shape[0] <= GEMV_MAX_ROWS and weight_bytes <= GEMV_MAX_WEIGHT_BYTES
 
 
-def _check_gemv(kernel: str, x: torch.Tensor, norm_weight: torch.Tensor | None, weight: torch.Tensor,
-                extras: Sequence[tuple[str, torch.Tensor, tuple[int, ...]]], out: torch.Tensor,
-                x_name: str = "x", x_cols_per_k: int = 1) -> None:
-    """Checks the inputs of any of the three ops; ``extras`` are (name, tensor, shape) of bias or
-    residual. x's rows are ``x_cols_per_k`` times weight's K wide (2 for [gate | up])."""
-    k = weight.shape[-1]
-    require(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == x_cols_per_k * k, kernel,
+def _check_gemv(kernel: str, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
+                norm_weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None, gated: bool = False) -> None:
+    """Checks the operands of any of the three ops: x is [T, K] ([T, 2K] of gate and up when
+    ``gated``), weight [N, K], and the rest shaped to match, of x's dtype, unit last stride."""
+    x_name, k = ("gate_up" if gated else "x"), weight.shape[-1]
+    require(x.dim() == 2 and weight.dim() == 2 and x.shape[1] == (2 if gated else 1) * k, kernel,
             lambda: f"{x_name} {tuple(x.shape)} and weight {tuple(weight.shape)} must be "
-                    f"[T, {'2K' if x_cols_per_k == 2 else 'K'}] and [N, K]")
+                    f"[T, {'2K' if gated else 'K'}] and [N, K]")
     require_float(kernel, x_name, x)
-    rows = x.shape[0]
-    named = [("weight", weight, tuple(weight.shape)), *extras, ("out", out, (rows, weight.shape[0]))]
-    if norm_weight is not None:
-        named.append(("norm_weight", norm_weight, (k,)))
+    out_shape = (x.shape[0], weight.shape[0])
+    named = [("weight", weight, tuple(weight.shape)), ("out", out, out_shape)]
+    for name, t, shape in (("norm_weight", norm_weight, (k,)), ("bias", bias, out_shape[1:]),
+                           ("residual", residual, out_shape)):
+        if t is not None:
+            named.append((name, t, shape))
     for name, t, shape in named:
         require(tuple(t.shape) == shape and t.dtype == x.dtype, kernel,
                 lambda: f"{name} {tuple(t.shape)} {t.dtype} must be {list(shape)} {x.dtype}")
@@ -128,9 +130,7 @@ def composed_silu_mul_linear_residual(gate_up: torch.Tensor, weight: torch.Tenso
 
 def triton_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
                           bias: torch.Tensor | None = None, *, out: torch.Tensor, eps: float) -> None:
-    n = weight.shape[0]
-    extras = [("bias", bias, (n,))] if bias is not None else []
-    _check_gemv("triton.rmsnorm_linear", x, norm_weight, weight, extras, out)
+    _check_gemv("triton.rmsnorm_linear", x, weight, out, norm_weight=norm_weight, bias=bias)
     if not uses_gemv(x, weight):
         composed_rmsnorm_linear(x, norm_weight, weight, bias, out=out, eps=eps)
     else:
@@ -139,8 +139,7 @@ def triton_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: to
 
 def triton_linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
                            out: torch.Tensor) -> None:
-    residual_shape = (x.shape[0], weight.shape[0])
-    _check_gemv("triton.linear_residual", x, None, weight, [("residual", residual, residual_shape)], out)
+    _check_gemv("triton.linear_residual", x, weight, out, residual=residual)
     if not uses_gemv(x, weight):
         composed_linear_residual(x, weight, residual, out=out)
     else:
@@ -149,9 +148,7 @@ def triton_linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torc
 
 def triton_silu_mul_linear_residual(gate_up: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
                                     out: torch.Tensor) -> None:
-    residual_shape = (gate_up.shape[0], weight.shape[0])
-    _check_gemv("triton.silu_mul_linear_residual", gate_up, None, weight, [("residual", residual, residual_shape)],
-                out, x_name="gate_up", x_cols_per_k=2)
+    _check_gemv("triton.silu_mul_linear_residual", gate_up, weight, out, residual=residual, gated=True)
     if not uses_gemv(gate_up, weight):
         composed_silu_mul_linear_residual(gate_up, weight, residual, out=out)
     else:

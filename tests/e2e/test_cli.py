@@ -65,3 +65,6 @@ def test_bench_dispatch():
     assert not {"models", "overrides", "timeline"} & set(available), "helper modules are not benchmarks"
     result = kiln("bench", "offline", "--help")
     assert result.returncode == 0 and "--prefix-words" in result.stdout
+    # `kernels` names bench/kernel_bench.py (a bench module named kernels would shadow a package).
+    result = kiln("bench", "kernels", "--help")
+    assert result.returncode == 0 and "--only" in result.stdout

@@ -85,3 +85,17 @@ def test_parser_reports_line_of_error():
     text = print_graph(small_graph()).replace(": bf16[T, 128]", ": bf16[T, 127]")
     with pytest.raises(ValueError, match="line 6"):
         parse_graph(text)
+
+
+def test_silu_mul_linear_residual_types():
+    b = GraphBuilder("mlp")
+    w = b.param("w", TensorType((8, 6), DType.f32))
+    r = b.input("r", TensorType(("T", 8), DType.f32))
+    y = b.op("silu_mul_linear_residual", b.input("gu", TensorType(("T", 12), DType.f32)), w, r)
+    assert b.type_of(y) == TensorType(("T", 8), DType.f32)
+    with pytest.raises(IRTypeError, match="gate_up must have rank 2"):
+        b.op("silu_mul_linear_residual", b.input("gu3", TensorType(("T", 2, 12), DType.f32)), w, r)
+    with pytest.raises(IRTypeError, match="gate and up halves"):
+        b.op("silu_mul_linear_residual", b.input("odd", TensorType(("T", 13), DType.f32)), w, r)
+    with pytest.raises(IRTypeError, match="in-features"):
+        b.op("silu_mul_linear_residual", b.input("wide", TensorType(("T", 16), DType.f32)), w, r)

@@ -36,8 +36,6 @@ def fuse_silu_mul_linear(graph: Graph, ctx: PassContext) -> Graph:
         if any(sole_reader(graph, users, half) is not silu_mul for half in split.outputs):
             continue
         gate_up, weight, residual = split.inputs[0], down.inputs[1], down.inputs[2]
-        if types[gate_up].rank != 2:
-            continue
         absorbed.update((id(split), id(silu_mul)))
         replaced[id(down)] = make_node("silu_mul_linear_residual", [gate_up, weight, residual], [down.out],
                                        [types[gate_up], types[weight], types[residual]])

@@ -4,7 +4,7 @@ Sizes are taken at the compile's symbol bounds (``T`` = max batch tokens, ``B`` 
 ``N`` = max logit rows, ...), so any step within the bounds fits. A value's lifetime runs from the
 node that makes it to its last reader (graph outputs: to the end); views (``reshape``/``split``)
 and in-place updates share their root's storage and extend its lifetime. An output an op lets
-reuse an input (``OpDef.reuses``: ``linear_residual``'s residual) takes that input's storage over
+reuse an input (``OpDef.reuses``: the residual GEMMs' residual) takes that input's storage over
 when the node is the last reader of all of it. Placement is greedy, largest first, each at the
 lowest aligned offset free of every overlapping lifetime. The step then never allocates, which is
 what CUDA-graph capture needs.
