@@ -24,18 +24,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import add_model_arguments, random_engine  # noqa: E402
 from overrides import add_override_arguments, apply_overrides  # noqa: E402
+from graph_gaps import between_graphs_table  # noqa: E402
 from timeline import Kernel, critical_path_table  # noqa: E402
 
 from kiln.runtime.sampling import SamplingParams  # noqa: E402
 
 
-def trace(replay, steps: int) -> list:
-    """The profiler's device-kernel events of ``steps`` calls of ``replay``."""
+def trace(call, steps: int) -> list:
+    """The profiler's device events (kernels and copies) of ``steps`` calls of ``call``."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            replay()
+            call()
         torch.cuda.synchronize()
     return [event for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
 
@@ -61,6 +62,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--timeline", action="store_true",
                         help="also each kernel's share of the replay's critical path (bench/timeline.py)")
+    parser.add_argument("--between", action="store_true",
+                        help="also what engine steps run on the GPU between graph replays (bench/graph_gaps.py)")
     parser.add_argument("--dump-trace", type=Path, default=None,
                         help="write the traced replays' kernels (name, start and end in us) to this JSON file")
     add_override_arguments(parser)
@@ -97,6 +100,10 @@ def main() -> None:
             print(critical_path_table(kernels, 20, args.top or 40))
         if args.dump_trace:
             args.dump_trace.write_text(json.dumps([dataclasses.asdict(k) for k in kernels]))
+    if args.between:
+        replay_names = [e.name for e in sorted(trace(graph.replay, 1), key=lambda e: e.time_range.start)]
+        steps = [Kernel(e.name, e.time_range.start, e.time_range.end) for e in trace(core.step, 20)]
+        print(between_graphs_table(steps, replay_names))
 
 
 if __name__ == "__main__":
