@@ -118,10 +118,10 @@ def _argmax_kernel(x_ptr, mask_ptr, out_ptr, part_ptr, counter_ptr, vocab, x_str
                 cs = c0 + tl.arange(0, MERGE)
                 parts = tl.load(part_ptr + first + cs, mask=cs < num_chunks, other=_FLOOR, cache_modifier=".cg")
                 best_of_row = tl.maximum(best_of_row, tl.max(parts, 0))
-            tl.store(out_ptr + row, _index_of(best_of_row))
+            tl.store(out_ptr + row, _index_of(best_of_row).to(out_ptr.dtype.element_ty))
             tl.store(counter, 0)
     else:
-        tl.store(out_ptr + row, _index_of(best_of_chunk))
+        tl.store(out_ptr + row, _index_of(best_of_chunk).to(out_ptr.dtype.element_ty))
 
 
 def argmax_rows(x: torch.Tensor, bitmask: torch.Tensor | None = None) -> torch.Tensor:
@@ -140,9 +140,10 @@ def argmax_chunk(rows: int, vocab: int, sm_count: int) -> int:
 def triton_argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, *, bitmask: torch.Tensor | None = None,
                        chunk: int | None = None) -> torch.Tensor:
     """int64 ``[R]``: ``ref_argmax_rows(x, bitmask)`` for f32/f16/bf16 ``x [R, V]`` whose rows are contiguous
-    (the row stride may exceed V). Reads nothing back to the host, so it can be captured in a CUDA
-    graph once the shape has run eagerly (the first launch sizes the shared counters). ``chunk``
-    (elements per program; tests force small ones) defaults to ``argmax_chunk``'s choice."""
+    (the row stride may exceed V). ``out`` may also be int32 (a decode graph writes the next step's
+    input ids that way). Reads nothing back to the host, so it can be captured in a CUDA graph once
+    the shape has run eagerly (the first launch sizes the shared counters). ``chunk`` (elements per
+    program; tests force small ones) defaults to ``argmax_chunk``'s choice."""
     kernel = "argmax_rows"
     require(x.dim() == 2 and x.shape[1] > 0, kernel, lambda: f"x must be [R, V] with V > 0, got {tuple(x.shape)}")
     require_float(kernel, "x", x)
@@ -152,8 +153,8 @@ def triton_argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, *, bitm
     require(vocab < 2 ** 31, kernel, lambda: f"rows of {vocab} elements exceed the kernel's 2^31 - 1")
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=x.device)
-    require(out.dtype == torch.int64 and out.shape == (rows,) and out.stride(0) == 1, kernel,
-            lambda: f"out must be contiguous int64 [{rows}], got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    require(out.dtype in (torch.int64, torch.int32) and out.shape == (rows,) and out.stride(0) == 1, kernel,
+            lambda: f"out must be contiguous int64 or int32 [{rows}], got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
     if bitmask is not None:
         width = bitmask_width(vocab)
         require(bitmask.dtype == torch.int32 and bitmask.shape == (rows, width) and bitmask.stride(1) == 1, kernel,

@@ -6,7 +6,10 @@ device in one transfer, and rows ``n..b`` are padding (token 0, KV slot -1 so no
 context 1 over the reserved page 0). All graphs share the executor's arena and the static inputs,
 so capturing many buckets costs little memory. Greedy tokens are computed inside the graph too, so
 a greedy step needs no kernel launch after the replay. An overlapped step (see EngineCore) takes
-its input ids from the previous step's device output instead of the host.
+its input ids from the previous step's device output instead of the host. The graph's argmax
+writes its tokens straight into the static input ids, so when the next step is the same rows that
+output is already its input: its transfer skips the ids, and nothing runs between the two replays
+but that transfer and the tokens' copy to the host.
 
 On a CPU (no graphs) the same padded path runs eagerly; tests use it to check the padding.
 """
@@ -61,8 +64,8 @@ class DecodeGraphs:
         the previous step's output there, without a round trip through the host."""
         n = len(lists.token_ids)
         bucket = next(b for b in self.buckets if b >= n)
-        self._stage(lists, bucket)
-        if tokens_from is not None:
+        self._stage(lists, bucket, ids_on_device=tokens_from is not None)
+        if tokens_from is not None and not self._is_greedy_output(tokens_from, n):
             self._device[:n].copy_(tokens_from)
         if bucket in self._graphs:
             self._graphs[bucket].replay()
@@ -70,11 +73,17 @@ class DecodeGraphs:
         logits = self.executor.run(self._inputs(bucket), self.kv_views)["logits"]
         return logits[:n], logits[:n].argmax(dim=-1)
 
-    def _stage(self, lists: StepLists, bucket: int) -> None:
+    def _is_greedy_output(self, tokens: torch.Tensor, n: int) -> bool:
+        """Whether ``tokens`` are the first ``n`` input ids themselves, as a graph's argmax left them."""
+        return tokens.dtype == self._device.dtype and tokens.data_ptr() == self._device.data_ptr() \
+            and tokens.shape == (n,)
+
+    def _stage(self, lists: StepLists, bucket: int, ids_on_device: bool = False) -> None:
         """Writes the step's inputs into the pinned host buffer, then copies what the bucket reads to
-        the device in one transfer. Built as two flat Python lists and two tensor writes: this runs
-        on every decode step, and per-row tensor writes cost ~5 us each. (Lists become tensors through
-        ``array``: 3x faster than ``torch.tensor`` on a list.)"""
+        the device in one transfer (all but the input ids when ``ids_on_device``). Built as two flat
+        Python lists and two tensor writes: this runs on every decode step, and per-row tensor writes
+        cost ~5 us each. (Lists become tensors through ``array``: 3x faster than ``torch.tensor`` on a
+        list.)"""
         n = len(lists.token_ids)
         host = self._hosts[self._turn]
         self._turn ^= 1
@@ -106,7 +115,9 @@ class DecodeGraphs:
         if index:
             host.index_put_((as_int_tensor(index, "q"),), as_int_tensor(pages, "i"))
         used = self._vector_len + bucket * self.width
-        self._device[:used].copy_(host[:used], non_blocking=True)
+        # The ids come first in the buffer; a device-side copy may fill them in afterwards.
+        first = self.max_batch if ids_on_device else 0
+        self._device[first:used].copy_(host[first:used], non_blocking=True)
 
     def _inputs(self, bucket: int) -> StepInputs:
         views = {name: self._device[i * self.max_batch:i * self.max_batch + bucket] for i, name in enumerate(_VECTORS)}
@@ -124,14 +135,15 @@ class DecodeGraphs:
                 # Warm-up: Triton compiles and autotunes outside the capture, and the argmax's first
                 # launch sizes the semaphore counters, which must not be allocated inside it.
                 for _ in range(2):
-                    triton_argmax_rows(self.executor.run(inputs, self.kv_views)["logits"])
+                    triton_argmax_rows(self.executor.run(inputs, self.kv_views)["logits"], out=inputs.token_ids)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = self.executor.run(inputs, self.kv_views)["logits"]
                 # torch's argmax reduces each row in one thread block (~28 µs for a 128k vocabulary
-                # on an H200); the Triton kernel spreads every row over the SMs.
-                greedy = triton_argmax_rows(logits)
+                # on an H200); the Triton kernel spreads every row over the SMs. Its output is the
+                # input ids, so that an overlapped next step of the same rows needs no copy.
+                greedy = triton_argmax_rows(logits, out=inputs.token_ids)
             self._graphs[bucket] = graph
             self._logits[bucket] = logits
             self._greedy[bucket] = greedy

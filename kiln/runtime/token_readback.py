@@ -36,13 +36,19 @@ class InflightStep:
 class TokenReadback:
     def __init__(self, max_batch: int, device: torch.device) -> None:
         self._on_gpu = device.type == "cuda"
-        # Two buffers used in turn: step N's is read while step N+1's copy may still be pending.
-        self._buffers = [torch.empty(max_batch, dtype=torch.int64, pin_memory=self._on_gpu) for _ in range(2)]
+        self._max_batch = max_batch
+        # Two buffers of each token dtype (a graph's argmax gives int32 ids, the sampler int64), used
+        # in turn: step N's is read while step N+1's copy may still be pending. Matching the dtype
+        # keeps the copy one transfer, with no conversion kernel on the device before it.
+        self._buffers: dict[torch.dtype, list[torch.Tensor]] = {}
         self._turn = 0
 
     def launch(self, lists: StepLists, tokens: torch.Tensor) -> InflightStep:
         """Starts copying ``tokens`` (the step's device output) to the host, behind the step."""
-        host = self._buffers[self._turn][:tokens.numel()]
+        if tokens.dtype not in self._buffers:
+            self._buffers[tokens.dtype] = [torch.empty(self._max_batch, dtype=tokens.dtype, pin_memory=self._on_gpu)
+                                           for _ in range(2)]
+        host = self._buffers[tokens.dtype][self._turn][:tokens.numel()]
         self._turn ^= 1
         host.copy_(tokens, non_blocking=self._on_gpu)
         ready = None

@@ -110,6 +110,15 @@ def test_counter_per_row(monkeypatch, device):
     assert out.tolist() == [want[0].item(), -1, want[2].item()]
 
 
+@pytest.mark.parametrize("chunk", [None, 32])
+def test_int32_out(device, chunk):
+    # A decode graph writes its greedy tokens straight into the next step's int32 input ids.
+    x = torch.randn(3, 300, device=device)
+    ids = torch.full((5,), -1, dtype=torch.int32, device=device)
+    assert triton_argmax_rows(x, ids[1:4], chunk=chunk).data_ptr() == ids[1:4].data_ptr()
+    assert ids.tolist() == [-1, *ref_argmax_rows(x).tolist(), -1]
+
+
 def random_bitmask(rows: int, vocab: int, allowed: float, device) -> torch.Tensor:
     """A packed mask allowing each token with probability ``allowed``."""
     bits = (torch.rand(rows, bitmask_width(vocab) * 32) < allowed).long()
@@ -161,8 +170,10 @@ def test_rejects_bad_inputs(device):
         triton_argmax_rows(x.int())
     with pytest.raises(ValueError, match="contiguous in its last dim"):
         triton_argmax_rows(x.t())
-    with pytest.raises(ValueError, match="out must be contiguous int64"):
-        triton_argmax_rows(x, torch.empty(2, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="out must be contiguous int64 or int32"):
+        triton_argmax_rows(x, torch.empty(2, dtype=torch.int16, device=device))
+    with pytest.raises(ValueError, match="out must be contiguous int64 or int32 \\[2\\]"):
+        triton_argmax_rows(x, torch.empty(3, dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match="bitmask must be int32 \\[2, 1\\]"):
         triton_argmax_rows(x, bitmask=torch.zeros(2, 2, dtype=torch.int32, device=device))
 

@@ -23,3 +23,13 @@ def test_two_steps_in_flight_keep_their_tokens(device):
     assert first.host_tokens().device.type == "cpu"
     third = readback.launch(EMPTY, torch.tensor([9], device=device))  # reuses the first buffer
     assert third.host_tokens().tolist() == [9] and second.host_tokens().tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tokens_keep_their_dtype(device):
+    # A graph's argmax gives int32 ids, the sampler int64: each is copied as it is, no conversion first.
+    readback = TokenReadback(max_batch=4, device=torch.device(device))
+    ids = readback.launch(EMPTY, torch.tensor([3, 4], dtype=torch.int32, device=device))
+    sampled = readback.launch(EMPTY, torch.tensor([8], device=device))
+    assert ids.host_tokens().dtype == torch.int32 and ids.host_tokens().tolist() == [3, 4]
+    assert sampled.host_tokens().dtype == torch.int64 and sampled.host_tokens().tolist() == [8]
