@@ -81,7 +81,7 @@ def main() -> None:
         core.step()
     torch.cuda.synchronize()
     step_ms = 1e3 * (time.perf_counter() - start) / args.steps
-    graph = core.runner.decode_graphs._graphs[args.batch]
+    graph = core.runner.decode_graphs.graph(args.batch)
     start = time.perf_counter()
     for _ in range(args.steps):
         graph.replay()

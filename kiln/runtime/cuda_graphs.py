@@ -73,6 +73,10 @@ class DecodeGraphs:
         logits = self.executor.run(self._inputs(bucket), self.kv_views)["logits"]
         return logits[:n], logits[:n].argmax(dim=-1)
 
+    def graph(self, bucket: int) -> torch.cuda.CUDAGraph:
+        """A bucket's captured step, for benchmarks that replay it alone."""
+        return self._graphs[bucket]
+
     def _is_greedy_output(self, tokens: torch.Tensor, n: int) -> bool:
         """Whether ``tokens`` are the first ``n`` input ids themselves, as a graph's argmax left them."""
         return tokens.dtype == self._device.dtype and tokens.data_ptr() == self._device.data_ptr() \
