@@ -34,10 +34,12 @@ SHAPES = {
 
 
 def random_model(shape: str, dtype: torch.dtype = torch.bfloat16, layers: int | None = None, seed: int = 0,
-                 device: str = "cuda"):
+                 device: str = "cuda", vocab_size: int | None = None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     overrides = {"num_hidden_layers": layers} if layers else {}
+    if vocab_size:
+        overrides["vocab_size"] = vocab_size
     config = LlamaConfig(**{**SHAPES[shape], **overrides})
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
@@ -61,7 +63,7 @@ def random_model(shape: str, dtype: torch.dtype = torch.bfloat16, layers: int | 
     hf_config["architectures"] = ["LlamaForCausalLM"]
     tensors = {name: t for name, t in model.state_dict().items()
                if not (config.tie_word_embeddings and name == "lm_head.weight")}
-    fingerprint = hashlib.sha256(f"{shape}:{layers}:{seed}:{dtype}".encode()).hexdigest()[:16]
+    fingerprint = hashlib.sha256(f"{shape}:{layers}:{seed}:{dtype}:{vocab_size}".encode()).hexdigest()[:16]
     return model, ModelSource(Path(f"<random {shape}>"), hf_config, MemoryTensors(tensors), (), fingerprint)
 
 

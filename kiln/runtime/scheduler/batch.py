@@ -35,14 +35,21 @@ def build_step_lists(batch: ScheduleBatch, page_size: int) -> StepLists:
     for chunk in batch.chunks:
         request = chunk.request
         pages = request.pages
+        start, end = chunk.start, chunk.end
         q_start.append(len(token_ids))
-        q_len.append(chunk.end - chunk.start)
-        kv_len.append(chunk.end)
+        q_len.append(end - start)
+        kv_len.append(end)
         page_rows.append(pages)
-        token_ids.extend(request.tokens(chunk.start, chunk.end))
-        for pos in range(chunk.start, chunk.end):
-            positions.append(pos)
-            slots.append(pages[pos // page_size] * page_size + pos % page_size)
+        if end - start == 1:
+            # A decode step's one token, the common case at every step of every running request.
+            token_ids.append(request.token_at(start))
+            positions.append(start)
+            slots.append(pages[start // page_size] * page_size + start % page_size)
+        else:
+            token_ids.extend(request.tokens(start, end))
+            for pos in range(start, end):
+                positions.append(pos)
+                slots.append(pages[pos // page_size] * page_size + pos % page_size)
         if chunk.wants_logits:
             logits_index.append(len(token_ids) - 1)
             sampled.append(chunk)

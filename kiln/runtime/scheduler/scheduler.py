@@ -127,18 +127,17 @@ class Scheduler:
     # ---- internals --------------------------------------------------------------------------------
 
     def _schedule_decodes(self) -> list[ScheduledChunk]:
+        # Every decoding request adds one token; those whose pages are full need one more page. (This
+        # runs every step over every running request, so each request's length is read once.)
         while True:
-            decoding = [r for r in self.running if r.state == RequestState.DECODING]
-            short = [r for r in decoding if self._pages_needed(r, r.total_len) > 0]
-            if self._reserve(len(short)):
+            decoding = [(r, r.total_len) for r in self.running if r.state == RequestState.DECODING]
+            growing = [r for r, length in decoding if self._pages_needed(r, length) > 0]
+            if self._reserve(len(growing)):
                 break
             self._retract(max(self.running, key=lambda r: r.arrival))
-        chunks = []
-        for request in decoding:
-            if self._pages_needed(request, request.total_len):
-                request.pages.extend(self.allocator.alloc(1))
-            chunks.append(ScheduledChunk(request, request.num_computed, request.total_len, True))
-        return chunks
+        for request in growing:
+            request.pages.extend(self.allocator.alloc(1))
+        return [ScheduledChunk(request, request.num_computed, length, True) for request, length in decoding]
 
     def _prefill_chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
         end = request.num_computed + min(request.remaining, budget)

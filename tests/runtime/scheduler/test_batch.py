@@ -1,0 +1,30 @@
+"""build_step_lists: a mixed batch's index lists, prefill chunks and one-token decode chunks alike."""
+
+from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.scheduler.batch import build_step_lists
+from kiln.runtime.scheduler.request import Request
+from kiln.runtime.scheduler.scheduler import ScheduleBatch, ScheduledChunk
+
+
+def _request(prompt: list[int], output: list[int], pages: list[int]) -> Request:
+    request = Request("r", prompt, SamplingParams(), seed=0)
+    request.output_ids.extend(output)
+    request.pages = pages
+    return request
+
+
+def test_prefill_and_decode_chunks_in_one_step():
+    page_size = 4
+    prefill = _request([10, 11, 12, 13, 14, 15], [], pages=[7, 2])      # computes tokens 2..6 of 6
+    decode = _request([20, 21, 22, 23], [24], pages=[5, 9])             # token 4 is its first output
+    chunked = _request([30, 31, 32, 33, 34], [], pages=[3, 8])          # a chunk that wants no logits
+    batch = ScheduleBatch([ScheduledChunk(prefill, 2, 6, True), ScheduledChunk(decode, 4, 5, True),
+                           ScheduledChunk(chunked, 0, 3, False)])
+    lists = build_step_lists(batch, page_size)
+    assert lists.token_ids == [12, 13, 14, 15, 24, 30, 31, 32]
+    assert lists.positions == [2, 3, 4, 5, 4, 0, 1, 2]
+    assert lists.slots == [7 * 4 + 2, 7 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1, 9 * 4 + 0, 3 * 4 + 0, 3 * 4 + 1, 3 * 4 + 2]
+    assert (lists.q_start, lists.q_len, lists.kv_len) == ([0, 4, 5], [4, 1, 3], [6, 5, 3])
+    assert lists.page_rows == [[7, 2], [5, 9], [3, 8]]
+    assert lists.logits_index == [3, 4]
+    assert [c.request for c in lists.sampled] == [prefill, decode]
