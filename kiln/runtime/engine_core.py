@@ -226,11 +226,12 @@ class EngineCore:
         """The next decode step of exactly the in-flight requests, or None when it must wait for the
         host: other work to schedule, a request aborted, a page short, or the context full."""
         requests = [c.request for c in inflight.lists.sampled]
+        lengths = [r.total_len for r in requests]
         scheduler = self.scheduler
         if scheduler.waiting or self.constraints.has_pending() or len(scheduler.running) != len(requests) \
-                or any(r.done for r in requests) or any(r.total_len + 1 > self.max_seq_len for r in requests):
+                or any(r.done for r in requests) or any(length + 1 > self.max_seq_len for length in lengths):
             return None
-        new_pages = sum(1 for r in requests if r.total_len % self.page_size == 0)
+        new_pages = sum(1 for length in lengths if length % self.page_size == 0)
         if self.allocator.free_count < new_pages:
             return None  # growing would need eviction or retraction: leave that to a normal step
         for request in requests:
