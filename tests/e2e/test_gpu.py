@@ -88,6 +88,42 @@ def test_greedy_with_graphs_matches_hf(tmp_path, shape, layers, dtype):
             assert row[token] >= row.max() - 0.1 * row.std(), (i, token, int(row.argmax()))
 
 
+def test_overlapped_graph_steps_equal_eager_steps(tmp_path):
+    # The graphs' overlapped chain against the same engine without graphs (every step eager, its
+    # tokens read before the next is scheduled): greedy rows finishing at different lengths (the
+    # batch moves down the buckets), a seeded sampled request and a greedy one with a logit bias
+    # (their tokens are not the graph's argmax: copied into the next step's input ids), and a late
+    # arrival that breaks the chain. Every output must be the eager engine's.
+    _, artifact = compile_random("smollm2-135m", 2, torch.float32, tmp_path)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 49152, (n,), generator=generator).tolist() for n in (7, 20, 33, 12, 9)]
+    requests = {
+        "g0": (prompts[0], SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)),
+        "g1": (prompts[1], SamplingParams(temperature=0, max_new_tokens=9, ignore_eos=True)),
+        "g2": (prompts[2], SamplingParams(temperature=0, max_new_tokens=15, ignore_eos=True)),
+        "s": (prompts[3], SamplingParams(temperature=0.8, top_p=0.9, seed=4, max_new_tokens=20, ignore_eos=True)),
+        "b": (prompts[4], SamplingParams(temperature=0, logit_bias={11: 5.0}, max_new_tokens=12, ignore_eos=True)),
+    }
+    late = ("late", prompts[0][:5], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
+    results = []
+    for options in (dict(), dict(decode_buckets=BUCKETS)):
+        core = EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=4096, **options))
+        for rid, (prompt, params) in requests.items():
+            core.add_request(rid, prompt, params)
+        outputs: dict[str, list[int]] = {}
+        steps = 0
+        while core.has_work():
+            for event in core.step():
+                outputs.setdefault(event.rid, []).extend(event.token_ids)
+            steps += 1
+            if steps == 6:
+                core.add_request(*late)
+        results.append((outputs, core.overlapped_steps))
+    (eager, eager_overlapped), (graphs, graphs_overlapped) = results
+    assert eager_overlapped == 0 and graphs_overlapped >= 10
+    assert graphs == eager
+
+
 def test_torch_backend_runs_eagerly_on_gpu(tmp_path):
     # Its attention reference reads the lengths on the host, which capture forbids: the engine leaves
     # graphs off by default, refuses them when asked, and still generates HF's tokens.
