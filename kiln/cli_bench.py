@@ -2,7 +2,7 @@
 
 The benchmarks are scripts beside the package (``decode.py``, ``offline.py``, ``serving.py``,
 ``structured.py``, ``step_breakdown.py``, ``step_ab.py``, ``prefill_breakdown.py``,
-``gemv_sweep.py``, and ``kernel_bench.py`` as ``kiln bench kernels``); this runs one with its own
+``gemv_sweep.py``, ``host_overhead.py``, and ``kernel_bench.py`` as ``kiln bench kernels``); this runs one with its own
 arguments, as ``python bench/NAME.py ARGS`` would. An installed kiln without the checkout has no
 ``bench/``, and says so.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 # Modules the benchmarks import, not benchmarks themselves.
-BENCH_HELPERS = frozenset({"models", "overrides", "timeline"})
+BENCH_HELPERS = frozenset({"graph_gaps", "models", "overrides", "timeline"})
 # Benchmarks named other than their file. The kernel benchmark's file is not kernels.py: the scripts
 # run with bench/ first on sys.path, where a module named kernels shadows the `kernels` package that
 # transformers imports when it is installed (transformers 5.25 installs it).

@@ -1,11 +1,14 @@
 """The benchmark scripts run with bench/ first on sys.path, so each file's name is a top-level module
 name there: none may be the import name of an installed package, or whatever imports that package
-(transformers imports `kernels` when it is installed) gets our script instead."""
+(transformers imports `kernels` when it is installed) gets our script instead. And ``kiln bench``
+lists the scripts only, not the modules they import."""
 
 from __future__ import annotations
 
 import importlib.metadata
 from pathlib import Path
+
+from kiln import cli_bench
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -14,3 +17,9 @@ def test_no_bench_module_shadows_an_installed_package():
     installed = importlib.metadata.packages_distributions()
     shadowed = {p.stem: installed[p.stem] for p in BENCH.glob("*.py") if p.stem in installed}
     assert not shadowed, f"bench/ modules named like installed packages (rename them): {shadowed}"
+
+
+def test_kiln_bench_lists_scripts_and_not_their_helpers():
+    scripts = {cli_bench.BENCH_NAMES.get(p.stem, p.stem) for p in BENCH.glob("*.py")
+               if 'if __name__ == "__main__":' in p.read_text()}
+    assert set(cli_bench.available()) == scripts
