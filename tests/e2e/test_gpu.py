@@ -106,7 +106,7 @@ def test_overlapped_graph_steps_equal_eager_steps(tmp_path):
     }
     late = ("late", prompts[0][:5], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
     results = []
-    for options in (dict(), dict(decode_buckets=BUCKETS)):
+    for options in (dict(decode_buckets=(), prefill_graphs=False), dict(decode_buckets=BUCKETS)):
         core = EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=4096, **options))
         for rid, (prompt, params) in requests.items():
             core.add_request(rid, prompt, params)
