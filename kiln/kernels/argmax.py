@@ -74,9 +74,9 @@ def _index_of(packed):
 
 
 @triton.jit
-def _argmax_kernel(x_ptr, mask_ptr, out_ptr, part_ptr, counter_ptr, vocab, x_stride, mask_stride, chunk, num_chunks,
-                   MASKED: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr, MERGE: tl.constexpr,
-                   PDL: tl.constexpr):
+def _argmax_kernel(x_ptr, mask_ptr, out_ptr, mirror_ptr, part_ptr, counter_ptr, vocab, x_stride, mask_stride, chunk,
+                   num_chunks, MASKED: tl.constexpr, MIRROR: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                   MERGE: tl.constexpr, PDL: tl.constexpr):
     await_previous_kernel(PDL)
     row = tl.program_id(0)
     c = tl.program_id(1)
@@ -118,10 +118,20 @@ def _argmax_kernel(x_ptr, mask_ptr, out_ptr, part_ptr, counter_ptr, vocab, x_str
                 cs = c0 + tl.arange(0, MERGE)
                 parts = tl.load(part_ptr + first + cs, mask=cs < num_chunks, other=_FLOOR, cache_modifier=".cg")
                 best_of_row = tl.maximum(best_of_row, tl.max(parts, 0))
-            tl.store(out_ptr + row, _index_of(best_of_row).to(out_ptr.dtype.element_ty))
+            _store_result(out_ptr, mirror_ptr, row, best_of_row, MIRROR)
             tl.store(counter, 0)
     else:
-        tl.store(out_ptr + row, _index_of(best_of_chunk).to(out_ptr.dtype.element_ty))
+        _store_result(out_ptr, mirror_ptr, row, best_of_chunk, MIRROR)
+
+
+@triton.jit
+def _store_result(out_ptr, mirror_ptr, row, best, MIRROR: tl.constexpr):
+    index = _index_of(best)
+    tl.store(out_ptr + row, index.to(out_ptr.dtype.element_ty))
+    if MIRROR:
+        # A store to pinned host memory (unified addressing): posted across PCIe, it costs the kernel
+        # no round trip, and it is visible to the host once the stream has passed the kernel.
+        tl.store(mirror_ptr + row, index.to(mirror_ptr.dtype.element_ty))
 
 
 def argmax_rows(x: torch.Tensor, bitmask: torch.Tensor | None = None) -> torch.Tensor:
@@ -138,12 +148,14 @@ def argmax_chunk(rows: int, vocab: int, sm_count: int) -> int:
 
 
 def triton_argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, *, bitmask: torch.Tensor | None = None,
-                       chunk: int | None = None) -> torch.Tensor:
+                       mirror: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """int64 ``[R]``: ``ref_argmax_rows(x, bitmask)`` for f32/f16/bf16 ``x [R, V]`` whose rows are contiguous
     (the row stride may exceed V). ``out`` may also be int32 (a decode graph writes the next step's
-    input ids that way). Reads nothing back to the host, so it can be captured in a CUDA graph once
-    the shape has run eagerly (the first launch sizes the shared counters). ``chunk`` (elements per
-    program; tests force small ones) defaults to ``argmax_chunk``'s choice."""
+    input ids that way). ``mirror`` (pinned host memory when ``x`` is on a GPU, int32 or int64
+    ``[R]``) receives the same indices, so the host can read them without a copy after the kernel.
+    Reads nothing back to the host, so it can be captured in a CUDA graph once the shape has run
+    eagerly (the first launch sizes the shared counters). ``chunk`` (elements per program; tests
+    force small ones) defaults to ``argmax_chunk``'s choice."""
     kernel = "argmax_rows"
     require(x.dim() == 2 and x.shape[1] > 0, kernel, lambda: f"x must be [R, V] with V > 0, got {tuple(x.shape)}")
     require_float(kernel, "x", x)
@@ -161,6 +173,11 @@ def triton_argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, *, bitm
                 lambda: f"bitmask must be int32 [{rows}, {width}] with contiguous rows, got {bitmask.dtype} "
                 f"{tuple(bitmask.shape)} strides {bitmask.stride()}")
     require_device(kernel, x, out, *([bitmask] if bitmask is not None else []))
+    if mirror is not None:
+        require(mirror.dtype in (torch.int64, torch.int32) and mirror.shape == (rows,) and mirror.stride(0) == 1
+                and mirror.device.type == "cpu" and (mirror.is_pinned() or not x.is_cuda), kernel,
+                lambda: f"mirror must be contiguous int64 or int32 [{rows}] in pinned host memory, got {mirror.dtype} "
+                f"{tuple(mirror.shape)} on {mirror.device}{'' if mirror.is_pinned() else ' (not pinned)'}")
     if rows == 0:
         return out
     if chunk is None:
@@ -174,7 +191,7 @@ def triton_argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, *, bitm
         partials = counters = out
     mask = bitmask if bitmask is not None else out  # never read without MASKED; any tensor will do
     _argmax_kernel[(rows, num_chunks)](
-        x, mask, out, partials, counters, vocab, x.stride(0), mask.stride(0), chunk, num_chunks,
-        MASKED=bitmask is not None, SPLIT=num_chunks > 1, BLOCK=min(ARGMAX_BLOCK, pow2(chunk)), MERGE=MERGE_BLOCK,
+        x, mask, out, mirror if mirror is not None else out, partials, counters, vocab, x.stride(0), mask.stride(0),
+        chunk, num_chunks, MASKED=bitmask is not None, MIRROR=mirror is not None, SPLIT=num_chunks > 1, BLOCK=min(ARGMAX_BLOCK, pow2(chunk)), MERGE=MERGE_BLOCK,
         num_warps=4, **pdl_launch(x))
     return out

@@ -1,15 +1,23 @@
-"""Decode steps as captured CUDA graphs, one per batch-size bucket, over static input buffers.
+"""Decode steps as captured CUDA graphs, per batch-size bucket, over static input buffers.
 
-A decode step (every sequence adds one token) of ``n`` sequences runs as the graph of the smallest
+A decode step (every sequence adds one token) of ``n`` sequences runs as a graph of the smallest
 bucket ``b >= n``: the step's index lists are written into a pinned host buffer, copied to the
 device in one transfer, and rows ``n..b`` are padding (token 0, KV slot -1 so nothing is stored,
-context 1 over the reserved page 0). All graphs share the executor's arena and the static inputs,
-so capturing many buckets costs little memory. Greedy tokens are computed inside the graph too, so
-a greedy step needs no kernel launch after the replay. An overlapped step (see EngineCore) takes
-its input ids from the previous step's device output instead of the host. The graph's argmax
-writes its tokens straight into the static input ids, so when the next step is the same rows that
-output is already its input: its transfer skips the ids, and nothing runs between the two replays
-but that transfer and the tokens' copy to the host.
+context 1 over the reserved page 0). All graphs share the executor's arena, so capturing many
+buckets costs little memory. Greedy tokens are computed inside the graph too, so a greedy step
+needs no kernel launch after the replay.
+
+Steps take two turns in alternation, each with its own device inputs and its own graph per
+bucket, so that nothing is queued on the compute stream between two replays (a copy between
+graphs leaves the GPU idle ~5 us, far longer than its bytes take):
+- step N+1's inputs go to the device on a copy stream while step N's graph runs (they land in
+  the other turn's buffers, which step N does not read);
+- step N's argmax writes its tokens as step N+1's input ids (so an overlapped next step of the
+  same rows, see EngineCore, reads them where they are and its transfer skips the ids), and into
+  pinned host memory (``host_mirror``), where the host reads them without a copy.
+Events order the rest: a turn's transfer waits for the last replay that read its buffers (and, when
+it writes the ids, for the last replay, whose argmax writes them); each replay waits for its
+transfer. The host reads step N's tokens before it stages step N+2, which reuses N's pinned buffers.
 
 On a CPU (no graphs) the same padded path runs eagerly; tests use it to check the padding.
 """
@@ -38,18 +46,21 @@ class DecodeGraphs:
         self.width = page_table_width
         self.max_batch = self.buckets[-1]
         device = executor.device
+        on_gpu = device.type == "cuda"
         self._vector_len = len(_VECTORS) * self.max_batch
         size = self._vector_len + self.max_batch * self.width
-        # Two pinned staging buffers, used in turn: with overlapped steps the host stages step N+1
-        # before step N's copy is guaranteed done, but step N-1's tokens (read by then) were made
-        # after N-1's copy, so the buffer N-1 used is free again.
-        self._hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda") for _ in range(2)]
+        # Per turn: the pinned staging buffer, the device inputs, the pinned tokens the argmax leaves.
+        self._hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=on_gpu) for _ in range(2)]
+        self._devices = [torch.zeros(size, dtype=torch.int32, device=device) for _ in range(2)]
+        self._mirrors = [torch.zeros(self.max_batch, dtype=torch.int32, pin_memory=on_gpu) for _ in range(2)]
         self._turn = 0
-        self._device = torch.zeros(size, dtype=torch.int32, device=device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._logits: dict[int, torch.Tensor] = {}
-        self._greedy: dict[int, torch.Tensor] = {}
-        if device.type == "cuda":
+        self._last_tokens: torch.Tensor | None = None  # the last replay's greedy tokens, on the device
+        if on_gpu:
+            self._copy_stream = torch.cuda.Stream(device)
+            self._replayed = [torch.cuda.Event() for _ in range(2)]  # each turn's last replay
+            self._uploaded = [torch.cuda.Event() for _ in range(2)]  # each turn's last input transfer
             self._capture()
 
     def fits(self, lists: StepLists) -> bool:
@@ -64,33 +75,47 @@ class DecodeGraphs:
         the previous step's output there, without a round trip through the host."""
         n = len(lists.token_ids)
         bucket = next(b for b in self.buckets if b >= n)
-        self._stage(lists, bucket, ids_on_device=tokens_from is not None)
-        if tokens_from is not None and not self._is_greedy_output(tokens_from, n):
-            self._device[:n].copy_(tokens_from)
-        if bucket in self._graphs:
-            self._graphs[bucket].replay()
-            return self._logits[bucket][:n], self._greedy[bucket][:n]
-        logits = self.executor.run(self._inputs(bucket), self.kv_views)["logits"]
-        return logits[:n], logits[:n].argmax(dim=-1)
+        turn = self._turn
+        self._turn ^= 1
+        ids_in_place = tokens_from is not None and self._is_ids_of(turn, tokens_from, n)
+        self._stage(lists, bucket, turn, ids_on_device=tokens_from is not None)
+        if tokens_from is not None and not ids_in_place:
+            self._devices[turn][:n].copy_(tokens_from)
+        if bucket not in self._graphs:
+            logits = self.executor.run(self._inputs(bucket, turn), self.kv_views)["logits"]
+            return logits[:n], logits[:n].argmax(dim=-1)
+        torch.cuda.current_stream().wait_event(self._uploaded[turn])
+        self._graphs[bucket][turn].replay()
+        self._replayed[turn].record()
+        self._last_tokens = self._devices[turn ^ 1][:n]
+        return self._logits[bucket][:n], self._last_tokens
+
+    def host_mirror(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Pinned host memory the last replay's argmax also wrote ``tokens`` to, when ``tokens`` are
+        that replay's greedy tokens; complete once the stream has passed the replay."""
+        last = self._last_tokens
+        if last is None or tokens.data_ptr() != last.data_ptr() or tokens.shape != last.shape:
+            return None
+        return self._mirrors[self._turn ^ 1][:len(tokens)]
 
     def graph(self, bucket: int) -> torch.cuda.CUDAGraph:
-        """A bucket's captured step, for benchmarks that replay it alone."""
-        return self._graphs[bucket]
+        """A bucket's captured step (its first turn's), for benchmarks that replay it alone."""
+        return self._graphs[bucket][0]
 
-    def _is_greedy_output(self, tokens: torch.Tensor, n: int) -> bool:
-        """Whether ``tokens`` are the first ``n`` input ids themselves, as a graph's argmax left them."""
-        return tokens.dtype == self._device.dtype and tokens.data_ptr() == self._device.data_ptr() \
-            and tokens.shape == (n,)
+    def _is_ids_of(self, turn: int, tokens: torch.Tensor, n: int) -> bool:
+        """Whether ``tokens`` are the first ``n`` input ids of ``turn`` themselves, as the previous
+        graph's argmax left them."""
+        ids = self._devices[turn]
+        return tokens.dtype == ids.dtype and tokens.data_ptr() == ids.data_ptr() and tokens.shape == (n,)
 
-    def _stage(self, lists: StepLists, bucket: int, ids_on_device: bool = False) -> None:
-        """Writes the step's inputs into the pinned host buffer, then copies what the bucket reads to
-        the device in one transfer (all but the input ids when ``ids_on_device``). Built as two flat
-        Python lists and two tensor writes: this runs on every decode step, and per-row tensor writes
-        cost ~5 us each. (Lists become tensors through ``array``: 3x faster than ``torch.tensor`` on a
-        list.)"""
+    def _stage(self, lists: StepLists, bucket: int, turn: int, ids_on_device: bool = False) -> None:
+        """Writes the step's inputs into the turn's pinned host buffer, then copies what the bucket
+        reads to the turn's device buffer in one transfer (all but the input ids when
+        ``ids_on_device``), on the copy stream on a GPU. Built as two flat Python lists and two tensor
+        writes: this runs on every decode step, and per-row tensor writes cost ~5 us each. (Lists
+        become tensors through ``array``: 3x faster than ``torch.tensor`` on a list.)"""
         n = len(lists.token_ids)
-        host = self._hosts[self._turn]
-        self._turn ^= 1
+        host = self._hosts[turn]
         pad = range(n, bucket)
         vectors = (
             [max(t, 0) for t in lists.token_ids] + [0] * len(pad),  # PENDING ids come from the device
@@ -121,42 +146,54 @@ class DecodeGraphs:
         used = self._vector_len + bucket * self.width
         # The ids come first in the buffer; a device-side copy may fill them in afterwards.
         first = self.max_batch if ids_on_device else 0
-        self._device[first:used].copy_(host[first:used], non_blocking=True)
+        device = self._devices[turn]
+        if device.device.type != "cuda":
+            device[first:used].copy_(host[first:used])
+            return
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(self._replayed[turn])  # the last replay that read these buffers
+            if not ids_on_device:
+                self._copy_stream.wait_event(self._replayed[turn ^ 1])  # its argmax writes these ids
+            device[first:used].copy_(host[first:used], non_blocking=True)
+            self._uploaded[turn].record(self._copy_stream)
 
-    def _inputs(self, bucket: int) -> StepInputs:
-        views = {name: self._device[i * self.max_batch:i * self.max_batch + bucket] for i, name in enumerate(_VECTORS)}
-        table = self._device[self._vector_len:self._vector_len + bucket * self.width].view(bucket, self.width)
+    def _inputs(self, bucket: int, turn: int) -> StepInputs:
+        device = self._devices[turn]
+        views = {name: device[i * self.max_batch:i * self.max_batch + bucket] for i, name in enumerate(_VECTORS)}
+        table = device[self._vector_len:self._vector_len + bucket * self.width].view(bucket, self.width)
         # max_kv_len stays at the table's reach: the graph must serve any context up to it.
         return StepInputs(page_table=table, max_q_len=1, max_kv_len=self.width * self.executor.page_size, **views)
 
     def _capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        for bucket in reversed(self.buckets):
-            inputs = self._stage_padding_only(bucket)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                # Warm-up: Triton compiles and autotunes outside the capture, and the argmax's first
-                # launch sizes the semaphore counters, which must not be allocated inside it.
-                for _ in range(2):
-                    triton_argmax_rows(self.executor.run(inputs, self.kv_views)["logits"], out=inputs.token_ids)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.executor.run(inputs, self.kv_views)["logits"]
-                # torch's argmax reduces each row in one thread block (~28 µs for a 128k vocabulary
-                # on an H200); the Triton kernel spreads every row over the SMs. Its output is the
-                # input ids, so that an overlapped next step of the same rows needs no copy.
-                greedy = triton_argmax_rows(logits, out=inputs.token_ids)
-            self._graphs[bucket] = graph
-            self._logits[bucket] = logits
-            self._greedy[bucket] = greedy
-        torch.cuda.synchronize()
-
-    def _stage_padding_only(self, bucket: int) -> StepInputs:
+        stream = torch.cuda.Stream(self.executor.device)
         empty = StepLists([], [], [], [], [], [], [], [], [])
-        self._stage(empty, bucket)
-        return self._inputs(bucket)
+        for bucket in reversed(self.buckets):
+            graphs = []
+            for turn in range(2):
+                self._stage(empty, bucket, turn)
+                torch.cuda.current_stream().wait_event(self._uploaded[turn])
+                inputs = self._inputs(bucket, turn)
+                # The tokens become the other turn's input ids, and reach the host in the mirror.
+                ids, mirror = self._devices[turn ^ 1][:bucket], self._mirrors[turn][:bucket]
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    # Warm-up: Triton compiles and autotunes outside the capture, and the argmax's
+                    # first launch sizes the semaphore counters, which must not be allocated inside it.
+                    for _ in range(2):
+                        triton_argmax_rows(self.executor.run(inputs, self.kv_views)["logits"], ids, mirror=mirror)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self.executor.run(inputs, self.kv_views)["logits"]
+                    # torch's argmax reduces each row in one thread block (~28 us for a 128k
+                    # vocabulary on an H200); the Triton kernel spreads every row over the SMs.
+                    triton_argmax_rows(logits, ids, mirror=mirror)
+                graphs.append(graph)
+                # Both turns' logits are the arena's one logits buffer, so either turn's view serves.
+                assert self._logits.setdefault(bucket, logits).data_ptr() == logits.data_ptr()
+            self._graphs[bucket] = graphs
+        torch.cuda.synchronize()
 
 
 _DTYPES = {"i": torch.int32, "q": torch.int64}

@@ -175,7 +175,7 @@ class EngineCore:
             tokens = self._device_tokens(requests, logits, greedy)
             if self.overlap:
                 # Read these tokens next step, after the step that follows is already launched.
-                self._inflight = self._readback.launch(lists, tokens)
+                self._inflight = self._launch_readback(lists, tokens)
                 return events
             out = SamplerOutput(tokens, None, None, None)
         else:
@@ -198,7 +198,7 @@ class EngineCore:
             self.scheduler.complete_step(batch)
             requests = [c.request for c in lists.sampled]
             if _graph_argmax_serves(requests):
-                self._inflight = self._readback.launch(lists, greedy)
+                self._inflight = self._launch_readback(lists, greedy)
             else:
                 # Grammar masks need the in-flight tokens accepted first, and the sampler the rows'
                 # step indices once the in-flight slots are filled: both come after _apply (below).
@@ -207,8 +207,13 @@ class EngineCore:
         events = self._apply(inflight.lists, SamplerOutput(inflight.host_tokens(), None, None, None))
         if sampled_step is not None:
             lists, requests, logits, greedy = sampled_step
-            self._inflight = self._readback.launch(lists, self._device_tokens(requests, logits, greedy))
+            self._inflight = self._launch_readback(lists, self._device_tokens(requests, logits, greedy))
         return events
+
+    def _launch_readback(self, lists: StepLists, tokens: torch.Tensor) -> InflightStep:
+        """Starts bringing a launched step's tokens to the host (nothing to copy when the step's
+        graph wrote them there itself)."""
+        return self._readback.launch(lists, tokens, self.runner.host_mirror(tokens))
 
     def _device_tokens(self, requests: list[Request], logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
         """The step's tokens, left on the device, for requests that pass ``sampled_on_device``: the

@@ -50,6 +50,10 @@ class ModelRunner:
             return self.prefill_graphs.run(lists), None
         return self.forward_eager(lists)
 
+    def host_mirror(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Host memory the step that made ``tokens`` also wrote them to, if any (see DecodeGraphs)."""
+        return self.decode_graphs.host_mirror(tokens) if self.decode_graphs is not None else None
+
     def forward_eager(self, lists: StepLists) -> tuple[torch.Tensor, None]:
         """The step run op by op, never through a graph."""
         width = max(len(row) for row in lists.page_rows)

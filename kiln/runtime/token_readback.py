@@ -4,7 +4,9 @@
 step N+1 already launched (overlapped scheduling), reading step N's tokens that way also waits for
 N+1, and the host then prepares N+2 while the GPU sits idle. So as soon as step N is launched its
 tokens are copied into a pinned host buffer and an event is recorded behind the copy; reading waits
-for that event only, i.e. for step N.
+for that event only, i.e. for step N. A decode graph's argmax writes its tokens to pinned host
+memory itself (``mirror``): then only the event is recorded, and nothing is queued between that
+graph and the next.
 """
 
 from __future__ import annotations
@@ -43,16 +45,24 @@ class TokenReadback:
         self._buffers: dict[torch.dtype, list[torch.Tensor]] = {}
         self._turn = 0
 
-    def launch(self, lists: StepLists, tokens: torch.Tensor) -> InflightStep:
-        """Starts copying ``tokens`` (the step's device output) to the host, behind the step."""
+    def launch(self, lists: StepLists, tokens: torch.Tensor, mirror: torch.Tensor | None = None) -> InflightStep:
+        """Starts copying ``tokens`` (the step's device output) to the host, behind the step; or,
+        given ``mirror`` (host memory the step itself writes the same tokens to), only marks where
+        they are complete."""
+        if mirror is not None:
+            return InflightStep(lists, tokens, mirror, self._mark())
         if tokens.dtype not in self._buffers:
             self._buffers[tokens.dtype] = [torch.empty(self._max_batch, dtype=tokens.dtype, pin_memory=self._on_gpu)
                                            for _ in range(2)]
         host = self._buffers[tokens.dtype][self._turn][:tokens.numel()]
         self._turn ^= 1
         host.copy_(tokens, non_blocking=self._on_gpu)
-        ready = None
-        if self._on_gpu:
-            ready = torch.cuda.Event()
-            ready.record()
-        return InflightStep(lists, tokens, host, ready)
+        return InflightStep(lists, tokens, host, self._mark())
+
+    def _mark(self) -> torch.cuda.Event | None:
+        """An event behind everything queued so far on the current stream (None on a CPU)."""
+        if not self._on_gpu:
+            return None
+        ready = torch.cuda.Event()
+        ready.record()
+        return ready

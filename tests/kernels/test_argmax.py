@@ -119,6 +119,18 @@ def test_int32_out(device, chunk):
     assert ids.tolist() == [-1, *ref_argmax_rows(x).tolist(), -1]
 
 
+@pytest.mark.parametrize("chunk", [None, 32])
+@pytest.mark.parametrize("mirror_dtype", [torch.int32, torch.int64])
+def test_mirror_on_the_host(device, chunk, mirror_dtype):
+    # A decode graph's argmax also leaves its tokens in pinned host memory for the host to read.
+    x = torch.randn(3, 300, device=device)
+    mirror = torch.full((3,), -1, dtype=mirror_dtype, pin_memory=x.is_cuda)
+    out = triton_argmax_rows(x, torch.empty(3, dtype=torch.int32, device=device), mirror=mirror, chunk=chunk)
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    assert mirror.tolist() == out.tolist() == ref_argmax_rows(x).tolist()
+
+
 def random_bitmask(rows: int, vocab: int, allowed: float, device) -> torch.Tensor:
     """A packed mask allowing each token with probability ``allowed``."""
     bits = (torch.rand(rows, bitmask_width(vocab) * 32) < allowed).long()
@@ -174,6 +186,11 @@ def test_rejects_bad_inputs(device):
         triton_argmax_rows(x, torch.empty(2, dtype=torch.int16, device=device))
     with pytest.raises(ValueError, match="out must be contiguous int64 or int32 \\[2\\]"):
         triton_argmax_rows(x, torch.empty(3, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="mirror must be contiguous int64 or int32 \\[2\\] in pinned host"):
+        triton_argmax_rows(x, mirror=torch.empty(3, dtype=torch.int32))
+    if x.is_cuda:
+        with pytest.raises(ValueError, match="not pinned"):
+            triton_argmax_rows(x, mirror=torch.empty(2, dtype=torch.int32))
     with pytest.raises(ValueError, match="bitmask must be int32 \\[2, 1\\]"):
         triton_argmax_rows(x, bitmask=torch.zeros(2, 2, dtype=torch.int32, device=device))
 
@@ -184,16 +201,19 @@ def test_rejects_bad_inputs(device):
 @pytest.mark.parametrize("rows,vocab", [(1, 49152), (1, 128256), (8, 49152), (64, 128256), (256, 151936)])
 @pytest.mark.parametrize("masked", [False, True])
 def test_replays_in_a_cuda_graph(rows, vocab, masked, device):
-    # Captured once (as the decode graph captures it), replayed with new logits each time: random
-    # normals, and small integers, whose maximum sits in many chunks at once. A merge that starts
-    # before every chunk has published its partial, or a counter not back at zero, shows here.
+    # Captured once (as the decode graph captures it: int32 ids and a pinned host mirror), replayed
+    # with new logits each time: random normals, and small integers, whose maximum sits in many chunks
+    # at once. A merge that starts before every chunk has published its partial, or a counter not back
+    # at zero, shows here.
     x = torch.empty(rows, vocab, device=device)
     x.normal_()
     bitmask = random_bitmask(rows, vocab, 0.3, device) if masked else None
-    triton_argmax_rows(x, bitmask=bitmask)  # compiles, and sizes the counters, outside the capture
+    ids = torch.empty(rows, dtype=torch.int32, device=device)
+    mirror = torch.empty(rows, dtype=torch.int32, pin_memory=True)
+    triton_argmax_rows(x, ids, bitmask=bitmask, mirror=mirror)  # compiles, sizes the counters, outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = triton_argmax_rows(x, bitmask=bitmask)
+        out = triton_argmax_rows(x, ids, bitmask=bitmask, mirror=mirror)
     for replay in range(100):
         if replay % 2:
             x.copy_(torch.randint(-1000, 8, (rows, vocab), device=device))
@@ -201,5 +221,6 @@ def test_replays_in_a_cuda_graph(rows, vocab, masked, device):
             x.normal_()
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, ref_argmax_rows(x, bitmask)), f"replay {replay}"
+        want = ref_argmax_rows(x, bitmask)
+        assert torch.equal(out.long(), want) and torch.equal(mirror.long(), want.cpu()), f"replay {replay}"
     assert not triton_support._counters[x.device].any()

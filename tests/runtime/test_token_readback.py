@@ -33,3 +33,15 @@ def test_tokens_keep_their_dtype(device):
     sampled = readback.launch(EMPTY, torch.tensor([8], device=device))
     assert ids.host_tokens().dtype == torch.int32 and ids.host_tokens().tolist() == [3, 4]
     assert sampled.host_tokens().dtype == torch.int64 and sampled.host_tokens().tolist() == [8]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_mirror_the_step_wrote_is_read_as_it_is(device):
+    # A decode graph's argmax writes its tokens to pinned host memory itself: nothing is copied, and
+    # reading waits for the step (here: a device write queued before the launch).
+    readback = TokenReadback(max_batch=4, device=torch.device(device))
+    tokens = torch.tensor([4, 5], dtype=torch.int32, device=device)
+    mirror = torch.zeros(2, dtype=torch.int32, pin_memory=device == "cuda")
+    mirror.copy_(tokens, non_blocking=True)
+    step = readback.launch(EMPTY, tokens, mirror)
+    assert step.tokens is tokens and step.host_tokens() is mirror and mirror.tolist() == [4, 5]
