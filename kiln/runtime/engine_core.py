@@ -300,8 +300,8 @@ class EngineCore:
 
     def _event(self, request: Request, tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...],
                reason: str | None, error: str | None = None) -> SampleEvent:
-        return SampleEvent(request.rid, request.index, tokens, logprobs, reason, error,
-                           prompt_tokens=len(request.prompt_ids), cached_tokens=request.cached_tokens)
+        return SampleEvent(request.rid, request.index, tokens, logprobs, reason, error, len(request.prompt_ids),
+                           request.cached_tokens)
 
 
 def _argmax_row(request: Request) -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..kvcache.allocator import PageAllocator
 from ..kvcache.radix import RadixCache
@@ -47,8 +48,10 @@ class SchedulerConfig:
             raise ValueError(f"schedule policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
+class ScheduledChunk(NamedTuple):
+    """Tokens ``start..end`` of one request, computed in one step. (A NamedTuple, not a frozen
+    dataclass: one is built per running request every step, and a NamedTuple costs a third.)"""
+
     request: Request
     start: int              # first token (index into request.all_ids) computed this step
     end: int                # one past the last
