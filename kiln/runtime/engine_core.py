@@ -33,7 +33,7 @@ from .sampling import SamplerOutput, SamplingBatch, SamplingParams, SamplingRow,
 from .scheduler.batch import StepLists, build_step_lists
 from .scheduler.request import PENDING, Request, RequestState
 from .scheduler.scheduler import Scheduler, SchedulerConfig
-from .stop_rules import STOP_WATCH, StopWatch, finish_reason, sampled_on_device
+from .stop_rules import STOP_RULES, StopRules, finish_reason, sampled_on_device
 from .token_readback import InflightStep, TokenReadback
 from .tokenizer import Tokenizer
 
@@ -96,8 +96,8 @@ class EngineCore:
             samples.append(Request(rid=rid, prompt_ids=list(prompt_ids), params=params,
                                    seed=seed if index == 0 else child_seed(seed, index), index=index,
                                    namespace=namespace, leader=leader))
-            if params.stop:
-                samples[-1].extras[STOP_WATCH] = StopWatch(self.tokenizer, prompt_ids, params)
+            samples[-1].extras[STOP_RULES] = StopRules(params, prompt_ids, self.eos_ids, self.max_seq_len,
+                                                       self.tokenizer)
         if constraint_of(params) is not None:
             self.constraints.start(samples)
         else:
@@ -269,7 +269,7 @@ class EngineCore:
                 k = request.params.top_logprobs
                 top = tuple(zip(top_ids[row][:k], top_values[row][:k])) if k else ()
                 logprobs = (TokenLogprob(token, chosen[row], top),)
-            reason = finish_reason(request, token, self.eos_ids, self.max_seq_len)
+            reason = finish_reason(request, token)
             if reason == "error":
                 events.extend(self.abort(request.rid, f"the grammar rejected token {token}"))
                 continue
