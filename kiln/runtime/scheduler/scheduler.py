@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from ..kvcache.allocator import PageAllocator
 from ..kvcache.radix import RadixCache
-from .request import Request, RequestState
+from .request import DECODING, PREFILLING, Request, RequestState
 
 POLICIES = ("fcfs", "lpm")
 # Ordering by cached prefix costs one tree walk per waiting request; past this queue length the
@@ -103,7 +103,7 @@ class Scheduler:
     def schedule(self) -> ScheduleBatch | None:
         chunks = self._schedule_decodes()
         budget = self.config.max_batch_tokens - len(chunks)
-        for request in [r for r in self.running if r.state == RequestState.PREFILLING]:
+        for request in [r for r in self.running if r.state == PREFILLING]:
             if budget <= 0:
                 break
             chunk = self._prefill_chunk(request, budget)
@@ -123,8 +123,8 @@ class Scheduler:
         for chunk in batch.chunks:
             request = chunk.request
             request.num_computed = chunk.end
-            if chunk.wants_logits and request.state == RequestState.PREFILLING:
-                request.state = RequestState.DECODING
+            if chunk.wants_logits and request.state == PREFILLING:
+                request.state = DECODING
                 self._share_prompt(request)
 
     # ---- internals --------------------------------------------------------------------------------
@@ -133,7 +133,7 @@ class Scheduler:
         # Every decoding request adds one token; those whose pages are full need one more page. (This
         # runs every step over every running request, so each request's length is read once.)
         while True:
-            decoding = [(r, r.total_len) for r in self.running if r.state == RequestState.DECODING]
+            decoding = [(r, r.total_len) for r in self.running if r.state == DECODING]
             growing = [r for r, length in decoding if self._pages_needed(r, length) > 0]
             if self._reserve(len(growing)):
                 break
