@@ -61,6 +61,9 @@ class ScheduledChunk(NamedTuple):
 @dataclass(frozen=True)
 class ScheduleBatch:
     chunks: list[ScheduledChunk]
+    # The first ``num_decodes`` chunks are decode steps: one token each, wanting logits. (A decoding
+    # request has computed all its tokens but the last, which is this step's input.)
+    num_decodes: int = 0
 
 
 class Scheduler:
@@ -102,7 +105,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduleBatch | None:
         chunks = self._schedule_decodes()
-        budget = self.config.max_batch_tokens - len(chunks)
+        num_decodes = len(chunks)
+        budget = self.config.max_batch_tokens - num_decodes
         for request in [r for r in self.running if r.state == PREFILLING]:
             if budget <= 0:
                 break
@@ -116,7 +120,7 @@ class Scheduler:
             # Nothing fits and nothing runs to free memory: make room by retracting the youngest.
             self._retract(max(self.running, key=lambda r: r.arrival))
             return self.schedule()
-        return ScheduleBatch(chunks) if chunks else None
+        return ScheduleBatch(chunks, num_decodes) if chunks else None
 
     def complete_step(self, batch: ScheduleBatch) -> None:
         """Records that the batch's KV is computed. The caller appends sampled tokens afterwards."""
@@ -131,10 +135,12 @@ class Scheduler:
 
     def _schedule_decodes(self) -> list[ScheduledChunk]:
         # Every decoding request adds one token; those whose pages are full need one more page. (This
-        # runs every step over every running request, so each request's length is read once.)
+        # runs every step over every running request, so each request's length is read once and the
+        # page check is inline: _pages_needed(r, length) > 0, without a call per request.)
+        size = self.config.page_size
         while True:
             decoding = [(r, r.total_len) for r in self.running if r.state == DECODING]
-            growing = [r for r, length in decoding if self._pages_needed(r, length) > 0]
+            growing = [r for r, length in decoding if length > len(r.pages) * size]
             if self._reserve(len(growing)):
                 break
             self._retract(max(self.running, key=lambda r: r.arrival))
