@@ -229,7 +229,7 @@ class EngineCore:
         lengths = [r.total_len for r in requests]
         scheduler = self.scheduler
         if scheduler.waiting or self.constraints.has_pending() or len(scheduler.running) != len(requests) \
-                or any(r.done for r in requests) or any(length + 1 > self.max_seq_len for length in lengths):
+                or any(r.done for r in requests) or max(lengths, default=0) + 1 > self.max_seq_len:
             return None
         new_pages = sum(1 for length in lengths if length % self.page_size == 0)
         if self.allocator.free_count < new_pages:
@@ -238,12 +238,13 @@ class EngineCore:
             request.output_ids.append(PENDING)
         batch = scheduler.schedule()
         lists = build_step_lists(batch, self.page_size)
-        row_of = {id(r): i for i, r in enumerate(requests)}
-        order = [row_of[id(c.request)] for c in lists.sampled]
-        # The scheduler keeps running requests in order, so the rows usually line up already. (Not a
-        # blocking copy: that would wait for the step in flight.)
+        # The scheduler keeps running requests in order, so the rows usually line up already (the
+        # lists compare by identity, Requests having no __eq__). (Not a blocking copy: that would
+        # wait for the step in flight.)
         rows = None
-        if order != list(range(len(order))):
+        if [c.request for c in lists.sampled] != requests:
+            row_of = {id(r): i for i, r in enumerate(requests)}
+            order = [row_of[id(c.request)] for c in lists.sampled]
             rows = torch.tensor(order).to(inflight.tokens.device, non_blocking=True)
         return lists, batch, rows
 

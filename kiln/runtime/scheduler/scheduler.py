@@ -139,14 +139,15 @@ class Scheduler:
         # page check is inline: _pages_needed(r, length) > 0, without a call per request.)
         size = self.config.page_size
         while True:
-            decoding = [(r, r.total_len) for r in self.running if r.state == DECODING]
-            growing = [r for r, length in decoding if length > len(r.pages) * size]
+            chunks = [ScheduledChunk(r, r.num_computed, r.total_len, True)
+                      for r in self.running if r.state == DECODING]
+            growing = [c.request for c in chunks if c.end > len(c.request.pages) * size]
             if self._reserve(len(growing)):
                 break
             self._retract(max(self.running, key=lambda r: r.arrival))
         for request in growing:
             request.pages.extend(self.allocator.alloc(1))
-        return [ScheduledChunk(request, request.num_computed, length, True) for request, length in decoding]
+        return chunks
 
     def _prefill_chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
         end = request.num_computed + min(request.remaining, budget)
