@@ -33,7 +33,7 @@ from .sampling import SamplerOutput, SamplingBatch, SamplingParams, SamplingRow,
 from .scheduler.batch import StepLists, build_step_lists
 from .scheduler.request import PENDING, Request, RequestState
 from .scheduler.scheduler import Scheduler, SchedulerConfig
-from .stop_rules import STOP_WATCH, StopWatch, finish_reason, sampled_on_device
+from .stop_rules import STOP_RULES, StopRules, finish_reason, sampled_on_device
 from .token_readback import InflightStep, TokenReadback
 from .tokenizer import Tokenizer
 
@@ -96,8 +96,8 @@ class EngineCore:
             samples.append(Request(rid=rid, prompt_ids=list(prompt_ids), params=params,
                                    seed=seed if index == 0 else child_seed(seed, index), index=index,
                                    namespace=namespace, leader=leader))
-            if params.stop:
-                samples[-1].extras[STOP_WATCH] = StopWatch(self.tokenizer, prompt_ids, params)
+            samples[-1].extras[STOP_RULES] = StopRules(params, prompt_ids, self.eos_ids, self.max_seq_len,
+                                                       self.tokenizer)
         if constraint_of(params) is not None:
             self.constraints.start(samples)
         else:
@@ -234,7 +234,7 @@ class EngineCore:
         lengths = [r.total_len for r in requests]
         scheduler = self.scheduler
         if scheduler.waiting or self.constraints.has_pending() or len(scheduler.running) != len(requests) \
-                or any(r.done for r in requests) or any(length + 1 > self.max_seq_len for length in lengths):
+                or any(r.done for r in requests) or max(lengths, default=0) + 1 > self.max_seq_len:
             return None
         new_pages = sum(1 for length in lengths if length % self.page_size == 0)
         if self.allocator.free_count < new_pages:
@@ -243,12 +243,13 @@ class EngineCore:
             request.output_ids.append(PENDING)
         batch = scheduler.schedule()
         lists = build_step_lists(batch, self.page_size)
-        row_of = {id(r): i for i, r in enumerate(requests)}
-        order = [row_of[id(c.request)] for c in lists.sampled]
-        # The scheduler keeps running requests in order, so the rows usually line up already. (Not a
-        # blocking copy: that would wait for the step in flight.)
+        # The scheduler keeps running requests in order, so the rows usually line up already (the
+        # lists compare by identity, Requests having no __eq__). (Not a blocking copy: that would
+        # wait for the step in flight.)
         rows = None
-        if order != list(range(len(order))):
+        if [c.request for c in lists.sampled] != requests:
+            row_of = {id(r): i for i, r in enumerate(requests)}
+            order = [row_of[id(c.request)] for c in lists.sampled]
             rows = torch.tensor(order).to(inflight.tokens.device, non_blocking=True)
         return lists, batch, rows
 
@@ -274,7 +275,7 @@ class EngineCore:
                 k = request.params.top_logprobs
                 top = tuple(zip(top_ids[row][:k], top_values[row][:k])) if k else ()
                 logprobs = (TokenLogprob(token, chosen[row], top),)
-            reason = finish_reason(request, token, self.eos_ids, self.max_seq_len)
+            reason = finish_reason(request, token)
             if reason == "error":
                 events.extend(self.abort(request.rid, f"the grammar rejected token {token}"))
                 continue
@@ -305,8 +306,8 @@ class EngineCore:
 
     def _event(self, request: Request, tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...],
                reason: str | None, error: str | None = None) -> SampleEvent:
-        return SampleEvent(request.rid, request.index, tokens, logprobs, reason, error,
-                           prompt_tokens=len(request.prompt_ids), cached_tokens=request.cached_tokens)
+        return SampleEvent(request.rid, request.index, tokens, logprobs, reason, error, len(request.prompt_ids),
+                           request.cached_tokens)
 
 
 def _argmax_row(request: Request) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -23,9 +24,12 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
-@dataclass(frozen=True)
-class SampleEvent:
-    """What one step did for one sample (``index`` of ``n``) of request ``rid``."""
+class SampleEvent(NamedTuple):
+    """What one step did for one sample (``index`` of ``n``) of request ``rid``.
+
+    Immutable like the other records here, but a NamedTuple rather than a frozen dataclass: the
+    engine core builds one per running sample every step, and a frozen dataclass's ``__init__``
+    (one ``object.__setattr__`` per field) costs ~5x as much, ~0.5 ms a step at batch 256."""
 
     rid: str
     index: int

@@ -10,7 +10,7 @@ from .sampling import SamplingParams
 from .scheduler.request import Request
 from .tokenizer import Tokenizer
 
-STOP_WATCH = "stop"
+STOP_RULES = "stop"
 
 
 class StopWatch:
@@ -24,19 +24,32 @@ class StopWatch:
         return self._checker.push(self._detok.add(token)).stopped
 
 
-def finish_reason(request: Request, token: int, eos_ids: set[int], max_seq_len: int) -> str | None:
+class StopRules:
+    """One sample's stop conditions other than its grammar's, worked out once when the request is
+    added: the check after each token runs for every running sample every step, and this way it is
+    a set lookup and a length comparison."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], eos_ids: set[int], max_seq_len: int,
+                 tokenizer: Tokenizer | None) -> None:
+        # Stop token ids, EOS among them unless ignored.
+        self.token_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_ids))
+        # Output tokens at which the sample ends: max_new_tokens, or fewer where the context ends.
+        self.max_output = min(params.max_new_tokens, max_seq_len - len(prompt_ids))
+        self.watch = StopWatch(tokenizer, prompt_ids, params) if params.stop else None
+
+
+def finish_reason(request: Request, token: int) -> str | None:
     """Why ``request`` ends with ``token`` just appended: "stop", "length", "error" (the grammar
-    rejected the token), or None to go on."""
+    rejected the token), or None to go on. The request's ``StopRules`` are in its extras."""
     grammar_reason = Constraints.advance(request, token)
     if grammar_reason is not None:
         return grammar_reason
-    params = request.params
-    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids):
+    rules: StopRules = request.extras[STOP_RULES]
+    if token in rules.token_ids:
         return "stop"
-    watch = request.extras.get(STOP_WATCH)
-    if watch is not None and watch.push(token):
+    if rules.watch is not None and rules.watch.push(token):
         return "stop"
-    if len(request.output_ids) >= params.max_new_tokens or request.total_len >= max_seq_len:
+    if len(request.output_ids) >= rules.max_output:
         return "length"
     return None
 

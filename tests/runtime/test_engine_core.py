@@ -242,6 +242,27 @@ def test_overlapped_decode_steps_give_the_same_results(model, hf_greedy):
     assert_no_leaks(overlapped)
 
 
+def test_overlapped_step_takes_the_in_flight_tokens_in_the_schedulers_row_order(model, hf_greedy):
+    # The scheduler usually keeps the in-flight step's row order; when it does not (reversed by hand
+    # here), the follow-up step gathers each row's input id from the in-flight tokens.
+    core = make_core(model, decode_buckets=(1, 2, 4, 8), overlap_schedule=True)
+    prompts = {f"r{i}": prompt for i, prompt in enumerate(PROMPTS[:3])}
+    for rid, prompt in prompts.items():
+        core.add_request(rid, prompt, GREEDY)
+    outputs = {rid: [] for rid in prompts}
+    reversed_at = None
+    while core.has_work():
+        for event in core.step():
+            outputs[event.rid].extend(event.token_ids)
+        if reversed_at is None and core._inflight is not None and core.overlapped_steps >= 2:
+            core.scheduler.running.reverse()
+            reversed_at = core.overlapped_steps
+    assert reversed_at is not None and core.overlapped_steps > reversed_at
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == hf_greedy(prompt), rid
+    assert_no_leaks(core)
+
+
 @pytest.mark.parametrize("abort_after", [4, 5, 6, 7])
 def test_abort_during_overlap_never_caches_a_pending_slot(model, abort_after):
     # Aborted after 4..7 steps, the request's in-flight slot lands at every offset in its page once.

@@ -23,34 +23,41 @@ class StepLists:
 
 
 def build_step_lists(batch: ScheduleBatch, page_size: int) -> StepLists:
-    token_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    q_start: list[int] = []
-    q_len: list[int] = []
-    kv_len: list[int] = []
-    page_rows: list[list[int]] = []
-    logits_index: list[int] = []
-    sampled: list[ScheduledChunk] = []
-    for chunk in batch.chunks:
-        request = chunk.request
-        pages = request.pages
-        start, end = chunk.start, chunk.end
-        q_start.append(len(token_ids))
-        q_len.append(end - start)
-        kv_len.append(end)
-        page_rows.append(pages)
-        if end - start == 1:
-            # A decode step's one token, the common case at every step of every running request.
-            token_ids.append(request.token_at(start))
-            positions.append(start)
-            slots.append(pages[start // page_size] * page_size + start % page_size)
-        else:
-            token_ids.extend(request.tokens(start, end))
-            for pos in range(start, end):
-                positions.append(pos)
-                slots.append(pages[pos // page_size] * page_size + pos % page_size)
-        if chunk.wants_logits:
-            logits_index.append(len(token_ids) - 1)
-            sampled.append(chunk)
-    return StepLists(token_ids, positions, slots, q_start, q_len, kv_len, page_rows, logits_index, sampled)
+    """The step's lists, rows in chunk order: the batch's leading decode chunks, then the rest."""
+    lists = _decode_lists(batch.chunks[:batch.num_decodes], page_size)
+    for chunk in batch.chunks[batch.num_decodes:]:
+        _append_chunk(lists, chunk, page_size)
+    return lists
+
+
+def _decode_lists(chunks: list[ScheduledChunk], page_size: int) -> StepLists:
+    """The lists of decode chunks alone (one token each, wanting logits): row ``i`` is chunk ``i``.
+    Every running request is one of these at every step, so they are built a column at a time, which
+    CPython does ~2x faster than appending row by row."""
+    requests = [c.request for c in chunks]
+    positions = [c.start for c in chunks]
+    page_rows = [r.pages for r in requests]
+    rows = range(len(chunks))
+    return StepLists(
+        token_ids=[r.token_at(pos) for r, pos in zip(requests, positions)],
+        positions=positions,
+        slots=[pages[pos // page_size] * page_size + pos % page_size for pages, pos in zip(page_rows, positions)],
+        q_start=list(rows), q_len=[1] * len(chunks), kv_len=[pos + 1 for pos in positions],
+        page_rows=page_rows, logits_index=list(rows), sampled=list(chunks))
+
+
+def _append_chunk(lists: StepLists, chunk: ScheduledChunk, page_size: int) -> None:
+    """Appends any chunk's rows: a prefill chunk's tokens, or a single one."""
+    request = chunk.request
+    pages = request.pages
+    start, end = chunk.start, chunk.end
+    lists.q_start.append(len(lists.token_ids))
+    lists.q_len.append(end - start)
+    lists.kv_len.append(end)
+    lists.page_rows.append(pages)
+    lists.token_ids.extend(request.tokens(start, end))
+    lists.positions.extend(range(start, end))
+    lists.slots.extend(pages[pos // page_size] * page_size + pos % page_size for pos in range(start, end))
+    if chunk.wants_logits:
+        lists.logits_index.append(len(lists.token_ids) - 1)
+        lists.sampled.append(chunk)

@@ -28,6 +28,12 @@ class RequestState(enum.Enum):
     ABORTED = "aborted"
 
 
+# The states that per-step loops check on every running request, as module names: Python 3.11's enum
+# metaclass defines __getattr__, which makes reading a member off its class (RequestState.DECODING)
+# ~4x slower than a plain attribute, as slow as a function call.
+PREFILLING, DECODING = RequestState.PREFILLING, RequestState.DECODING
+_ENDED = (RequestState.FINISHED, RequestState.ABORTED)
+
 _arrival = itertools.count()
 # The output slot of a token still being computed on the device: an overlapped step is launched with
 # its input taken from the previous step's device output before the host has read that token. The
@@ -89,7 +95,7 @@ class Request:
 
     @property
     def done(self) -> bool:
-        return self.state in (RequestState.FINISHED, RequestState.ABORTED)
+        return self.state in _ENDED
 
     @property
     def owned_pages(self) -> list[int]:

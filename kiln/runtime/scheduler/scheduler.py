@@ -20,10 +20,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..kvcache.allocator import PageAllocator
 from ..kvcache.radix import RadixCache
-from .request import Request, RequestState
+from .request import DECODING, PREFILLING, Request, RequestState
 
 POLICIES = ("fcfs", "lpm")
 # Ordering by cached prefix costs one tree walk per waiting request; past this queue length the
@@ -47,8 +48,10 @@ class SchedulerConfig:
             raise ValueError(f"schedule policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
+class ScheduledChunk(NamedTuple):
+    """Tokens ``start..end`` of one request, computed in one step. (A NamedTuple, not a frozen
+    dataclass: one is built per running request every step, and a NamedTuple costs a third.)"""
+
     request: Request
     start: int              # first token (index into request.all_ids) computed this step
     end: int                # one past the last
@@ -58,6 +61,9 @@ class ScheduledChunk:
 @dataclass(frozen=True)
 class ScheduleBatch:
     chunks: list[ScheduledChunk]
+    # The first ``num_decodes`` chunks are decode steps: one token each, wanting logits. (A decoding
+    # request has computed all its tokens but the last, which is this step's input.)
+    num_decodes: int = 0
 
 
 class Scheduler:
@@ -99,8 +105,9 @@ class Scheduler:
 
     def schedule(self) -> ScheduleBatch | None:
         chunks = self._schedule_decodes()
-        budget = self.config.max_batch_tokens - len(chunks)
-        for request in [r for r in self.running if r.state == RequestState.PREFILLING]:
+        num_decodes = len(chunks)
+        budget = self.config.max_batch_tokens - num_decodes
+        for request in [r for r in self.running if r.state == PREFILLING]:
             if budget <= 0:
                 break
             chunk = self._prefill_chunk(request, budget)
@@ -113,31 +120,34 @@ class Scheduler:
             # Nothing fits and nothing runs to free memory: make room by retracting the youngest.
             self._retract(max(self.running, key=lambda r: r.arrival))
             return self.schedule()
-        return ScheduleBatch(chunks) if chunks else None
+        return ScheduleBatch(chunks, num_decodes) if chunks else None
 
     def complete_step(self, batch: ScheduleBatch) -> None:
         """Records that the batch's KV is computed. The caller appends sampled tokens afterwards."""
         for chunk in batch.chunks:
             request = chunk.request
             request.num_computed = chunk.end
-            if chunk.wants_logits and request.state == RequestState.PREFILLING:
-                request.state = RequestState.DECODING
+            if chunk.wants_logits and request.state == PREFILLING:
+                request.state = DECODING
                 self._share_prompt(request)
 
     # ---- internals --------------------------------------------------------------------------------
 
     def _schedule_decodes(self) -> list[ScheduledChunk]:
         # Every decoding request adds one token; those whose pages are full need one more page. (This
-        # runs every step over every running request, so each request's length is read once.)
+        # runs every step over every running request, so each request's length is read once and the
+        # page check is inline: _pages_needed(r, length) > 0, without a call per request.)
+        size = self.config.page_size
         while True:
-            decoding = [(r, r.total_len) for r in self.running if r.state == RequestState.DECODING]
-            growing = [r for r, length in decoding if self._pages_needed(r, length) > 0]
+            chunks = [ScheduledChunk(r, r.num_computed, r.total_len, True)
+                      for r in self.running if r.state == DECODING]
+            growing = [c.request for c in chunks if c.end > len(c.request.pages) * size]
             if self._reserve(len(growing)):
                 break
             self._retract(max(self.running, key=lambda r: r.arrival))
         for request in growing:
             request.pages.extend(self.allocator.alloc(1))
-        return [ScheduledChunk(request, request.num_computed, length, True) for request, length in decoding]
+        return chunks
 
     def _prefill_chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
         end = request.num_computed + min(request.remaining, budget)

@@ -28,3 +28,17 @@ def test_prefill_and_decode_chunks_in_one_step():
     assert lists.page_rows == [[7, 2], [5, 9], [3, 8]]
     assert lists.logits_index == [3, 4]
     assert [c.request for c in lists.sampled] == [prefill, decode]
+
+
+def test_leading_decode_chunks_give_the_same_lists_as_the_general_path():
+    page_size = 4
+    decodes = [_request([1, 2, 3], [4, 5], pages=[6, 2]), _request([7], [], pages=[3]),
+               _request([8, 9, 10, 11], [12, 13, 14, 15, 16], pages=[4, 5, 1])]
+    prefill = _request([20, 21, 22, 23, 24], [], pages=[8, 9])
+    chunks = [ScheduledChunk(r, r.total_len - 1, r.total_len, True) for r in decodes]
+    chunks.append(ScheduledChunk(prefill, 0, 5, True))
+    fast = build_step_lists(ScheduleBatch(chunks, num_decodes=len(decodes)), page_size)
+    assert fast == build_step_lists(ScheduleBatch(chunks), page_size)
+    assert fast.token_ids == [5, 7, 16, 20, 21, 22, 23, 24]
+    assert fast.slots == [2 * 4 + 0, 3 * 4 + 0, 1 * 4 + 0, 8 * 4 + 0, 8 * 4 + 1, 8 * 4 + 2, 8 * 4 + 3, 9 * 4 + 0]
+    assert fast.logits_index == [0, 1, 2, 7] and fast.q_start == [0, 1, 2, 3]
