@@ -29,13 +29,23 @@ class Between:
 
 
 def find_replays(events: list[Kernel], graph_names: list[str]) -> list[tuple[int, int]]:
-    """``(first, past_last)`` indices into ``events`` (sorted by start) of each replay's kernels."""
+    """``(first, past_last)`` indices into ``events`` (sorted by start) of each replay's kernels. Events
+    of other names inside a replay are operations on other streams that overlap it (the next step's
+    input copy on the copy stream): skipped, and not charged to any gap."""
     found, i, size = [], 0, len(graph_names)
     names = [e.name for e in events]
+    own = set(graph_names)
     while size and i + size <= len(events):
-        if names[i:i + size] == graph_names:
-            found.append((i, i + size))
-            i += size
+        j, matched = i, 0
+        while j < len(events) and matched < size:
+            if names[j] == graph_names[matched]:
+                matched += 1
+            elif matched == 0 or names[j] in own:
+                break  # no replay starts here, or the graph's kernels come out of order
+            j += 1
+        if matched == size:
+            found.append((i, j))
+            i = j
         else:
             i += 1
     return found
@@ -47,8 +57,9 @@ def between_graphs(events: list[Kernel], graph_names: list[str]) -> Between:
     replays = find_replays(ordered, graph_names)
     gaps: list[float] = []
     shares: dict[str, PathShare] = defaultdict(PathShare)
-    for (_, last), (first, _) in zip(replays, replays[1:]):
-        graph_end = max(e.end_us for e in ordered[last - len(graph_names):last])
+    own = set(graph_names)
+    for (start, last), (first, _) in zip(replays, replays[1:]):
+        graph_end = max(e.end_us for e in ordered[start:last] if e.name in own)
         gaps.append(ordered[first].start_us - graph_end)
         # A zero-length marker at the replay's end, so that the operations are charged from there on.
         # Zero-length markers at the replay's end and the next one's start, so that the operations are

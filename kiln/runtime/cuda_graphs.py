@@ -53,6 +53,10 @@ class DecodeGraphs:
         self._hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=on_gpu) for _ in range(2)]
         self._devices = [torch.zeros(size, dtype=torch.int32, device=device) for _ in range(2)]
         self._mirrors = [torch.zeros(self.max_batch, dtype=torch.int32, pin_memory=on_gpu) for _ in range(2)]
+        # Copies of the page-table rows each turn's staging buffer holds, so that staging writes only
+        # what changed: rewriting every page of every row took ~2 ms a step at batch 256 with
+        # 1024-token contexts. (Copies, compared by content: a request's pages may change in place.)
+        self._staged_rows: list[list[list[int] | None]] = [[None] * self.max_batch for _ in range(2)]
         self._turn = 0
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._logits: dict[int, torch.Tensor] = {}
@@ -116,9 +120,11 @@ class DecodeGraphs:
         become tensors through ``array``: 3x faster than ``torch.tensor`` on a list.)"""
         n = len(lists.token_ids)
         host = self._hosts[turn]
+        staged = self._staged_rows[turn]
         pad = range(n, bucket)
         vectors = (
-            [max(t, 0) for t in lists.token_ids] + [0] * len(pad),  # PENDING ids come from the device
+            # Ids already on the device are not copied (PENDING ones come from there).
+            [0] * bucket if ids_on_device else [max(t, 0) for t in lists.token_ids] + [0] * len(pad),
             lists.positions + [0] * len(pad),
             lists.slots + [-1] * len(pad),          # padding rows store no KV
             lists.q_start + list(pad),
@@ -132,15 +138,20 @@ class DecodeGraphs:
             flat.extend([0] * (self.max_batch - bucket))
         host[:self._vector_len] = as_int_tensor(flat, "i")
         # Page-table rows: only the columns below each row's context are read, so only those are
-        # written; padding rows read column 0, which must name page 0.
+        # written, and only where the buffer does not hold them already (a decoding row gains a
+        # page every page_size steps: only its new tail is written); padding rows read column 0,
+        # which must name page 0.
         index: list[int] = []
         pages: list[int] = []
-        for row, row_pages in enumerate(lists.page_rows):
+        for row, row_pages in enumerate(lists.page_rows + [[0]] * len(pad)):
+            held = staged[row]
+            if held == row_pages:
+                continue
             start = self._vector_len + row * self.width
-            index.extend(range(start, start + len(row_pages)))
-            pages.extend(row_pages)
-        index.extend(self._vector_len + row * self.width for row in pad)
-        pages.extend(0 for _ in pad)
+            keep = len(held) if held is not None and len(held) < len(row_pages) and row_pages[:len(held)] == held else 0
+            index.extend(range(start + keep, start + len(row_pages)))
+            pages.extend(row_pages[keep:])
+            staged[row] = list(row_pages)
         if index:
             host.index_put_((as_int_tensor(index, "q"),), as_int_tensor(pages, "i"))
         used = self._vector_len + bucket * self.width

@@ -23,6 +23,16 @@ def test_replays_are_runs_of_the_graphs_kernel_names():
     assert find_replays(events, ["nothing"]) == []
 
 
+def test_operations_on_other_streams_inside_a_replay_are_skipped():
+    # The next step's input copy runs on the copy stream while a replay's kernels run.
+    events = [*_replay(0), Kernel("Memcpy HtoD", 25, 26), *_replay(30)]
+    events.insert(2, Kernel("Memcpy HtoD", 3, 4))
+    ordered = sorted(events, key=lambda e: e.start_us)
+    assert find_replays(ordered, GRAPH) == [(0, 4), (5, 8)]
+    result = between_graphs(events, GRAPH)
+    assert result.gaps_us == [10] and result.shares["Memcpy HtoD (after (graph))"].calls == 1
+
+
 def test_gap_is_charged_to_the_operations_between_replays_and_the_wait_after_them():
     events = [*_replay(0), Kernel("Memcpy DtoH", 21, 23), Kernel("Memcpy HtoD", 25, 26), Kernel("copy", 26, 28),
               *_replay(31), Kernel("Memcpy DtoH", 52, 54), *_replay(57)]

@@ -1,0 +1,57 @@
+"""DecodeGraphs' staging of a step's inputs (the CPU path, where the device buffers are CPU tensors):
+the page-table rows a turn's buffer already holds are not rewritten, yet every step's table reads
+exactly its own rows. The graphs themselves are tested on the GPU (tests/e2e/test_gpu.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from kiln.runtime.cuda_graphs import DecodeGraphs
+from kiln.runtime.scheduler.batch import StepLists
+
+WIDTH = 6
+
+
+def decode_lists(page_rows: list[list[int]]) -> StepLists:
+    n = len(page_rows)
+    return StepLists(token_ids=[7] * n, positions=[0] * n, slots=[0] * n, q_start=list(range(n)), q_len=[1] * n,
+                     kv_len=[1] * n, page_rows=page_rows, logits_index=list(range(n)), sampled=[])
+
+
+def staged_table(graphs: DecodeGraphs, lists: StepLists, bucket: int, turn: int) -> list[list[int]]:
+    graphs._stage(lists, bucket, turn)
+    table = graphs._inputs(bucket, turn).page_table
+    # Each row's columns below its page count are what a step reads (padding rows: column 0).
+    lengths = [len(row) for row in lists.page_rows] + [1] * (bucket - len(lists.page_rows))
+    return [table[row, :length].tolist() for row, length in enumerate(lengths)]
+
+
+def test_page_rows_are_staged_incrementally_and_exactly():
+    executor = SimpleNamespace(device=torch.device("cpu"), page_size=4)
+    graphs = DecodeGraphs(executor, {}, [1, 2, 4], WIDTH)
+    steps = [
+        [[3], [5, 6]],
+        [[3, 8], [5, 6]],               # a row grows by a page: only its tail is new
+        [[9, 8], [5, 6], [2]],          # a row's pages change in place at the same length
+        [[4]],                          # fewer rows: row 1 becomes padding (page 0)
+        [[4], [5, 6, 1, 2]],            # a padding row becomes a real row again
+        [[1, 2, 3, 4, 5, 6], [7]],      # a row as wide as the table
+    ]
+    # All in one turn's buffer, each step against the one before; then the two turns in alternation.
+    for step, rows in enumerate(steps + steps):
+        lists = decode_lists([list(r) for r in rows])
+        bucket = next(b for b in graphs.buckets if b >= len(rows))
+        got = staged_table(graphs, lists, bucket, turn=0 if step < len(steps) else step % 2)
+        assert got == rows + [[0]] * (bucket - len(rows)), f"step {step}"
+
+
+def test_ids_already_on_the_device_are_left_alone():
+    executor = SimpleNamespace(device=torch.device("cpu"), page_size=4)
+    graphs = DecodeGraphs(executor, {}, [2], WIDTH)
+    graphs._devices[0][:2] = torch.tensor([11, 12], dtype=torch.int32)
+    graphs._stage(decode_lists([[1], [2]]), 2, 0, ids_on_device=True)
+    assert graphs._inputs(2, 0).token_ids.tolist() == [11, 12]
+    graphs._stage(decode_lists([[1], [2]]), 2, 0)
+    assert graphs._inputs(2, 0).token_ids.tolist() == [7, 7]
