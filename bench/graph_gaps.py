@@ -1,9 +1,12 @@
 """What an engine step runs on the GPU besides its decode graph, and how long the GPU waits between graphs.
 
-A decode step is one CUDA-graph replay plus what the engine queues around it: the staged inputs'
-host-to-device copy, an overlapped step's input ids copied from the previous step's output, the
-tokens' copy back to the host. Each is a separate stream operation, and the next replay's first
-kernel starts only after them, so at batch 1 of a small model they are a visible share of a step.
+A decode step is one CUDA-graph replay plus whatever the engine queues around it on the compute
+stream. Before decode graphs took two turns (``kiln/runtime/cuda_graphs.py``) that was the staged
+inputs' host-to-device copy and the tokens' copy back to the host; each is a separate stream
+operation, and the next replay's first kernel starts only after them, so at batch 1 of a small
+model they were a visible share of a step. Now the inputs' copy runs on a copy stream during the
+previous replay (skipped here, see ``find_replays``), and what is left between two replays shows
+what still serializes with them (an overlapped step's reordered or sampled ids, for one).
 
 ``between_graphs`` finds every replay in a trace of engine steps (a run of device events whose names
 are the replay's kernels in order), then charges the time from one replay's last end to the next
