@@ -128,9 +128,12 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_o_ptr, part_lse_ptr, cou
         lo = tl.maximum(kv_len - window, 0)
     else:
         lo = 0
-    # Splits are whole key blocks; trailing splits of a short context may be empty, and then write
-    # a zero output with log-sum-exp -inf, which the merge weighs as nothing.
+    # Splits are whole key blocks; trailing splits of a short context may be empty, and then return
+    # at once: only the `used` leading ones take part in the merge.
     per_split = tl.cdiv(tl.cdiv(kv_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    used = tl.cdiv(kv_len - lo, per_split)
+    if split >= used:
+        return
     start = lo + split * per_split
     end = tl.minimum(start + per_split, kv_len)
 
@@ -188,7 +191,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_o_ptr, part_lse_ptr, cou
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     # Every key in [start, end) is causally visible and inside the window; MASKED only cuts the
-    # block at `end` (an empty slice's first block is all cut, and folds to nothing).
+    # block at `end`.
     loop_start = start
     if PRELOAD:
         # The preloaded block predates the store: the new token (position -1, in no block, for a
@@ -210,7 +213,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_o_ptr, part_lse_ptr, cou
     if SPLIT:
         store_split_and_merge(out, m_i, l_i, part_o_ptr, part_lse_ptr, counter_ptr, out_ptr, b, kv_head, split,
                               q_start, heads, g_mask, offs_d, mask, o_st, o_sh, num_heads, group, head_dim,
-                              num_splits, BLOCK_H=BLOCK_H, MERGE_S=MERGE_S, BLOCK_D=BLOCK_D)
+                              num_splits, used, BLOCK_H=BLOCK_H, MERGE_S=MERGE_S, BLOCK_D=BLOCK_D)
     else:
         tl.store(out_ptr + q_start * o_st + heads[:, None] * o_sh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=mask)

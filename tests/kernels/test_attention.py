@@ -175,6 +175,17 @@ def test_decode_counter_per_sequence_and_group(fresh_counters, device, poisoned)
     assert torch.isnan(out[1, :3]).all() and not torch.isnan(out[0]).any() and not torch.isnan(out[1, 3:]).any()
 
 
+def test_decode_empty_splits_take_no_ticket(fresh_counters, device, poisoned):
+    # A 20-token context in 16-key blocks over 4 splits fills splits 0 and 1 only: a counter held
+    # away from its last ticket ends 2 higher, not 4.
+    batch = make_batch([1], [20], 4, 1, 64, 4, torch.float32, device)
+    counters = triton_support.semaphore_counters(batch.q.device, 1)
+    counters[0] = 1000
+    out = poisoned(tuple(batch.q.shape), torch.float32)
+    launch_decode(*batch.inputs(), out, num_splits=4, block_n=16, **attrs(64, 4))
+    assert counters.tolist()[:1] == [1002]
+
+
 def test_decode_merge_in_chunks(fresh_counters, monkeypatch, device, poisoned, assert_matches):
     # A merge tile of 2 splits: the merge's running max crosses chunks, the last one partial.
     monkeypatch.setattr(attention_split_merge, "MERGE_TILE", 2 * 4 * 64)
@@ -187,7 +198,7 @@ def test_decode_merge_in_chunks(fresh_counters, monkeypatch, device, poisoned, a
 @pytest.mark.parametrize("group", [1, 3, 4])
 def test_decode_split_merge(group, head_dim, dtype, fresh_counters, device, poisoned, assert_matches):
     # Six splits of 16-key blocks: contexts of 1 and 3 tokens fill only split 0, 40 tokens only the
-    # first three; the empty trailing splits must weigh nothing.
+    # first three; the empty trailing splits return at once and the merge reads only the others.
     batch = make_batch([1, 1, 1], [3, 40, 1], 2 * group, 2, head_dim, 8, dtype, device, gap=1)
     run_decode(batch, 6, head_dim, 8, poisoned, assert_matches)
 
