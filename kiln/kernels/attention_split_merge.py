@@ -87,7 +87,7 @@ def store_split_and_merge(out, m_i, l_i, part_o_ptr, part_lse_ptr, counter_ptr, 
     #   barrier, so every thread of the merging program sees the same ticket (the branch below,
     #   whose reductions use barriers, is uniform) and reads after the acquire; the merge's
     #   loads also go to L2 (.cg).
-    # - Reset: every split has taken its ticket by then and none touches the counter again in
+    # - Reset: every used split has taken its ticket by then and none touches the counter again in
     #   this launch; the next launch (the next layer, or the next graph replay) is ordered after
     #   this one by the stream.
     tl.debug_barrier()
