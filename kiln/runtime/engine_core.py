@@ -168,9 +168,9 @@ class EngineCore:
         lists = build_step_lists(batch, self.page_size)
         logits, greedy = self.runner.forward(lists)
         self.scheduler.complete_step(batch)
-        if not lists.sampled:
+        if not lists.requests:
             return events
-        requests = [c.request for c in lists.sampled]
+        requests = lists.requests
         if greedy is not None and all(sampled_on_device(r) for r in requests):
             tokens = self._device_tokens(requests, logits, greedy)
             if self.overlap:
@@ -196,7 +196,7 @@ class EngineCore:
             tokens = inflight.tokens if rows is None else inflight.tokens.index_select(0, rows)
             logits, greedy = self.runner.forward(lists, tokens_from=tokens)
             self.scheduler.complete_step(batch)
-            requests = [c.request for c in lists.sampled]
+            requests = lists.requests
             if _graph_argmax_serves(requests):
                 self._inflight = self._launch_readback(lists, greedy)
             else:
@@ -230,7 +230,7 @@ class EngineCore:
     def _follow_up_lists(self, inflight: InflightStep):
         """The next decode step of exactly the in-flight requests, or None when it must wait for the
         host: other work to schedule, a request aborted, a page short, or the context full."""
-        requests = [c.request for c in inflight.lists.sampled]
+        requests = inflight.lists.requests
         lengths = [r.total_len for r in requests]
         scheduler = self.scheduler
         if scheduler.waiting or self.constraints.has_pending() or len(scheduler.running) != len(requests) \
@@ -247,9 +247,9 @@ class EngineCore:
         # lists compare by identity, Requests having no __eq__). (Not a blocking copy: that would
         # wait for the step in flight.)
         rows = None
-        if [c.request for c in lists.sampled] != requests:
+        if lists.requests != requests:
             row_of = {id(r): i for i, r in enumerate(requests)}
-            order = [row_of[id(c.request)] for c in lists.sampled]
+            order = [row_of[id(r)] for r in lists.requests]
             rows = torch.tensor(order).to(inflight.tokens.device, non_blocking=True)
         return lists, batch, rows
 
@@ -261,8 +261,7 @@ class EngineCore:
         chosen = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_values = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        for row, chunk in enumerate(lists.sampled):
-            request = chunk.request
+        for row, request in enumerate(lists.requests):
             if request.done:
                 continue  # aborted meanwhile, or a sibling sample's failure ended the whole request
             token = tokens[row]
