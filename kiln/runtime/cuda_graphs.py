@@ -71,7 +71,7 @@ class DecodeGraphs:
         """A decode-only step small enough for a bucket."""
         n = len(lists.token_ids)
         return n <= self.max_batch and len(lists.logits_index) == n and max(lists.q_len) == 1 and \
-            all(len(row) <= self.width for row in lists.page_rows)
+            max(map(len, lists.page_rows)) <= self.width
 
     def run(self, lists: StepLists, tokens_from: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[n, V]`` and greedy tokens ``[n]`` of a decode step (views valid until the next step).
