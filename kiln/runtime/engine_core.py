@@ -32,7 +32,7 @@ from .model_runner import ModelRunner
 from .outputs import SampleEvent, TokenLogprob
 from .sampling import SamplerOutput, SamplingBatch, SamplingParams, SamplingRow, child_seed, masked_argmax, new_seed
 from .scheduler.batch import StepLists, build_step_lists
-from .scheduler.request import PENDING, Request, RequestState
+from .scheduler.request import DECODING, PENDING, Request, RequestState
 from .scheduler.scheduler import Scheduler, SchedulerConfig
 from .stop_rules import STOP_RULES, StopRules, finish_reason, sampled_on_device
 from .token_readback import InflightStep, TokenReadback
@@ -233,13 +233,14 @@ class EngineCore:
 
     def _follow_up_lists(self, inflight: InflightStep):
         """The next decode step of exactly the in-flight requests, or None when it must wait for the
-        host: other work to schedule, a request aborted, a page short, or the context full."""
+        host: other work to schedule, a request ended (all were decoding), a page short, or the context
+        full."""
         requests = inflight.lists.requests
         # The requests' lengths: the in-flight step's contexts (its tokens are not appended yet).
         lengths = inflight.lists.kv_len
         scheduler = self.scheduler
         if scheduler.waiting or self.constraints.has_pending() or len(scheduler.running) != len(requests) \
-                or any(r.done for r in requests) or max(lengths, default=0) + 1 > self.max_seq_len:
+                or any(r.state is not DECODING for r in requests) or max(lengths, default=0) + 1 > self.max_seq_len:
             return None
         new_pages = sum(1 for length in lengths if length % self.page_size == 0)
         if self.allocator.free_count < new_pages:
