@@ -33,8 +33,11 @@ from kiln.kernels.argmax import triton_argmax_rows
 from .executor import Executor, StepInputs
 from .scheduler.batch import StepLists
 
-# Per-sequence int32 vectors of a decode step, in their order in the static buffer.
-_VECTORS = ("token_ids", "positions", "slots", "q_start", "q_len", "kv_len", "logits_index")
+# Per-sequence int32 vectors of a decode step, in their order in the static buffer: first those staged
+# every step, then those every decode step fills alike (row i is token i, one long, and its logits
+# are wanted), written once for all buckets.
+_VECTORS = ("token_ids", "positions", "slots", "kv_len", "q_start", "q_len", "logits_index")
+_STAGED_VECTORS = 4
 
 
 class DecodeGraphs:
@@ -53,6 +56,10 @@ class DecodeGraphs:
         self._hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=on_gpu) for _ in range(2)]
         self._devices = [torch.zeros(size, dtype=torch.int32, device=device) for _ in range(2)]
         self._mirrors = [torch.zeros(self.max_batch, dtype=torch.int32, pin_memory=on_gpu) for _ in range(2)]
+        rows = list(range(self.max_batch))
+        fixed = as_int_tensor(rows + [1] * self.max_batch + rows, "i")    # q_start, q_len, logits_index
+        for host in self._hosts:
+            host[_STAGED_VECTORS * self.max_batch:self._vector_len] = fixed
         # Copies of the page-table rows each turn's staging buffer holds, so that staging writes only
         # what changed: rewriting every page of every row took ~2 ms a step at batch 256 with
         # 1024-token contexts. (Copies, compared by content: a request's pages may change in place.)
@@ -71,7 +78,7 @@ class DecodeGraphs:
         """A decode-only step small enough for a bucket."""
         n = len(lists.token_ids)
         return n <= self.max_batch and len(lists.logits_index) == n and max(lists.q_len) == 1 and \
-            all(len(row) <= self.width for row in lists.page_rows)
+            max(map(len, lists.page_rows)) <= self.width
 
     def run(self, lists: StepLists, tokens_from: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[n, V]`` and greedy tokens ``[n]`` of a decode step (views valid until the next step).
@@ -117,36 +124,30 @@ class DecodeGraphs:
         reads to the turn's device buffer in one transfer (all but the input ids when
         ``ids_on_device``), on the copy stream on a GPU. Built as two flat Python lists and two tensor
         writes: this runs on every decode step, and per-row tensor writes cost ~5 us each. (Lists
-        become tensors through ``array``: 3x faster than ``torch.tensor`` on a list.)"""
+        become tensors through ``array``: 3x faster than ``torch.tensor`` on a list, yet still the
+        largest cost here, so only the vectors that change are converted.)"""
         n = len(lists.token_ids)
         host = self._hosts[turn]
         staged = self._staged_rows[turn]
-        pad = range(n, bucket)
-        vectors = (
-            # Ids already on the device are not copied (PENDING ones come from there).
-            [0] * bucket if ids_on_device else [max(t, 0) for t in lists.token_ids] + [0] * len(pad),
-            lists.positions + [0] * len(pad),
-            lists.slots + [-1] * len(pad),          # padding rows store no KV
-            lists.q_start + list(pad),
-            lists.q_len + [1] * len(pad),
-            lists.kv_len + [1] * len(pad),          # one token of context, on the reserved page 0
-            lists.logits_index + list(pad),
-        )
-        flat: list[int] = []
-        for values in vectors:
-            flat.extend(values)
-            flat.extend([0] * (self.max_batch - bucket))
-        host[:self._vector_len] = as_int_tensor(flat, "i")
+        pad = bucket - n
+        gap = [0] * (self.max_batch - bucket)       # the rest of each vector's space, unread
+        # Ids already on the device are not staged (PENDING ones come from there).
+        flat = [] if ids_on_device else [max(t, 0) for t in lists.token_ids] + [0] * pad + gap
+        flat += lists.positions + [0] * pad + gap
+        flat += lists.slots + [-1] * pad + gap      # padding rows store no KV
+        flat += lists.kv_len + [1] * pad            # one token of context, on the reserved page 0
+        # The ids come first in the buffer; a device-side copy may fill them in afterwards.
+        first = self.max_batch if ids_on_device else 0
+        host[first:first + len(flat)] = as_int_tensor(flat, "i")
         # Page-table rows: only the columns below each row's context are read, so only those are
         # written, and only where the buffer does not hold them already (a decoding row gains a
         # page every page_size steps: only its new tail is written); padding rows read column 0,
         # which must name page 0.
         index: list[int] = []
         pages: list[int] = []
-        for row, row_pages in enumerate(lists.page_rows + [[0]] * len(pad)):
-            held = staged[row]
-            if held == row_pages:
-                continue
+        rows = lists.page_rows + [[0]] * pad
+        for row in [row for row, (held, row_pages) in enumerate(zip(staged, rows)) if held != row_pages]:
+            held, row_pages = staged[row], rows[row]
             start = self._vector_len + row * self.width
             keep = len(held) if held is not None and len(held) < len(row_pages) and row_pages[:len(held)] == held else 0
             index.extend(range(start + keep, start + len(row_pages)))
@@ -155,8 +156,6 @@ class DecodeGraphs:
         if index:
             host.index_put_((as_int_tensor(index, "q"),), as_int_tensor(pages, "i"))
         used = self._vector_len + bucket * self.width
-        # The ids come first in the buffer; a device-side copy may fill them in afterwards.
-        first = self.max_batch if ids_on_device else 0
         device = self._devices[turn]
         if device.device.type != "cuda":
             device[first:used].copy_(host[first:used])

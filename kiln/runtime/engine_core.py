@@ -16,6 +16,7 @@ pool) breaks the chain and the next step is scheduled normally.
 from __future__ import annotations
 
 import time
+from itertools import repeat
 from typing import Any, Hashable
 
 import torch
@@ -31,7 +32,7 @@ from .model_runner import ModelRunner
 from .outputs import SampleEvent, TokenLogprob
 from .sampling import SamplerOutput, SamplingBatch, SamplingParams, SamplingRow, child_seed, masked_argmax, new_seed
 from .scheduler.batch import StepLists, build_step_lists
-from .scheduler.request import PENDING, Request, RequestState
+from .scheduler.request import DECODING, PENDING, Request, RequestState
 from .scheduler.scheduler import Scheduler, SchedulerConfig
 from .stop_rules import STOP_RULES, StopRules, finish_reason, sampled_on_device
 from .token_readback import InflightStep, TokenReadback
@@ -69,6 +70,9 @@ class EngineCore:
         overlap = self.options.overlap_schedule
         self.overlap = bool(buckets) if overlap is None else overlap and bool(buckets)
         self._inflight: InflightStep | None = None
+        # Whether the in-flight step's tokens are the decode graph's argmax of every row (see
+        # _graph_argmax_serves): then so are its follow-ups', which run the same requests.
+        self._inflight_by_argmax = False
         self._readback = TokenReadback(max(buckets, default=1), device)
         self.overlapped_steps = 0
 
@@ -168,14 +172,16 @@ class EngineCore:
         lists = build_step_lists(batch, self.page_size)
         logits, greedy = self.runner.forward(lists)
         self.scheduler.complete_step(batch)
-        if not lists.sampled:
+        if not lists.requests:
             return events
-        requests = [c.request for c in lists.sampled]
+        requests = lists.requests
         if greedy is not None and all(sampled_on_device(r) for r in requests):
-            tokens = self._device_tokens(requests, logits, greedy)
+            by_argmax = _graph_argmax_serves(requests)
+            tokens = greedy if by_argmax else self._device_tokens(requests, logits, greedy)
             if self.overlap:
                 # Read these tokens next step, after the step that follows is already launched.
                 self._inflight = self._launch_readback(lists, tokens)
+                self._inflight_by_argmax = by_argmax
                 return events
             out = SamplerOutput(tokens, None, None, None)
         else:
@@ -196,8 +202,8 @@ class EngineCore:
             tokens = inflight.tokens if rows is None else inflight.tokens.index_select(0, rows)
             logits, greedy = self.runner.forward(lists, tokens_from=tokens)
             self.scheduler.complete_step(batch)
-            requests = [c.request for c in lists.sampled]
-            if _graph_argmax_serves(requests):
+            requests = lists.requests
+            if self._inflight_by_argmax:
                 self._inflight = self._launch_readback(lists, greedy)
             else:
                 # Grammar masks need the in-flight tokens accepted first, and the sampler the rows'
@@ -216,11 +222,9 @@ class EngineCore:
         return self._readback.launch(lists, tokens, self.runner.host_mirror(tokens))
 
     def _device_tokens(self, requests: list[Request], logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
-        """The step's tokens, left on the device, for requests that pass ``sampled_on_device``: the
-        graph's argmax when every row is greedy without a grammar, the argmax under the grammar masks
-        (filled on the CPU while the step runs) when all are greedy, else the sampler's draw."""
-        if _graph_argmax_serves(requests):
-            return greedy
+        """The step's tokens, left on the device, for requests that pass ``sampled_on_device`` but
+        not ``_graph_argmax_serves``: the argmax under the grammar masks (filled on the CPU while the
+        step runs) when all are greedy, else the sampler's draw."""
         mask = Constraints.mask(requests, logits.shape[1], logits.device)
         if all(_argmax_row(r) for r in requests):
             return greedy if mask is None else masked_argmax(logits, mask)
@@ -229,12 +233,14 @@ class EngineCore:
 
     def _follow_up_lists(self, inflight: InflightStep):
         """The next decode step of exactly the in-flight requests, or None when it must wait for the
-        host: other work to schedule, a request aborted, a page short, or the context full."""
-        requests = [c.request for c in inflight.lists.sampled]
-        lengths = [r.total_len for r in requests]
+        host: other work to schedule, a request ended (all were decoding), a page short, or the context
+        full."""
+        requests = inflight.lists.requests
+        # The requests' lengths: the in-flight step's contexts (its tokens are not appended yet).
+        lengths = inflight.lists.kv_len
         scheduler = self.scheduler
         if scheduler.waiting or self.constraints.has_pending() or len(scheduler.running) != len(requests) \
-                or any(r.done for r in requests) or max(lengths, default=0) + 1 > self.max_seq_len:
+                or any(r.state is not DECODING for r in requests) or max(lengths, default=0) + 1 > self.max_seq_len:
             return None
         new_pages = sum(1 for length in lengths if length % self.page_size == 0)
         if self.allocator.free_count < new_pages:
@@ -247,42 +253,37 @@ class EngineCore:
         # lists compare by identity, Requests having no __eq__). (Not a blocking copy: that would
         # wait for the step in flight.)
         rows = None
-        if [c.request for c in lists.sampled] != requests:
+        if lists.requests != requests:
             row_of = {id(r): i for i, r in enumerate(requests)}
-            order = [row_of[id(c.request)] for c in lists.sampled]
+            order = [row_of[id(r)] for r in lists.requests]
             rows = torch.tensor(order).to(inflight.tokens.device, non_blocking=True)
         return lists, batch, rows
 
     def _apply(self, lists: StepLists, out: SamplerOutput) -> list[SampleEvent]:
         """Appends each sampled token (filling the PENDING slot an overlapped step left for it),
-        applies the stop rules and makes the events."""
+        applies the stop rules and makes the events. (This loop runs for every running sample every
+        step, so it reads each request's fields once and skips the logprobs unless some were taken.)"""
         events: list[SampleEvent] = []
         tokens = out.token_ids.tolist()
-        chosen = out.logprobs.tolist() if out.logprobs is not None else None
-        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-        top_values = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        for row, chunk in enumerate(lists.sampled):
-            request = chunk.request
+        logprobs = _token_logprobs(lists.requests, tokens, out) if out.logprobs is not None else repeat(())
+        for request, token, token_logprobs in zip(lists.requests, tokens, logprobs):
             if request.done:
                 continue  # aborted meanwhile, or a sibling sample's failure ended the whole request
-            token = tokens[row]
-            if request.output_ids and request.output_ids[-1] == PENDING:
-                request.output_ids[-1] = token
+            output = request.output_ids
+            if output and output[-1] == PENDING:
+                output[-1] = token
             else:
-                request.output_ids.append(token)
-            logprobs: tuple[TokenLogprob, ...] = ()
-            if chosen is not None and (request.params.logprobs or request.params.top_logprobs):
-                k = request.params.top_logprobs
-                top = tuple(zip(top_ids[row][:k], top_values[row][:k])) if k else ()
-                logprobs = (TokenLogprob(token, chosen[row], top),)
+                output.append(token)
             reason = finish_reason(request, token)
-            if reason == "error":
-                events.extend(self.abort(request.rid, f"the grammar rejected token {token}"))
-                continue
             if reason is not None:
+                if reason == "error":
+                    events.extend(self.abort(request.rid, f"the grammar rejected token {token}"))
+                    continue
                 self.scheduler.finish(request, reason)
                 self._forget_if_done(request.rid)
-            events.append(self._event(request, (token,), logprobs, reason))
+            # (SampleEvent directly, not through _event: a call per sample costs ~10% of this loop.)
+            events.append(SampleEvent(request.rid, request.index, (token,), token_logprobs, reason, None,
+                                      len(request.prompt_ids), request.cached_tokens))
         return events
 
     def _release_constrained(self) -> list[SampleEvent]:
@@ -308,6 +309,23 @@ class EngineCore:
                reason: str | None, error: str | None = None) -> SampleEvent:
         return SampleEvent(request.rid, request.index, tokens, logprobs, reason, error, len(request.prompt_ids),
                            request.cached_tokens)
+
+
+def _token_logprobs(requests: list[Request], tokens: list[int], out: SamplerOutput
+                    ) -> list[tuple[TokenLogprob, ...]]:
+    """Each row's chosen-token logprob and top alternatives, for the requests that asked for them."""
+    chosen = out.logprobs.tolist()
+    top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+    top_values = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    rows: list[tuple[TokenLogprob, ...]] = []
+    for row, (request, token) in enumerate(zip(requests, tokens)):
+        k = request.params.top_logprobs
+        if not (request.params.logprobs or k):
+            rows.append(())
+            continue
+        top = tuple(zip(top_ids[row][:k], top_values[row][:k])) if k else ()
+        rows.append((TokenLogprob(token, chosen[row], top),))
+    return rows
 
 
 def _argmax_row(request: Request) -> bool:

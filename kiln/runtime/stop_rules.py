@@ -4,7 +4,7 @@ cuts the text itself), max_new_tokens and the context length."""
 
 from __future__ import annotations
 
-from .constraints import Constraints
+from .constraints import GRAMMAR, Constraints
 from .detokenizer import IncrementalDetokenizer, StopChecker
 from .sampling import SamplingParams
 from .scheduler.request import Request
@@ -41,10 +41,12 @@ class StopRules:
 def finish_reason(request: Request, token: int) -> str | None:
     """Why ``request`` ends with ``token`` just appended: "stop", "length", "error" (the grammar
     rejected the token), or None to go on. The request's ``StopRules`` are in its extras."""
-    grammar_reason = Constraints.advance(request, token)
-    if grammar_reason is not None:
-        return grammar_reason
-    rules: StopRules = request.extras[STOP_RULES]
+    extras = request.extras
+    if GRAMMAR in extras:  # (checked here: a call per sample for the few constrained ones only)
+        grammar_reason = Constraints.advance(request, token)
+        if grammar_reason is not None:
+            return grammar_reason
+    rules: StopRules = extras[STOP_RULES]
     if token in rules.token_ids:
         return "stop"
     if rules.watch is not None and rules.watch.push(token):

@@ -148,7 +148,7 @@ def test_graph_replay_equals_eager_for_every_bucket(tmp_path, dtype):
             lists = StepLists(token_ids=[7 + i for i in range(n)], positions=[19] * n,
                               slots=[(2 + 2 * i) * page + 19 - page for i in range(n)], q_start=list(range(n)),
                               q_len=[1] * n, kv_len=[20] * n, page_rows=[[1 + 2 * i, 2 + 2 * i] for i in range(n)],
-                              logits_index=list(range(n)), sampled=[])
+                              logits_index=list(range(n)), requests=[])
             graph_logits, _ = runner.decode_graphs.run(lists)
             graph_logits = graph_logits.clone()
             eager_logits, _ = runner.forward_eager(lists)

@@ -17,7 +17,7 @@ WIDTH = 6
 def decode_lists(page_rows: list[list[int]]) -> StepLists:
     n = len(page_rows)
     return StepLists(token_ids=[7] * n, positions=[0] * n, slots=[0] * n, q_start=list(range(n)), q_len=[1] * n,
-                     kv_len=[1] * n, page_rows=page_rows, logits_index=list(range(n)), sampled=[])
+                     kv_len=[1] * n, page_rows=page_rows, logits_index=list(range(n)), requests=[])
 
 
 def staged_table(graphs: DecodeGraphs, lists: StepLists, bucket: int, turn: int) -> list[list[int]]:

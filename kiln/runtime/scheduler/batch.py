@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .request import Request
 from .scheduler import ScheduleBatch, ScheduledChunk
 
 
@@ -19,31 +20,30 @@ class StepLists:
     kv_len: list[int]
     page_rows: list[list[int]]      # one page-table row per sequence (ragged)
     logits_index: list[int]         # token rows whose logits are sampled
-    sampled: list[ScheduledChunk]   # the chunk each logits row belongs to
+    requests: list[Request]         # the request each logits row belongs to
 
 
 def build_step_lists(batch: ScheduleBatch, page_size: int) -> StepLists:
-    """The step's lists, rows in chunk order: the batch's leading decode chunks, then the rest."""
-    lists = _decode_lists(batch.chunks[:batch.num_decodes], page_size)
-    for chunk in batch.chunks[batch.num_decodes:]:
+    """The step's lists, rows in batch order: the decoding requests, then the chunks."""
+    lists = _decode_lists(batch.decodes, page_size)
+    for chunk in batch.chunks:
         _append_chunk(lists, chunk, page_size)
     return lists
 
 
-def _decode_lists(chunks: list[ScheduledChunk], page_size: int) -> StepLists:
-    """The lists of decode chunks alone (one token each, wanting logits): row ``i`` is chunk ``i``.
-    Every running request is one of these at every step, so they are built a column at a time, which
-    CPython does ~2x faster than appending row by row."""
-    requests = [c.request for c in chunks]
-    positions = [c.start for c in chunks]
+def _decode_lists(requests: list[Request], page_size: int) -> StepLists:
+    """The lists of decoding requests alone (one token each, their last, at position num_computed,
+    wanting logits): row ``i`` is request ``i``. Every running request is one of these at every step,
+    so they are built a column at a time, which CPython does ~2x faster than appending row by row."""
+    positions = [r.num_computed for r in requests]
     page_rows = [r.pages for r in requests]
-    rows = range(len(chunks))
+    rows = range(len(requests))
     return StepLists(
-        token_ids=[r.token_at(pos) for r, pos in zip(requests, positions)],
+        token_ids=[(r.output_ids or r.prompt_ids)[-1] for r in requests],
         positions=positions,
         slots=[pages[pos // page_size] * page_size + pos % page_size for pages, pos in zip(page_rows, positions)],
-        q_start=list(rows), q_len=[1] * len(chunks), kv_len=[pos + 1 for pos in positions],
-        page_rows=page_rows, logits_index=list(rows), sampled=list(chunks))
+        q_start=list(rows), q_len=[1] * len(requests), kv_len=[pos + 1 for pos in positions],
+        page_rows=page_rows, logits_index=list(rows), requests=list(requests))
 
 
 def _append_chunk(lists: StepLists, chunk: ScheduledChunk, page_size: int) -> None:
@@ -60,4 +60,4 @@ def _append_chunk(lists: StepLists, chunk: ScheduledChunk, page_size: int) -> No
     lists.slots.extend(pages[pos // page_size] * page_size + pos % page_size for pos in range(start, end))
     if chunk.wants_logits:
         lists.logits_index.append(len(lists.token_ids) - 1)
-        lists.sampled.append(chunk)
+        lists.requests.append(request)

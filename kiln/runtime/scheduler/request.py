@@ -79,11 +79,6 @@ class Request:
             return self.output_ids[start - split:end - split]
         return self.prompt_ids[start:] + self.output_ids[:end - split]
 
-    def token_at(self, index: int) -> int:
-        """``all_ids[index]`` for ``0 <= index < total_len``, without building ``all_ids``."""
-        split = len(self.prompt_ids)
-        return self.prompt_ids[index] if index < split else self.output_ids[index - split]
-
     @property
     def total_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

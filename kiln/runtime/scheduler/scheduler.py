@@ -3,7 +3,8 @@
 Data flow, once per step (plain Python; no tensors):
 
     Request (waiting queue)  --admit: radix match + lock, pages-->  running
-    running  --schedule()-->  ScheduleBatch [ScheduledChunk(request, start, end, wants_logits)]
+    running  --schedule()-->  ScheduleBatch: decoding requests, then
+                              [ScheduledChunk(request, start, end, wants_logits)]
     ScheduleBatch  --batch.build_step_lists()-->  index lists for StepInputs (the model runner)
     sampled tokens  --complete_step()-->  num_computed advances; finished prompts enter the radix tree
 
@@ -49,8 +50,8 @@ class SchedulerConfig:
 
 
 class ScheduledChunk(NamedTuple):
-    """Tokens ``start..end`` of one request, computed in one step. (A NamedTuple, not a frozen
-    dataclass: one is built per running request every step, and a NamedTuple costs a third.)"""
+    """Tokens ``start..end`` of one request, computed in one step (a NamedTuple: cheaper to build
+    than a frozen dataclass)."""
 
     request: Request
     start: int              # first token (index into request.all_ids) computed this step
@@ -60,10 +61,11 @@ class ScheduledChunk(NamedTuple):
 
 @dataclass(frozen=True)
 class ScheduleBatch:
-    chunks: list[ScheduledChunk]
-    # The first ``num_decodes`` chunks are decode steps: one token each, wanting logits. (A decoding
-    # request has computed all its tokens but the last, which is this step's input.)
-    num_decodes: int = 0
+    # Decoding requests, each computing one token (its last, this step's input: a decoding request
+    # has computed all its tokens but that one) and wanting its logits; their rows lead the step.
+    # Requests rather than chunks: every running request is one of these every step.
+    decodes: list[Request]
+    chunks: list[ScheduledChunk]    # the other requests' chunks (prefill), after the decodes
 
 
 class Scheduler:
@@ -104,10 +106,12 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> ScheduleBatch | None:
-        chunks = self._schedule_decodes()
-        num_decodes = len(chunks)
-        budget = self.config.max_batch_tokens - num_decodes
-        for request in [r for r in self.running if r.state == PREFILLING]:
+        decodes = self._schedule_decodes()
+        budget = self.config.max_batch_tokens - len(decodes)
+        chunks: list[ScheduledChunk] = []
+        # (Only when some running request does not decode: most steps, none prefills.)
+        prefilling = [r for r in self.running if r.state == PREFILLING] if len(decodes) < len(self.running) else []
+        for request in prefilling:
             if budget <= 0:
                 break
             chunk = self._prefill_chunk(request, budget)
@@ -116,14 +120,16 @@ class Scheduler:
             chunks.append(chunk)
             budget -= chunk.end - chunk.start
         chunks.extend(self._admit(budget))
-        if not chunks and self.running:
+        if not decodes and not chunks and self.running:
             # Nothing fits and nothing runs to free memory: make room by retracting the youngest.
             self._retract(max(self.running, key=lambda r: r.arrival))
             return self.schedule()
-        return ScheduleBatch(chunks, num_decodes) if chunks else None
+        return ScheduleBatch(decodes, chunks) if decodes or chunks else None
 
     def complete_step(self, batch: ScheduleBatch) -> None:
         """Records that the batch's KV is computed. The caller appends sampled tokens afterwards."""
+        for request in batch.decodes:
+            request.num_computed += 1
         for chunk in batch.chunks:
             request = chunk.request
             request.num_computed = chunk.end
@@ -133,21 +139,20 @@ class Scheduler:
 
     # ---- internals --------------------------------------------------------------------------------
 
-    def _schedule_decodes(self) -> list[ScheduledChunk]:
-        # Every decoding request adds one token; those whose pages are full need one more page. (This
-        # runs every step over every running request, so each request's length is read once and the
-        # page check is inline: _pages_needed(r, length) > 0, without a call per request.)
+    def _schedule_decodes(self) -> list[Request]:
+        # Every decoding request adds one token, at position num_computed; those whose pages are full
+        # need one more page. (This runs every step over every running request: the page check is
+        # inline, _pages_needed(r, r.num_computed + 1) > 0, without a call per request.)
         size = self.config.page_size
         while True:
-            chunks = [ScheduledChunk(r, r.num_computed, r.total_len, True)
-                      for r in self.running if r.state == DECODING]
-            growing = [c.request for c in chunks if c.end > len(c.request.pages) * size]
+            decodes = [r for r in self.running if r.state == DECODING]
+            growing = [r for r in decodes if r.num_computed >= len(r.pages) * size]
             if self._reserve(len(growing)):
                 break
             self._retract(max(self.running, key=lambda r: r.arrival))
         for request in growing:
             request.pages.extend(self.allocator.alloc(1))
-        return chunks
+        return decodes
 
     def _prefill_chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
         end = request.num_computed + min(request.remaining, budget)

@@ -11,10 +11,3 @@ def test_tokens_slices_prompt_and_output_like_all_ids():
     for start in range(8):
         for end in range(start, 8):
             assert request.tokens(start, end) == ids[start:end], (start, end)
-
-
-
-def test_token_at_indexes_prompt_then_output_like_all_ids():
-    request = Request("r", [1, 2, 3], SamplingParams(), seed=0)
-    request.output_ids.extend([4, 5])
-    assert [request.token_at(i) for i in range(request.total_len)] == request.all_ids

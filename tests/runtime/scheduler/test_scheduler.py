@@ -1,4 +1,4 @@
-"""Scheduler batches: decoding requests come first, one token each, and the batch says how many."""
+"""Scheduler batches: decoding requests come first, one token each, then the prefill chunks."""
 
 from kiln.runtime.kvcache.allocator import PageAllocator
 from kiln.runtime.kvcache.radix import RadixCache
@@ -19,24 +19,26 @@ def _step(scheduler: Scheduler, token: int = 9):
     """Schedules and completes one step, appending ``token`` to each sampled request."""
     batch = scheduler.schedule()
     scheduler.complete_step(batch)
+    for request in batch.decodes:
+        request.output_ids.append(token)
     for chunk in batch.chunks:
         if chunk.wants_logits:
             chunk.request.output_ids.append(token)
     return batch
 
 
-def test_decode_chunks_lead_the_batch_and_are_counted():
+def test_decoding_requests_lead_the_batch():
     scheduler = _scheduler()
     first = [Request(f"r{i}", [1 + i, 2, 3, 4, 5], SamplingParams(), seed=0) for i in range(2)]
     for request in first:
         scheduler.add(request)
-    assert _step(scheduler).num_decodes == 0                  # both prefill
+    assert _step(scheduler).decodes == []                     # both prefill
     late = Request("late", [7, 8, 9], SamplingParams(), seed=0)
     scheduler.add(late)
     mixed = _step(scheduler)
-    assert mixed.num_decodes == 2
-    assert [(c.request, c.end - c.start, c.wants_logits) for c in mixed.chunks] == \
-        [(first[0], 1, True), (first[1], 1, True), (late, 3, True)]
+    assert mixed.decodes == first
+    assert [(c.request, c.end - c.start, c.wants_logits) for c in mixed.chunks] == [(late, 3, True)]
     decode = _step(scheduler)
-    assert decode.num_decodes == len(decode.chunks) == 3
-    assert all(c.end - c.start == 1 and c.wants_logits for c in decode.chunks)
+    assert decode.decodes == first + [late] and decode.chunks == []
+    # A decoding request has computed all its tokens but the last, the next step's input.
+    assert all(r.num_computed == r.total_len - 1 for r in decode.decodes)
