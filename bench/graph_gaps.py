@@ -1,7 +1,7 @@
 """What an engine step runs on the GPU besides its decode graph, and how long the GPU waits between graphs.
 
 A decode step is one CUDA-graph replay plus whatever the engine queues around it on the compute
-stream. Before decode graphs took two turns (``kiln/runtime/cuda_graphs.py``) that was the staged
+stream. Before decode graphs took two turns (``kiln/runtime/worker/decode_graphs.py``) that was the staged
 inputs' host-to-device copy and the tokens' copy back to the host; each is a separate stream
 operation, and the next replay's first kernel starts only after them, so at batch 1 of a small
 model they were a visible share of a step. Now the inputs' copy runs on a copy stream during the
@@ -19,7 +19,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from timeline import Kernel, PathShare, critical_path
-
 
 NEXT = "(next graph)"
 

@@ -5,7 +5,7 @@ busy time in it, the host functions that take the rest, and the prefill's kernel
 
 Run op by op (``--eager``), a small prefill's time is the host's: each kernel's launch costs Python
 and driver time, and the GPU idles between launches; by default the step replays a prefill graph
-(kiln/runtime/prefill_graphs.py). The host table is cProfile's, sorted by own time, over the same
+(kiln/runtime/worker/prefill_graphs.py). The host table is cProfile's, sorted by own time, over the same
 prefills; ``--set``/``--skip-pass`` as in bench/step_breakdown.py.
 """
 

@@ -21,7 +21,7 @@ from kiln.kernels.bitmask import allocate_bitmask
 
 from .sampling import SamplingParams
 from .scheduler.request import Request
-from .tokenizer import Tokenizer
+from .text.tokenizer import Tokenizer
 
 GRAMMAR = "grammar"
 

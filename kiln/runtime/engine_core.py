@@ -24,19 +24,19 @@ import torch
 from .artifact import load_artifact
 from .constraints import Constraints, constraint_of
 from .engine_options import DEFAULT_CPU_KV_TOKENS, EngineOptions, graph_settings
-from .executor import graph_blockers
 from .kvcache.allocator import PageAllocator
 from .kvcache.pool import pages_for_mem_fraction, pages_for_tokens
 from .kvcache.radix import RadixCache
-from .model_runner import ModelRunner
 from .outputs import SampleEvent, TokenLogprob
 from .sampling import SamplerOutput, SamplingBatch, SamplingParams, SamplingRow, child_seed, masked_argmax, new_seed
 from .scheduler.batch import StepLists, build_step_lists
 from .scheduler.request import DECODING, PENDING, Request, RequestState
 from .scheduler.scheduler import Scheduler, SchedulerConfig
-from .stop_rules import STOP_RULES, StopRules, finish_reason, sampled_on_device
-from .token_readback import InflightStep, TokenReadback
-from .tokenizer import Tokenizer
+from .text.stop_rules import STOP_RULES, StopRules, finish_reason, sampled_on_device
+from .text.tokenizer import Tokenizer
+from .worker.executor import graph_blockers
+from .worker.model_runner import ModelRunner
+from .worker.token_readback import InflightStep, TokenReadback
 
 
 class EngineCore:

@@ -12,8 +12,8 @@ from typing import Callable
 
 from .outputs import Completion, RequestOutput, SampleEvent, StreamDelta, Usage
 from .sampling import SamplingParams
-from .text_stream import SampleText
-from .tokenizer import Tokenizer
+from .text.text_stream import SampleText
+from .text.tokenizer import Tokenizer
 
 
 class RequestHandle:

@@ -22,8 +22,8 @@ from typing import Any
 import zmq
 
 from kiln.runtime.sampling import SamplingParams
-from kiln.runtime.text_stream import SampleText
-from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.text.text_stream import SampleText
+from kiln.runtime.text.tokenizer import Tokenizer
 from kiln.server import ipc
 from kiln.server.token_text import TokenBytes
 

@@ -34,7 +34,7 @@ import uvicorn
 import zmq
 import zmq.asyncio
 
-from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.text.tokenizer import Tokenizer
 
 from . import ipc
 from .context import ServerContext

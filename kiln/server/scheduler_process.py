@@ -21,10 +21,10 @@ from typing import Any
 
 import zmq
 
-from kiln.runtime.detokenizer import PROMPT_CONTEXT_TOKENS
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.engine_options import EngineOptions
 from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.text.detokenizer import PROMPT_CONTEXT_TOKENS
 from kiln.server import ipc
 
 log = logging.getLogger("kiln.server.scheduler")

@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 
 from kiln.runtime.sampling import SamplingParams
-from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.text.tokenizer import Tokenizer
 
 from . import ipc
 from .errors import APIError, from_value_error, invalid

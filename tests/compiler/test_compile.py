@@ -18,7 +18,7 @@ from kiln.compiler.compile import compile_model
 from kiln.compiler.options import CompileOptions
 from kiln.compiler.pipeline import PIPELINE
 from kiln.runtime.artifact import load_artifact
-from kiln.runtime.executor import Executor
+from kiln.runtime.worker.executor import Executor
 from tests.support.hf_models import make_hf_model
 from tests.support.stepping import PagedRun
 
@@ -28,7 +28,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7]]
 RUN_IN_FRESH_PROCESS = textwrap.dedent("""
     import sys, torch
     from kiln.runtime.artifact import load_artifact
-    from kiln.runtime.executor import Executor
+    from kiln.runtime.worker.executor import Executor
     from tests.support.stepping import PagedRun
     run = PagedRun(Executor(load_artifact(sys.argv[1]), "cpu"), num_pages=64)
     run.add_sequences(2)

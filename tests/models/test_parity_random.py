@@ -14,7 +14,7 @@ import pytest
 from kiln.compiler.compile import compile_model
 from kiln.compiler.options import CompileOptions
 from kiln.runtime.artifact import load_artifact
-from kiln.runtime.executor import Executor
+from kiln.runtime.worker.executor import Executor
 from tests.support.hf_models import CONFIGS, load_hf, make_hf_model
 from tests.support.parity import assert_prefill_and_decode_match
 from tests.support.stepping import PagedRun

@@ -16,8 +16,8 @@ import torch
 from kiln.compiler.compile import compile_model
 from kiln.compiler.options import CompileOptions
 from kiln.runtime.artifact import load_artifact
-from kiln.runtime.executor import Executor
-from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.text.tokenizer import Tokenizer
+from kiln.runtime.worker.executor import Executor
 from tests.support.parity import assert_prefill_and_decode_match
 from tests.support.stepping import PagedRun
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from kiln.runtime.executor import Executor, StepInputs
 from kiln.runtime.scheduler.batch import StepLists
+from kiln.runtime.worker.executor import Executor, StepInputs
 
 
 class PagedRun:

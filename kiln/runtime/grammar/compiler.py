@@ -30,8 +30,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import xgrammar
 
-from kiln.runtime.tokenizer import Tokenizer
-
+from ..text.tokenizer import Tokenizer
 from .tokenizer_info import build_tokenizer_info
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from typing import Iterable, Mapping
 
 import xgrammar
 
-from kiln.runtime.tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 
 # A byte-fallback vocabulary holds the 256 pieces "<0x00>".."<0xFF>"; half of them is proof enough.
 _MIN_BYTE_PIECES = 128

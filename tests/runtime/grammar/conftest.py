@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kiln.runtime.grammar import GrammarCompiler, GrammarState, allocate_bitmask
-from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.text.tokenizer import Tokenizer
 
 # SmolLM2's tokenizer has 49152 ids; 20 padding rows make the logits width a non-multiple of 32.
 PADDED_VOCAB = 49152 + 20

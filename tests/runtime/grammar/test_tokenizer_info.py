@@ -13,7 +13,7 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from kiln.runtime.grammar import build_tokenizer_info
-from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

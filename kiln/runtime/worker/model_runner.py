@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from .artifact import Artifact
-from .cuda_graphs import DecodeGraphs
+from ..artifact import Artifact
+from ..kvcache.pool import KVPool
+from ..sampling import SamplerOutput, SamplingBatch, sample
+from ..scheduler.batch import StepLists
+from .decode_graphs import DecodeGraphs
 from .executor import Executor, StepInputs
-from .kvcache.pool import KVPool
 from .prefill_graphs import PrefillGraphs
-from .sampling import SamplerOutput, SamplingBatch, sample
-from .scheduler.batch import StepLists
 
 _POOL_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 

@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.runtime.chat_template import (CHATML_TEMPLATE, LLAMA2_TEMPLATE, LLAMA3_TEMPLATE, MISTRAL_TEMPLATE,
-                                        builtin_template, render_chat_template, validate_messages)
+from kiln.runtime.text.chat_template import (
+    CHATML_TEMPLATE,
+    LLAMA2_TEMPLATE,
+    LLAMA3_TEMPLATE,
+    MISTRAL_TEMPLATE,
+    builtin_template,
+    render_chat_template,
+    validate_messages,
+)
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import models, pre_tokenizers, decoders
+from tokenizers import decoders, models, pre_tokenizers
 
-from kiln.runtime.chat_template import CHATML_TEMPLATE, LLAMA3_TEMPLATE
-from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.text.chat_template import CHATML_TEMPLATE, LLAMA3_TEMPLATE
+from kiln.runtime.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello, world!",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .scheduler.batch import StepLists
+from ..scheduler.batch import StepLists
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.scheduler.request import Request
-from kiln.runtime.stop_rules import STOP_RULES, StopRules, finish_reason
+from kiln.runtime.text.stop_rules import STOP_RULES, StopRules, finish_reason
 
 EOS = 0
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..sampling import SamplingParams
 from .detokenizer import IncrementalDetokenizer, StopChecker
-from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
 

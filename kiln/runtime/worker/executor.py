@@ -18,7 +18,7 @@ import torch
 from kiln.artifact_format import GENERATED_KERNEL_PREFIX, generated_kernel_file
 from kiln.kernels import get_impl
 
-from .artifact import Artifact
+from ..artifact import Artifact
 
 STEP_INPUTS = ("token_ids", "positions", "slots", "q_start", "q_len", "kv_len", "page_table", "logits_index")
 

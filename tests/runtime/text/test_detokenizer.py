@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, normalizers
 
-from kiln.runtime.detokenizer import (IncrementalDetokenizer, StopChecker, find_stop, partial_stop_length)
-from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.text.detokenizer import IncrementalDetokenizer, StopChecker, find_stop, partial_stop_length
+from kiln.runtime.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world, café 你好 😀 naïve",

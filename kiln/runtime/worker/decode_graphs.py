@@ -30,8 +30,8 @@ import torch
 
 from kiln.kernels.argmax import triton_argmax_rows
 
+from ..scheduler.batch import StepLists
 from .executor import Executor, StepInputs
-from .scheduler.batch import StepLists
 
 # Per-sequence int32 vectors of a decode step, in their order in the static buffer: first those staged
 # every step, then those every decode step fills alike (row i is token i, one long, and its logits

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kiln.runtime.scheduler.batch import StepLists
-from kiln.runtime.token_readback import TokenReadback
+from kiln.runtime.worker.token_readback import TokenReadback
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 EMPTY = StepLists([], [], [], [], [], [], [], [], [])

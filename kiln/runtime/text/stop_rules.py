@@ -4,10 +4,10 @@ cuts the text itself), max_new_tokens and the context length."""
 
 from __future__ import annotations
 
-from .constraints import GRAMMAR, Constraints
+from ..constraints import GRAMMAR, Constraints
+from ..sampling import SamplingParams
+from ..scheduler.request import Request
 from .detokenizer import IncrementalDetokenizer, StopChecker
-from .sampling import SamplingParams
-from .scheduler.request import Request
 from .tokenizer import Tokenizer
 
 STOP_RULES = "stop"

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from .cuda_graphs import as_int_tensor
+from ..scheduler.batch import StepLists
+from .decode_graphs import as_int_tensor
 from .executor import Executor, StepInputs
-from .scheduler.batch import StepLists
 
 MIN_TOKEN_BUCKET = 16
 

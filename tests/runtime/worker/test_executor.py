@@ -7,7 +7,7 @@ import pytest
 from kiln.compiler.compile import compile_model
 from kiln.compiler.options import CompileOptions
 from kiln.runtime.artifact import load_artifact
-from kiln.runtime.executor import graph_blockers
+from kiln.runtime.worker.executor import graph_blockers
 from tests.support.hf_models import make_hf_model
 
 

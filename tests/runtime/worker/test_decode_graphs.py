@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import torch
 
-from kiln.runtime.cuda_graphs import DecodeGraphs
 from kiln.runtime.scheduler.batch import StepLists
+from kiln.runtime.worker.decode_graphs import DecodeGraphs
 
 WIDTH = 6
 

@@ -11,7 +11,7 @@ from kiln.compiler.compile import compile_model
 from kiln.compiler.options import CompileOptions
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.engine_options import EngineOptions
-from kiln.runtime.prefill_graphs import bucket_sizes
+from kiln.runtime.worker.prefill_graphs import bucket_sizes
 from tests.support.hf_models import make_hf_model
 from tests.support.stepping import pages_for, step_lists
 
