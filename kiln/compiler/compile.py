@@ -50,7 +50,8 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
     source = load_source(model)
     family = family_for(source.config)
     dtype = parse_float_dtype(options.dtype)
-    built = family.build(source.config, BuildOptions(dtype, options.page_size, options.max_seq_len))
+    built = family.build(source.config, BuildOptions(dtype, options.page_size, options.max_seq_len,
+                                                          options.step_schema()))
     max_seq_len = built.max_seq_len
     bounds = {
         "T": options.max_batch_tokens,
@@ -99,6 +100,7 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
                 "page_size": options.page_size,
                 "dtype": str(dtype),
                 "symbol_bounds": bounds,
+                "step_schema": options.step_schema().to_json(),
             },
             "memory_plan": ctx.memory_plan.to_json(),
             "kernels": sorted(set(ctx.kernel_choice)),

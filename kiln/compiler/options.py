@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from kiln.kernels.registry import BACKENDS
+from kiln.step_schema import STEP_SCHEMA, StepField, StepSchema
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,8 @@ class CompileOptions:
     max_seq_len: int | None = None    # context length; default: the model's max positions
     max_logit_rows: int | None = None  # N: rows of logits one step returns; default max_batch_size
     page_size: int = 16
+    # Per-step inputs beyond the default schema's (kiln.step_schema), for features that read more.
+    step_fields: tuple[StepField, ...] = ()
 
     def validate(self) -> None:
         for name in ("max_batch_tokens", "max_batch_size", "page_size"):
@@ -27,6 +30,9 @@ class CompileOptions:
             raise ValueError(f"max_logit_rows must be >= 1, got {self.max_logit_rows}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+
+    def step_schema(self) -> StepSchema:
+        return STEP_SCHEMA.with_fields(*self.step_fields)
 
     def to_json(self) -> dict:
         return asdict(self)

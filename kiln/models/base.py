@@ -2,7 +2,7 @@
 
 Contract: graph parameters carry the names the HF checkpoint uses, so the compiler loads each one
 by its own name; parameters the model computes (rope tables) come in ``BuiltModel.computed``.
-The graph's inputs are the step inputs every model shares (see ``kiln.ir.ops_core``).
+The graph's inputs are the step schema's fields (``kiln.step_schema``) and the KV caches.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.ir import DType, Graph
+from kiln.step_schema import STEP_SCHEMA, StepSchema
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,7 @@ class BuildOptions:
     dtype: DType
     page_size: int
     max_seq_len: int | None = None
+    step_schema: StepSchema = STEP_SCHEMA  # the graph's step inputs, one per field
 
 
 @dataclass(frozen=True)

@@ -86,12 +86,9 @@ def build(config: Mapping[str, Any], options: BuildOptions) -> BuiltModel:
 def _build_graph(cfg: LlamaConfig, options: BuildOptions, max_positions: int) -> Graph:
     dt, H, D = options.dtype, cfg.hidden_size, cfg.head_dim
     b = GraphBuilder(cfg.architecture)
-    ids = b.input("token_ids", TensorType(("T",), DType.i32))
-    positions = b.input("positions", TensorType(("T",), DType.i32))
-    slots = b.input("slots", TensorType(("T",), DType.i32))
-    seq_inputs = [b.input(name, TensorType(("B",), DType.i32)) for name in ("q_start", "q_len", "kv_len")]
-    page_table = b.input("page_table", TensorType(("B", "P"), DType.i32))
-    logits_index = b.input("logits_index", TensorType(("N",), DType.i32))
+    step = {f.name: b.input(f.name, TensorType(f.shape, DType.i32)) for f in options.step_schema}
+    ids, positions, slots, logits_index = step["token_ids"], step["positions"], step["slots"], step["logits_index"]
+    seq_inputs = [step["q_start"], step["q_len"], step["kv_len"], step["page_table"]]
     cache_type = TensorType(("NS", cfg.num_kv_heads, D), dt)
     caches = [(b.input(f"k_cache.{i}", cache_type), b.input(f"v_cache.{i}", cache_type)) for i in range(cfg.num_layers)]
     rope_table = b.param(ROPE_TABLE, TensorType((max_positions, cfg.rope.rot_dim), DType.f32))
@@ -123,7 +120,7 @@ def _build_graph(cfg: LlamaConfig, options: BuildOptions, max_positions: int) ->
         q = b.op("rope", q, positions, rope_table, name=f"{n}.q_rot")
         k = b.op("rope", k, positions, rope_table, name=f"{n}.k_rot")
         k_cache, v_cache = b.op("kv_store", *caches[i], k, v, slots, names=(f"{n}.k_cache", f"{n}.v_cache"))
-        attn = b.op("paged_attention", q, k_cache, v_cache, *seq_inputs, page_table, scale=D ** -0.5,
+        attn = b.op("paged_attention", q, k_cache, v_cache, *seq_inputs, scale=D ** -0.5,
                     page_size=options.page_size, sliding_window=cfg.sliding_window, name=f"{n}.attn")
         attn = b.op("reshape", attn, shape=["T", q_width], name=f"{n}.attn_flat")
         o = linear(attn, f"{p}.self_attn.o_proj", H, q_width, cfg.o_bias, f"{n}.o")

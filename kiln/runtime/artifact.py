@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from kiln.artifact_format import FORMAT_VERSION, MANIFEST, PROGRAM
+from kiln.step_schema import StepSchema
 
 
 class ArtifactError(ValueError):
@@ -31,6 +32,11 @@ class Artifact:
     @property
     def runtime(self) -> dict[str, Any]:
         return self.manifest["runtime"]
+
+    @property
+    def step_schema(self) -> StepSchema:
+        """The step inputs the artifact's program reads (see ``kiln.step_schema``)."""
+        return StepSchema.from_json(self.runtime["step_schema"])
 
     @property
     def tokenizer_dir(self) -> Path | None:

@@ -147,7 +147,7 @@ def test_graph_replay_equals_eager_for_every_bucket(tmp_path, dtype):
             # n sequences, each with a 20-token context on its own pages, decoding one token.
             lists = StepLists(token_ids=[7 + i for i in range(n)], positions=[19] * n,
                               slots=[(2 + 2 * i) * page + 19 - page for i in range(n)], q_start=list(range(n)),
-                              q_len=[1] * n, kv_len=[20] * n, page_rows=[[1 + 2 * i, 2 + 2 * i] for i in range(n)],
+                              q_len=[1] * n, kv_len=[20] * n, page_table=[[1 + 2 * i, 2 + 2 * i] for i in range(n)],
                               logits_index=list(range(n)), requests=[])
             graph_logits, _ = runner.decode_graphs.run(lists)
             graph_logits = graph_logits.clone()
@@ -180,3 +180,29 @@ def test_prefill_graph_replay_equals_eager(tmp_path, dtype):
         torch.testing.assert_close(first, eager, atol=tol, rtol=tol)
         torch.testing.assert_close(replayed, eager, atol=tol, rtol=tol)
     assert len(runner.prefill_graphs._graphs) == 4
+
+
+def test_an_added_step_field_is_a_captured_graphs_input(tmp_path):
+    """A per-step input added in one place (``CompileOptions.step_fields``) is among the inputs each
+    captured decode graph was recorded with, at its turn's staged device buffer, and a replay reads
+    the values staged there."""
+    from kiln.step_schema import SEQUENCE, StepField
+
+    from models import random_model
+
+    field = StepField("adapter_index", SEQUENCE, 0, "a test input")
+    _, source = random_model("smollm2-135m", torch.bfloat16, 2)
+    artifact = compile_model(source, tmp_path / "m.kiln", CompileOptions(
+        dtype="bf16", backend="triton", max_batch_size=8, max_seq_len=256, step_fields=(field,)))
+    core = EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=4096, decode_buckets=(2,)))
+    graphs = core.runner.decode_graphs
+    for turn in range(2):
+        views = graphs._inputs(2, turn).feeds
+        region = graphs.layout.offset[field.name]
+        assert views[field.name].data_ptr() == graphs._devices[turn][region:].data_ptr()
+    lists = step_lists([1, 1], [3, 2], [0, 1], pages_for([4, 3], 16), page_size=16)
+    lists.adapter_index = [6, 2]
+    graphs.run(lists)
+    torch.cuda.synchronize()
+    region = graphs.layout.offset[field.name]
+    assert graphs._devices[0][region:region + 2].tolist() == [6, 2]

@@ -60,8 +60,10 @@ class PagedRun:
         def i32(values):
             return torch.tensor(values, dtype=torch.int32, device=dev)
 
-        inputs = StepInputs(i32(ids), i32(positions), i32(slots), i32(q_start), i32(q_len), i32(kv_len),
-                            i32(table).reshape(len(new_tokens), width), i32(index), max(q_len), max(kv_len))
+        feeds = {"token_ids": i32(ids), "positions": i32(positions), "slots": i32(slots), "q_start": i32(q_start),
+                 "q_len": i32(q_len), "kv_len": i32(kv_len), "page_table": i32(table).reshape(len(new_tokens), width),
+                 "logits_index": i32(index)}
+        inputs = StepInputs(feeds, max(q_len), max(kv_len))
         return self.executor.run(inputs, self.caches)["logits"].clone()
 
 
@@ -79,19 +81,23 @@ def pages_for(totals: list[int], page_size: int = 4) -> list[list[int]]:
 
 
 def step_lists(new_tokens: list[int], cached: list[int], logits_rows: list[int], page_rows: list[list[int]],
-               page_size: int = 4) -> StepLists:
+               page_size: int = 4, every_token: tuple[int, ...] = (), first_token: int = 3) -> StepLists:
     """Sequence i adds new_tokens[i] tokens after cached[i] ones, on page_rows[i]; logits for the
-    sequences in logits_rows (at their last token)."""
-    lists = StepLists([], [], [], [], [], [], [], [], [])
+    sequences in logits_rows at their last token, and for those in ``every_token`` at each new token
+    (as draft verification wants). Token ids are a function of (sequence, position), so steps that
+    split a sequence differently feed it the same tokens."""
+    lists = StepLists.empty()
     for i, (n, before) in enumerate(zip(new_tokens, cached)):
         lists.q_start.append(len(lists.token_ids))
         for pos in range(before, before + n):
-            lists.token_ids.append(3 + 7 * i + pos)
+            if i in every_token:
+                lists.logits_index.append(len(lists.token_ids))
+            lists.token_ids.append(first_token + 7 * i + pos)
             lists.positions.append(pos)
             lists.slots.append(page_rows[i][pos // page_size] * page_size + pos % page_size)
         lists.q_len.append(n)
         lists.kv_len.append(before + n)
-        lists.page_rows.append(page_rows[i])
-        if i in logits_rows:
+        lists.page_table.append(page_rows[i])
+        if i in logits_rows and i not in every_token:
             lists.logits_index.append(len(lists.token_ids) - 1)
     return lists

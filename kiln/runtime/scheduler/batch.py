@@ -1,26 +1,40 @@
 """Turning a ScheduleBatch into the step's index lists: token ids, positions, KV slots, the
-per-sequence layout and page table rows, and which rows' logits are wanted. Plain Python lists;
-the model runner makes them tensors."""
+per-sequence layout and page table rows, and which rows' logits are wanted. Plain Python lists, a
+column per step-schema field (``kiln.step_schema``); the model runner makes them tensors."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from kiln.step_schema import STEP_SCHEMA, StepSchema
 
 from .request import Request
 from .scheduler import ScheduleBatch, ScheduledChunk
 
 
-@dataclass(frozen=True)
 class StepLists:
-    token_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    q_start: list[int]
-    q_len: list[int]
-    kv_len: list[int]
-    page_rows: list[list[int]]      # one page-table row per sequence (ragged)
-    logits_index: list[int]         # token rows whose logits are sampled
-    requests: list[Request]         # the request each logits row belongs to
+    """One step's inputs as host lists: ``lists.<field>`` for each step-schema field the scheduler
+    fills (a 2-D field, the page table, as ragged rows), and ``requests``, the request each logits
+    row belongs to. A field left out is padding throughout (its schema padding value): a feature's
+    input only the steps that use it fill. (Columns are plain attributes: the decode path reads
+    them every step.)"""
+
+    def __init__(self, requests: list[Request] | None = None, **columns: list) -> None:
+        self.requests: list[Request] = requests if requests is not None else []
+        self.__dict__.update(columns)
+
+    @staticmethod
+    def empty(schema: StepSchema = STEP_SCHEMA) -> "StepLists":
+        return StepLists([], **{name: [] for name in schema.names})
+
+    def column(self, name: str) -> list | None:
+        """A field's column, or None when the step leaves it as padding."""
+        return self.__dict__.get(name)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StepLists) and self.__dict__ == other.__dict__
+
+    def __repr__(self) -> str:
+        columns = {k: v for k, v in self.__dict__.items() if k != "requests"}
+        return f"StepLists({columns}, requests={len(self.requests)})"
 
 
 def build_step_lists(batch: ScheduleBatch, page_size: int) -> StepLists:
@@ -43,7 +57,7 @@ def _decode_lists(requests: list[Request], page_size: int) -> StepLists:
         positions=positions,
         slots=[pages[pos // page_size] * page_size + pos % page_size for pages, pos in zip(page_rows, positions)],
         q_start=list(rows), q_len=[1] * len(requests), kv_len=[pos + 1 for pos in positions],
-        page_rows=page_rows, logits_index=list(rows), requests=list(requests))
+        page_table=page_rows, logits_index=list(rows), requests=list(requests))
 
 
 def _append_chunk(lists: StepLists, chunk: ScheduledChunk, page_size: int) -> None:
@@ -54,7 +68,7 @@ def _append_chunk(lists: StepLists, chunk: ScheduledChunk, page_size: int) -> No
     lists.q_start.append(len(lists.token_ids))
     lists.q_len.append(end - start)
     lists.kv_len.append(end)
-    lists.page_rows.append(pages)
+    lists.page_table.append(pages)
     lists.token_ids.extend(request.tokens(start, end))
     lists.positions.extend(range(start, end))
     lists.slots.extend(pages[pos // page_size] * page_size + pos % page_size for pos in range(start, end))

@@ -1,9 +1,12 @@
 """Decode steps as captured CUDA graphs, per batch-size bucket, over static input buffers.
 
 A decode step (every sequence adds one token) of ``n`` sequences runs as a graph of the smallest
-bucket ``b >= n``: the step's index lists are written into a pinned host buffer, copied to the
-device in one transfer, and rows ``n..b`` are padding (token 0, KV slot -1 so nothing is stored,
-context 1 over the reserved page 0). All graphs share the executor's arena, so capturing many
+bucket ``b >= n``: the step's index lists are written into a pinned host buffer laid out by the
+step schema (``step_buffers.StepLayout``, every axis' capacity the largest bucket), copied to the
+device in one transfer, and rows ``n..b`` are padding (each field's padding value: token 0, KV slot
+-1 so nothing is stored; but each padding row is a sequence of one token, with a context of 1 over
+the reserved page 0). Row ``i`` is sequence ``i``'s one token and its logits row, so the layout's
+``q_start``, ``q_len`` and ``logits_index`` are the same on every step: written once. All graphs share the executor's arena, so capturing many
 buckets costs little memory. Greedy tokens are computed inside the graph too, so a greedy step
 needs no kernel launch after the replay.
 
@@ -24,20 +27,18 @@ On a CPU (no graphs) the same padded path runs eagerly; tests use it to check th
 
 from __future__ import annotations
 
-from array import array
-
 import torch
 
 from kiln.kernels.argmax import triton_argmax_rows
 
 from ..scheduler.batch import StepLists
 from .executor import Executor, StepInputs
+from .step_buffers import StepLayout
 
-# Per-sequence int32 vectors of a decode step, in their order in the static buffer: first those staged
-# every step, then those every decode step fills alike (row i is token i, one long, and its logits
-# are wanted), written once for all buckets.
-_VECTORS = ("token_ids", "positions", "slots", "kv_len", "q_start", "q_len", "logits_index")
-_STAGED_VECTORS = 4
+# What the one-token-a-sequence layout fixes: row i is sequence i's only token and its logits row.
+_LAYOUT_FIELDS = ("q_start", "q_len", "logits_index")
+# A padding row is a sequence of one token, so it has one token of context (page 0's first slot).
+_DECODE_PADDING = {"kv_len": 1}
 
 
 class DecodeGraphs:
@@ -46,24 +47,33 @@ class DecodeGraphs:
         self.executor = executor
         self.kv_views = kv_views
         self.buckets = sorted(set(buckets))
-        self.width = page_table_width
         self.max_batch = self.buckets[-1]
+        schema = executor.schema
+        self.layout = StepLayout(schema, {"T": self.max_batch, "B": self.max_batch, "N": self.max_batch},
+                                 page_table_width)
+        self.width = page_table_width
+        # Everything but the fixed layout is staged each step; the ids come first in the buffer, so
+        # a step whose ids are already on the device copies from the end of their region.
+        self._staged = [f.name for f in schema if f.columns is None and f.name not in _LAYOUT_FIELDS]
+        assert self._staged[0] == "token_ids" and self.layout.offset["token_ids"] == 0, \
+            "the step schema must start with token_ids"
+        self._staged_after_ids = self._staged[1:]
+        self._after_ids = self.max_batch
         device = executor.device
         on_gpu = device.type == "cuda"
-        self._vector_len = len(_VECTORS) * self.max_batch
-        size = self._vector_len + self.max_batch * self.width
+        size = self.layout.size
         # Per turn: the pinned staging buffer, the device inputs, the pinned tokens the argmax leaves.
         self._hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=on_gpu) for _ in range(2)]
         self._devices = [torch.zeros(size, dtype=torch.int32, device=device) for _ in range(2)]
         self._mirrors = [torch.zeros(self.max_batch, dtype=torch.int32, pin_memory=on_gpu) for _ in range(2)]
         rows = list(range(self.max_batch))
-        fixed = as_int_tensor(rows + [1] * self.max_batch + rows, "i")    # q_start, q_len, logits_index
+        fixed = StepLists(q_start=rows, q_len=[1] * self.max_batch, logits_index=rows)
+        full = {"T": self.max_batch, "B": self.max_batch, "N": self.max_batch}
         for host in self._hosts:
-            host[_STAGED_VECTORS * self.max_batch:self._vector_len] = fixed
-        # Copies of the page-table rows each turn's staging buffer holds, so that staging writes only
-        # what changed: rewriting every page of every row took ~2 ms a step at batch 256 with
-        # 1024-token contexts. (Copies, compared by content: a request's pages may change in place.)
-        self._staged_rows: list[list[list[int] | None]] = [[None] * self.max_batch for _ in range(2)]
+            self.layout.write_vectors(host, fixed, full, list(_LAYOUT_FIELDS))
+        # Copies of the table rows each turn's staging buffer holds, so that staging writes only
+        # what changed (see StepLayout.write_table).
+        self._held_rows: list[list[list[int] | None]] = [[None] * self.max_batch for _ in range(2)]
         self._turn = 0
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._logits: dict[int, torch.Tensor] = {}
@@ -78,7 +88,7 @@ class DecodeGraphs:
         """A decode-only step small enough for a bucket."""
         n = len(lists.token_ids)
         return n <= self.max_batch and len(lists.logits_index) == n and max(lists.q_len) == 1 and \
-            max(map(len, lists.page_rows)) <= self.width
+            max(map(len, lists.page_table)) <= self.width
 
     def run(self, lists: StepLists, tokens_from: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[n, V]`` and greedy tokens ``[n]`` of a decode step (views valid until the next step).
@@ -122,40 +132,21 @@ class DecodeGraphs:
     def _stage(self, lists: StepLists, bucket: int, turn: int, ids_on_device: bool = False) -> None:
         """Writes the step's inputs into the turn's pinned host buffer, then copies what the bucket
         reads to the turn's device buffer in one transfer (all but the input ids when
-        ``ids_on_device``), on the copy stream on a GPU. Built as two flat Python lists and two tensor
-        writes: this runs on every decode step, and per-row tensor writes cost ~5 us each. (Lists
-        become tensors through ``array``: 3x faster than ``torch.tensor`` on a list, yet still the
-        largest cost here, so only the vectors that change are converted.)"""
-        n = len(lists.token_ids)
+        ``ids_on_device``), on the copy stream on a GPU. This runs on every decode step: only the
+        fields that change are written, and table rows only where they changed."""
         host = self._hosts[turn]
-        staged = self._staged_rows[turn]
-        pad = bucket - n
-        gap = [0] * (self.max_batch - bucket)       # the rest of each vector's space, unread
+        sizes = {"T": bucket, "B": bucket, "N": bucket}
+        layout = self.layout
         # Ids already on the device are not staged (PENDING ones come from there).
-        flat = [] if ids_on_device else [max(t, 0) for t in lists.token_ids] + [0] * pad + gap
-        flat += lists.positions + [0] * pad + gap
-        flat += lists.slots + [-1] * pad + gap      # padding rows store no KV
-        flat += lists.kv_len + [1] * pad            # one token of context, on the reserved page 0
-        # The ids come first in the buffer; a device-side copy may fill them in afterwards.
-        first = self.max_batch if ids_on_device else 0
-        host[first:first + len(flat)] = as_int_tensor(flat, "i")
-        # Page-table rows: only the columns below each row's context are read, so only those are
-        # written, and only where the buffer does not hold them already (a decoding row gains a
-        # page every page_size steps: only its new tail is written); padding rows read column 0,
-        # which must name page 0.
-        index: list[int] = []
-        pages: list[int] = []
-        rows = lists.page_rows + [[0]] * pad
-        for row in [row for row, (held, row_pages) in enumerate(zip(staged, rows)) if held != row_pages]:
-            held, row_pages = staged[row], rows[row]
-            start = self._vector_len + row * self.width
-            keep = len(held) if held is not None and len(held) < len(row_pages) and row_pages[:len(held)] == held else 0
-            index.extend(range(start + keep, start + len(row_pages)))
-            pages.extend(row_pages[keep:])
-            staged[row] = list(row_pages)
-        if index:
-            host.index_put_((as_int_tensor(index, "q"),), as_int_tensor(pages, "i"))
-        used = self._vector_len + bucket * self.width
+        names = self._staged_after_ids if ids_on_device else self._staged
+        layout.write_vectors(host, lists, sizes, names, _DECODE_PADDING)
+        pad = bucket - len(lists.token_ids)
+        for table in layout.schema.tables():
+            # Padding rows read column 0, which must name page 0.
+            rows = (lists.column(table.name) or [[]] * len(lists.token_ids)) + [[0]] * pad
+            layout.write_table(host, table, rows, self._held_rows[turn])
+        first = self._after_ids if ids_on_device else 0
+        used = layout.end(sizes)
         device = self._devices[turn]
         if device.device.type != "cuda":
             device[first:used].copy_(host[first:used])
@@ -168,16 +159,14 @@ class DecodeGraphs:
             self._uploaded[turn].record(self._copy_stream)
 
     def _inputs(self, bucket: int, turn: int) -> StepInputs:
-        device = self._devices[turn]
-        views = {name: device[i * self.max_batch:i * self.max_batch + bucket] for i, name in enumerate(_VECTORS)}
-        table = device[self._vector_len:self._vector_len + bucket * self.width].view(bucket, self.width)
+        views = self.layout.views(self._devices[turn], {"T": bucket, "B": bucket, "N": bucket})
         # max_kv_len stays at the table's reach: the graph must serve any context up to it.
-        return StepInputs(page_table=table, max_q_len=1, max_kv_len=self.width * self.executor.page_size, **views)
+        return StepInputs(views, max_q_len=1, max_kv_len=self.width * self.executor.page_size)
 
     def _capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.executor.device)
-        empty = StepLists([], [], [], [], [], [], [], [], [])
+        empty = StepLists.empty(self.executor.schema)
         for bucket in reversed(self.buckets):
             graphs = []
             for turn in range(2):
@@ -204,11 +193,3 @@ class DecodeGraphs:
                 assert self._logits.setdefault(bucket, logits).data_ptr() == logits.data_ptr()
             self._graphs[bucket] = graphs
         torch.cuda.synchronize()
-
-
-_DTYPES = {"i": torch.int32, "q": torch.int64}
-
-
-def as_int_tensor(values: list[int], typecode: str) -> torch.Tensor:
-    """A non-empty list of ints as an int32 ("i") or int64 ("q") tensor viewing an ``array``'s buffer."""
-    return torch.frombuffer(array(typecode, values), dtype=_DTYPES[typecode])

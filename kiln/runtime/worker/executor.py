@@ -17,30 +17,26 @@ import torch
 
 from kiln.artifact_format import GENERATED_KERNEL_PREFIX, generated_kernel_file
 from kiln.kernels import get_impl
+from kiln.step_schema import StepSchema
 
 from ..artifact import Artifact
 
-STEP_INPUTS = ("token_ids", "positions", "slots", "q_start", "q_len", "kv_len", "page_table", "logits_index")
-
-
 @dataclass
 class StepInputs:
-    """One step's inputs (int32 tensors on the executor's device) and host-side facts about them."""
+    """One step's inputs: a tensor per step-schema field (int32, on the executor's device), and the
+    host-side bounds the kernels size their launches by: the longest sequence's new tokens and context."""
 
-    token_ids: torch.Tensor      # [T]
-    positions: torch.Tensor      # [T]
-    slots: torch.Tensor          # [T] pool slot each token's K/V goes to (-1: padding)
-    q_start: torch.Tensor        # [B] first row of each sequence's tokens
-    q_len: torch.Tensor          # [B] new tokens of each sequence
-    kv_len: torch.Tensor         # [B] context length including the new tokens
-    page_table: torch.Tensor     # [B, P] pages of each sequence
-    logits_index: torch.Tensor   # [N] rows whose logits are wanted
+    feeds: dict[str, torch.Tensor]
     max_q_len: int
     max_kv_len: int
 
-    def sizes(self) -> dict[str, int]:
-        return {"T": self.token_ids.shape[0], "B": self.q_len.shape[0], "N": self.logits_index.shape[0],
-                "P": self.page_table.shape[1], "max_q_len": self.max_q_len, "max_kv_len": self.max_kv_len}
+    def sizes(self, schema: StepSchema) -> dict[str, int]:
+        """The step's symbol sizes: each axis' length, each table's columns, and the two bounds."""
+        sizes = {axis: self.feeds[name].shape[0] for axis, name in schema.size_fields().items()}
+        for table in schema.tables():
+            sizes[table.columns] = self.feeds[table.name].shape[1]
+        sizes.update(max_q_len=self.max_q_len, max_kv_len=self.max_kv_len)
+        return sizes
 
 
 def kernel_table(artifact: Artifact, device: torch.device) -> dict[str, Callable]:
@@ -94,6 +90,7 @@ class Executor:
         plan = artifact.manifest["memory_plan"]
         self.bounds: dict[str, int] = plan["bounds"]
         self.page_size: int = artifact.runtime["page_size"]
+        self.schema = artifact.step_schema
         self.arena = torch.empty(plan["arena_bytes"], dtype=torch.uint8, device=self.device)
         self.step_fn = artifact.program.bind(kernel_table(artifact, self.device))
 
@@ -105,11 +102,10 @@ class Executor:
         return self.arena[offset:offset + nbytes].view(dtype).view(shape)
 
     def run(self, inputs: StepInputs, kv_views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        sizes = inputs.sizes()
-        for symbol in ("T", "B", "N", "P"):
-            if sizes[symbol] > self.bounds[symbol]:
-                raise ValueError(f"step has {symbol}={sizes[symbol]}, the artifact was compiled for at most "
-                                 f"{self.bounds[symbol]}")
-        feeds = {name: getattr(inputs, name) for name in STEP_INPUTS}
+        sizes = inputs.sizes(self.schema)
+        for symbol, bound in self.bounds.items():
+            if sizes.get(symbol, 0) > bound:
+                raise ValueError(f"step has {symbol}={sizes[symbol]}, the artifact was compiled for at most {bound}")
+        feeds = dict(inputs.feeds)
         feeds.update(kv_views)
         return self.step_fn(self.weights, feeds, self.arena_view, sizes)

@@ -34,8 +34,7 @@ class ModelRunner:
         bounds = rt["symbol_bounds"]
         buckets = [b for b in decode_buckets if b <= min(bounds["T"], bounds["B"], bounds["N"])]
         self.decode_graphs = DecodeGraphs(self.executor, self.kv_views, buckets, bounds["P"]) if buckets else None
-        self.prefill_graphs = PrefillGraphs(self.executor, self.kv_views, bounds["T"], min(bounds["B"], bounds["N"]),
-                                            bounds["P"]) if prefill_graphs else None
+        self.prefill_graphs = PrefillGraphs(self.executor, self.kv_views, bounds) if prefill_graphs else None
 
     def forward(self, lists: StepLists, tokens_from: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -55,17 +54,23 @@ class ModelRunner:
         return self.decode_graphs.host_mirror(tokens) if self.decode_graphs is not None else None
 
     def forward_eager(self, lists: StepLists) -> tuple[torch.Tensor, None]:
-        """The step run op by op, never through a graph."""
-        width = max(len(row) for row in lists.page_rows)
-        table = torch.zeros((len(lists.page_rows), width), dtype=torch.int32)
-        for i, row in enumerate(lists.page_rows):
-            table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
-        inputs = StepInputs(
-            token_ids=self._ints(lists.token_ids), positions=self._ints(lists.positions),
-            slots=self._ints(lists.slots), q_start=self._ints(lists.q_start), q_len=self._ints(lists.q_len),
-            kv_len=self._ints(lists.kv_len), page_table=table.to(self.device, non_blocking=True),
-            logits_index=self._ints(lists.logits_index), max_q_len=max(lists.q_len), max_kv_len=max(lists.kv_len),
-        )
+        """The step run op by op, never through a graph, on tensors exactly the step's size."""
+        schema = self.executor.schema
+        sizes = {axis: len(lists.column(name)) for axis, name in schema.size_fields().items()}
+        feeds = {}
+        for field in schema:
+            values = lists.column(field.name)
+            if field.columns is None:
+                pad = field.pad_value(sizes["T"])
+                feeds[field.name] = self._ints(values if values is not None else [pad] * sizes[field.axis])
+                continue
+            rows = values if values is not None else [[]] * sizes[field.axis]
+            width = max(1, max(map(len, rows), default=0))
+            table = torch.full((len(rows), width), field.pad_value(sizes["T"]), dtype=torch.int32)
+            for i, row in enumerate(rows):
+                table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
+            feeds[field.name] = table.to(self.device, non_blocking=True)
+        inputs = StepInputs(feeds, max_q_len=max(lists.q_len), max_kv_len=max(lists.kv_len))
         return self.executor.run(inputs, self.kv_views)["logits"], None
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch, allowed: torch.Tensor | None = None) -> SamplerOutput:

@@ -4,9 +4,11 @@ Run op by op, a prefill step is bound by the host: each of its ~14 kernels a lay
 Python and driver time to launch, so SmolLM2-135M's 128-token prefill took 21.7 ms on an H200 whose
 GPU was busy for 1.0 ms of it (bench/prefill_breakdown.py). Replayed from a graph, it costs one
 launch. A step of ``t`` tokens over ``b`` sequences runs as the graph of the smallest token bucket
-``T >= t`` and sequence bucket ``B >= b``: the step's index lists are packed into a pinned host
-buffer and copied to the device in one transfer; tokens ``t..T`` are padding (token 0, position 0,
-KV slot -1 so nothing is stored, in no sequence, so attention leaves their rows alone) and sequences
+``T >= t``, sequence bucket ``B >= b`` and logits-row bucket ``N >= n`` (the sequence bucket
+unless the step wants more rows than sequences, as draft verification does): the step's index lists
+are staged into a pinned host buffer laid out by the step schema (``step_buffers.StepLayout``) and
+copied to the device in one transfer; padding rows hold each field's padding value, so tokens
+``t..T`` store no KV and are in no sequence (attention leaves their rows alone) and sequences
 ``b..B`` have no new tokens (attention skips them). ``max_q_len`` is the token bucket and
 ``max_kv_len`` the page table's reach, bounds that hold for any step the graph serves; attention's
 loops over each sequence's own lengths read them from the device.
@@ -23,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from ..scheduler.batch import StepLists
-from .decode_graphs import as_int_tensor
 from .executor import Executor, StepInputs
+from .step_buffers import StepLayout
 
 MIN_TOKEN_BUCKET = 16
 
@@ -40,88 +42,67 @@ def bucket_sizes(least: int, bound: int) -> list[int]:
 
 
 class PrefillGraphs:
-    def __init__(self, executor: Executor, kv_views: dict[str, torch.Tensor], max_tokens: int,
-                 max_sequences: int, page_table_width: int) -> None:
+    def __init__(self, executor: Executor, kv_views: dict[str, torch.Tensor], bounds: dict[str, int]) -> None:
+        """``bounds``: the most tokens (T), sequences (B) and logits rows (N) of a step, and the page
+        table's width (P)."""
         self.executor = executor
         self.kv_views = kv_views
-        self.token_buckets = bucket_sizes(min(MIN_TOKEN_BUCKET, max_tokens), max_tokens)
-        self.sequence_buckets = bucket_sizes(1, max_sequences)
-        self.width = page_table_width
+        self.token_buckets = bucket_sizes(min(MIN_TOKEN_BUCKET, bounds["T"]), bounds["T"])
+        self.sequence_buckets = bucket_sizes(1, bounds["B"])
+        self.row_buckets = bucket_sizes(1, bounds["N"])
+        self.layout = StepLayout(executor.schema, {axis: bounds[axis] for axis in ("T", "B", "N")}, bounds["P"])
         device = executor.device
         self._capturing = device.type == "cuda"
-        size = 3 * max_tokens + 4 * max_sequences + max_sequences * page_table_width
         # Two pinned staging buffers used in turn, as DecodeGraphs does: a step may be staged while
         # the previous step's copy is still in flight.
-        self._hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=self._capturing) for _ in range(2)]
+        self._hosts = [torch.zeros(self.layout.size, dtype=torch.int32, pin_memory=self._capturing) for _ in range(2)]
         self._turn = 0
-        self._device = torch.zeros(size, dtype=torch.int32, device=device)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._device = torch.zeros(self.layout.size, dtype=torch.int32, device=device)
+        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self._capturing else None
 
     def fits(self, lists: StepLists) -> bool:
-        """A step within the largest buckets, with at most one logits row a sequence."""
+        """A step within the largest buckets."""
         return len(lists.token_ids) <= self.token_buckets[-1] and len(lists.q_len) <= self.sequence_buckets[-1] \
-            and len(lists.logits_index) <= len(lists.q_len) and all(len(row) <= self.width for row in lists.page_rows)
+            and len(lists.logits_index) <= self.row_buckets[-1] \
+            and all(len(row) <= self.layout.width for row in lists.page_table)
 
     def run(self, lists: StepLists) -> torch.Tensor:
         """Logits ``[len(lists.logits_index), V]`` of the step (a view valid until the next step)."""
-        tokens = next(t for t in self.token_buckets if t >= len(lists.token_ids))
-        sequences = next(b for b in self.sequence_buckets if b >= len(lists.q_len))
-        inputs = self._stage(lists, tokens, sequences)
         n = len(lists.logits_index)
+        sizes = self._buckets(len(lists.token_ids), len(lists.q_len), n)
+        inputs = self._stage(lists, sizes)
         if not self._capturing:
             return self.executor.run(inputs, self.kv_views)["logits"][:n]
-        key = (tokens, sequences)
+        key = (sizes["T"], sizes["B"], sizes["N"])
         if key not in self._graphs:
             self._graphs[key] = self._capture(inputs)
         graph, logits = self._graphs[key]
         graph.replay()
         return logits[:n]
 
-    def _stage(self, lists: StepLists, tokens: int, sequences: int) -> StepInputs:
-        """Packs the step into the bucket's layout (token vectors, sequence vectors, page table) at the
-        front of the pinned buffer and copies that to the device in one transfer."""
-        t, b = len(lists.token_ids), len(lists.q_len)
-        token_pad, sequence_pad = [0] * (tokens - t), [0] * (sequences - b)
-        flat = [
-            *lists.token_ids, *token_pad,
-            *lists.positions, *token_pad,
-            *lists.slots, *([-1] * (tokens - t)),      # padding tokens store no KV
-            *lists.q_start, *([t] * (sequences - b)),
-            *lists.q_len, *sequence_pad,               # padding sequences have no tokens
-            *lists.kv_len, *sequence_pad,
-            *lists.logits_index, *([0] * (sequences - len(lists.logits_index))),
-        ]
-        table_start = len(flat)
+    def _buckets(self, t: int, b: int, n: int) -> dict[str, int]:
+        sequences = next(s for s in self.sequence_buckets if s >= b)
+        # One logits row a sequence at most (prefill, decode): the sequence bucket serves, and no
+        # extra graphs are captured; more rows (a request verifying drafts) take a row bucket.
+        rows = sequences if n <= sequences <= self.row_buckets[-1] else next(r for r in self.row_buckets if r >= n)
+        return {"T": next(s for s in self.token_buckets if s >= t), "B": sequences, "N": rows}
+
+    def _stage(self, lists: StepLists, sizes: dict[str, int]) -> StepInputs:
+        """Writes the step padded to the bucket into the pinned buffer and copies what the bucket
+        reads to the device in one transfer."""
         host = self._hosts[self._turn]
         self._turn ^= 1
-        host[:table_start] = as_int_tensor(flat, "i")
-        # Only the columns below each sequence's context are read, so only those are written.
-        index: list[int] = []
-        pages: list[int] = []
-        for row, row_pages in enumerate(lists.page_rows):
-            start = table_start + row * self.width
-            index.extend(range(start, start + len(row_pages)))
-            pages.extend(row_pages)
-        if index:
-            host.index_put_((as_int_tensor(index, "q"),), as_int_tensor(pages, "i"))
-        used = table_start + sequences * self.width
+        layout = self.layout
+        layout.write_vectors(host, lists, sizes, [f.name for f in layout.schema if f.columns is None])
+        for table in layout.schema.tables():
+            layout.write_table(host, table, lists.column(table.name) or [])
+        used = layout.end(sizes)
         self._device[:used].copy_(host[:used], non_blocking=True)
-        return self._inputs(tokens, sequences)
-
-    def _inputs(self, tokens: int, sequences: int) -> StepInputs:
-        """The bucket's views of the device buffer: the same addresses on every step, as a graph needs."""
-        d = self._device
-        token_vectors = [d[i * tokens:(i + 1) * tokens] for i in range(3)]
-        base = 3 * tokens
-        sequence_vectors = [d[base + i * sequences:base + (i + 1) * sequences] for i in range(4)]
-        table_start = base + 4 * sequences
-        table = d[table_start:table_start + sequences * self.width].view(sequences, self.width)
-        token_ids, positions, slots = token_vectors
-        q_start, q_len, kv_len, logits_index = sequence_vectors
-        return StepInputs(token_ids=token_ids, positions=positions, slots=slots, q_start=q_start, q_len=q_len,
-                          kv_len=kv_len, page_table=table, logits_index=logits_index, max_q_len=tokens,
-                          max_kv_len=self.width * self.executor.page_size)
+        # max_q_len is the token bucket and max_kv_len the page table's reach: bounds that hold for
+        # any step the graph serves.
+        return StepInputs(layout.views(self._device, sizes), max_q_len=sizes["T"],
+                          max_kv_len=layout.width * self.executor.page_size)
 
     def _capture(self, inputs: StepInputs) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The staged step is real: the warm-up runs compute it (storing its K/V), and the replay that

@@ -25,7 +25,7 @@ def test_prefill_and_decode_chunks_in_one_step():
     assert lists.positions == [2, 3, 4, 5, 4, 0, 1, 2]
     assert lists.slots == [7 * 4 + 2, 7 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1, 9 * 4 + 0, 3 * 4 + 0, 3 * 4 + 1, 3 * 4 + 2]
     assert (lists.q_start, lists.q_len, lists.kv_len) == ([0, 4, 5], [4, 1, 3], [6, 5, 3])
-    assert lists.page_rows == [[7, 2], [5, 9], [3, 8]]
+    assert lists.page_table == [[7, 2], [5, 9], [3, 8]]
     assert lists.logits_index == [3, 4]
     assert lists.requests == [prefill, decode]
 

@@ -10,6 +10,7 @@ import torch
 
 from kiln.runtime.scheduler.batch import StepLists
 from kiln.runtime.worker.decode_graphs import DecodeGraphs
+from kiln.step_schema import STEP_SCHEMA
 
 WIDTH = 6
 
@@ -17,19 +18,19 @@ WIDTH = 6
 def decode_lists(page_rows: list[list[int]]) -> StepLists:
     n = len(page_rows)
     return StepLists(token_ids=[7] * n, positions=[0] * n, slots=[0] * n, q_start=list(range(n)), q_len=[1] * n,
-                     kv_len=[1] * n, page_rows=page_rows, logits_index=list(range(n)), requests=[])
+                     kv_len=[1] * n, page_table=page_rows, logits_index=list(range(n)), requests=[])
 
 
 def staged_table(graphs: DecodeGraphs, lists: StepLists, bucket: int, turn: int) -> list[list[int]]:
     graphs._stage(lists, bucket, turn)
-    table = graphs._inputs(bucket, turn).page_table
+    table = graphs._inputs(bucket, turn).feeds["page_table"]
     # Each row's columns below its page count are what a step reads (padding rows: column 0).
-    lengths = [len(row) for row in lists.page_rows] + [1] * (bucket - len(lists.page_rows))
+    lengths = [len(row) for row in lists.page_table] + [1] * (bucket - len(lists.page_table))
     return [table[row, :length].tolist() for row, length in enumerate(lengths)]
 
 
 def test_page_rows_are_staged_incrementally_and_exactly():
-    executor = SimpleNamespace(device=torch.device("cpu"), page_size=4)
+    executor = SimpleNamespace(device=torch.device("cpu"), page_size=4, schema=STEP_SCHEMA)
     graphs = DecodeGraphs(executor, {}, [1, 2, 4], WIDTH)
     steps = [
         [[3], [5, 6]],
@@ -48,10 +49,10 @@ def test_page_rows_are_staged_incrementally_and_exactly():
 
 
 def test_ids_already_on_the_device_are_left_alone():
-    executor = SimpleNamespace(device=torch.device("cpu"), page_size=4)
+    executor = SimpleNamespace(device=torch.device("cpu"), page_size=4, schema=STEP_SCHEMA)
     graphs = DecodeGraphs(executor, {}, [2], WIDTH)
     graphs._devices[0][:2] = torch.tensor([11, 12], dtype=torch.int32)
     graphs._stage(decode_lists([[1], [2]]), 2, 0, ids_on_device=True)
-    assert graphs._inputs(2, 0).token_ids.tolist() == [11, 12]
+    assert graphs._inputs(2, 0).feeds["token_ids"].tolist() == [11, 12]
     graphs._stage(decode_lists([[1], [2]]), 2, 0)
-    assert graphs._inputs(2, 0).token_ids.tolist() == [7, 7]
+    assert graphs._inputs(2, 0).feeds["token_ids"].tolist() == [7, 7]

@@ -10,7 +10,7 @@ from kiln.runtime.scheduler.batch import StepLists
 from kiln.runtime.worker.token_readback import TokenReadback
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-EMPTY = StepLists([], [], [], [], [], [], [], [], [])
+EMPTY = StepLists.empty()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,0 +1,119 @@
+"""The step schema: every per-step input of a compiled model, declared once.
+
+A step is a batch of sequences, each bringing some new tokens; the program reads index vectors
+along three axes (the IR's symbols): ``T`` one entry per token in the step, ``B`` one per
+sequence, ``N`` one per row of logits wanted, plus the page table (``B`` rows of ``P`` pages).
+Each field here says its name, its axis and the value its padding rows hold when a step is padded
+up to a CUDA graph's bucket. Everything else is derived from this list:
+- the model's graph inputs (``kiln.models``: one ``b.input`` per field, typed by ``graph_type``);
+- the manifest (``runtime.step_schema``), so the runtime reads the artifact's own list;
+- the runtime's host lists (``StepLists``: one column per field), its device buffers and the
+  staging of a step into them (``runtime/worker/step_buffers.py``), and the feeds of the program.
+
+A feature that needs another input (an adapter index per sequence, image embeddings' rows, draft
+positions) adds one ``StepField`` with ``StepSchema.with_fields`` and nothing else: the graph
+gains the input, the buffers a region, the staging its padding. Shared by the compiler and the
+runtime, like ``artifact_format``, so neither imports the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+TOKEN = "T"
+SEQUENCE = "B"
+LOGIT_ROW = "N"
+AXES = (TOKEN, SEQUENCE, LOGIT_ROW)
+# Padding for sequence offsets: the step's token count, so that offsets stay sorted and a padding
+# sequence (no tokens) starts where the real tokens end.
+PAD_TOKEN_COUNT = "token_count"
+
+
+@dataclass(frozen=True)
+class StepField:
+    """One per-step int32 input. ``pad`` is what padding rows hold (an int, or ``PAD_TOKEN_COUNT``);
+    ``columns`` names the second dimension of a 2-D field (the page table's ``P``)."""
+
+    name: str
+    axis: str
+    pad: int | str
+    doc: str
+    columns: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.axis not in AXES:
+            raise ValueError(f"step field {self.name!r}: axis must be one of {', '.join(AXES)}, got {self.axis!r}")
+        if not isinstance(self.pad, int) and self.pad != PAD_TOKEN_COUNT:
+            raise ValueError(f"step field {self.name!r}: pad must be an int or {PAD_TOKEN_COUNT!r}, got {self.pad!r}")
+
+    @property
+    def shape(self) -> tuple[str, ...]:
+        return (self.axis,) if self.columns is None else (self.axis, self.columns)
+
+    def pad_value(self, token_count: int) -> int:
+        return token_count if self.pad == PAD_TOKEN_COUNT else self.pad
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "axis": self.axis, "pad": self.pad, "doc": self.doc, "columns": self.columns}
+
+
+@dataclass(frozen=True)
+class StepSchema:
+    fields: tuple[StepField, ...]
+
+    def __post_init__(self) -> None:
+        names = [f.name for f in self.fields]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"step schema declares {', '.join(duplicates)} more than once")
+        for axis in AXES:
+            if not any(f.axis == axis and f.columns is None for f in self.fields):
+                raise ValueError(f"step schema has no vector along {axis}: the step's {axis} size is read off one")
+
+    def __iter__(self) -> Iterator[StepField]:
+        return iter(self.fields)
+
+    def __getitem__(self, name: str) -> StepField:
+        for f in self.fields:
+            if f.name == name:
+                return f
+        raise KeyError(f"no step field {name!r}; the schema has {', '.join(self.names)}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.fields)
+
+    def on(self, axis: str) -> tuple[StepField, ...]:
+        """The vectors along ``axis`` (2-D fields excluded)."""
+        return tuple(f for f in self.fields if f.axis == axis and f.columns is None)
+
+    def tables(self) -> tuple[StepField, ...]:
+        """The 2-D fields (rows along an axis, a column count each)."""
+        return tuple(f for f in self.fields if f.columns is not None)
+
+    def size_fields(self) -> dict[str, str]:
+        """For each axis, the field whose length is the step's size along it."""
+        return {axis: self.on(axis)[0].name for axis in AXES}
+
+    def with_fields(self, *fields: StepField) -> "StepSchema":
+        return StepSchema(self.fields + tuple(fields))
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [f.to_json() for f in self.fields]
+
+    @staticmethod
+    def from_json(data: list[dict[str, Any]]) -> "StepSchema":
+        return StepSchema(tuple(StepField(**entry) for entry in data))
+
+
+STEP_SCHEMA = StepSchema((
+    StepField("token_ids", TOKEN, 0, "the token each row brings"),
+    StepField("positions", TOKEN, 0, "each token's position in its sequence"),
+    StepField("slots", TOKEN, -1, "the KV pool slot each token's K/V goes to (-1: store nothing)"),
+    StepField("q_start", SEQUENCE, PAD_TOKEN_COUNT, "each sequence's first token row"),
+    StepField("q_len", SEQUENCE, 0, "each sequence's new tokens (0: a padding sequence, skipped)"),
+    StepField("kv_len", SEQUENCE, 0, "each sequence's context length, the new tokens included"),
+    StepField("page_table", SEQUENCE, 0, "each sequence's pages (row b, column j: the j-th page)", columns="P"),
+    StepField("logits_index", LOGIT_ROW, 0, "the token rows whose logits the step returns"),
+))

@@ -1,0 +1,55 @@
+"""A decode-like step where a request brings several tokens and wants the logits of each (what
+draft verification sends) gives the logits that single-token steps give: one request brings 3
+tokens and another 1, against three steps of one token each. Through the prefill graphs' padded
+path (what such a step runs as) and the eager path, on a CPU.
+
+Tolerance: f32 weights; the 3-token step attends with the extend kernel path and the single-token
+steps with the decode path, which sum the same products in a different order (~1e-6 relative)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.compiler.compile import compile_model
+from kiln.compiler.options import CompileOptions
+from kiln.runtime.engine_core import EngineCore
+from kiln.runtime.engine_options import EngineOptions
+from tests.support.hf_models import make_hf_model
+from tests.support.stepping import pages_for, step_lists
+
+PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("multi_token")
+    artifact = compile_model(make_hf_model("llama3", tmp / "src"), tmp / "m.kiln", CompileOptions(
+        dtype="fp32", page_size=PAGE, max_batch_tokens=32, max_batch_size=4, max_seq_len=32))
+    core = EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=256, prefill_graphs=True))
+    return core.runner
+
+
+def shifted(rows: list[list[int]], by: int) -> list[list[int]]:
+    return [[page + by for page in row] for row in rows]
+
+
+@pytest.mark.parametrize("path", ["graphs", "eager"])
+def test_three_tokens_and_one_equal_single_token_steps(runner, path):
+    forward = runner.prefill_graphs.run if path == "graphs" else (lambda lists: runner.forward_eager(lists)[0])
+    prompts, drafts = [5, 4], [3, 1]
+    # Multi-token: the prompts, then one step where sequence 0 brings 3 tokens and sequence 1 one.
+    pages = pages_for([p + d for p, d in zip(prompts, drafts)], PAGE)
+    forward(step_lists(prompts, [0, 0], [], pages))
+    lists = step_lists(drafts, prompts, [], pages, every_token=(0, 1))
+    assert runner.prefill_graphs.fits(lists)
+    verified = forward(lists).clone()
+    assert verified.shape[0] == 4
+    # Single tokens, on other pages: the prompts, one token each, then sequence 0 alone twice more.
+    pages = shifted(pages, 20)
+    forward(step_lists(prompts, [0, 0], [], pages))
+    first = forward(step_lists([1, 1], prompts, [0, 1], pages)).clone()
+    second = forward(step_lists([1], [6], [0], pages[:1])).clone()
+    third = forward(step_lists([1], [7], [0], pages[:1])).clone()
+    expected = torch.stack([first[0], second[0], third[0], first[1]])
+    torch.testing.assert_close(verified, expected, atol=1e-4, rtol=1e-4)
