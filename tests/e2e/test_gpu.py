@@ -184,8 +184,8 @@ def test_prefill_graph_replay_equals_eager(tmp_path, dtype):
 
 def test_an_added_step_field_is_a_captured_graphs_input(tmp_path):
     """A per-step input added in one place (``CompileOptions.step_fields``) is among the inputs each
-    captured decode graph was recorded with, at its turn's staged device buffer, and a replay reads
-    the values staged there."""
+    decode graph is captured with, at its turn's staged device buffer, where a step's values land."""
+    from kiln.runtime.worker.decode_graphs import DecodeGraphs
     from kiln.step_schema import SEQUENCE, StepField
 
     from models import random_model
@@ -194,15 +194,22 @@ def test_an_added_step_field_is_a_captured_graphs_input(tmp_path):
     _, source = random_model("smollm2-135m", torch.bfloat16, 2)
     artifact = compile_model(source, tmp_path / "m.kiln", CompileOptions(
         dtype="bf16", backend="triton", max_batch_size=8, max_seq_len=256, step_fields=(field,)))
-    core = EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=4096, decode_buckets=(2,)))
-    graphs = core.runner.decode_graphs
-    for turn in range(2):
-        views = graphs._inputs(2, turn).feeds
-        region = graphs.layout.offset[field.name]
-        assert views[field.name].data_ptr() == graphs._devices[turn][region:].data_ptr()
+    core = EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=4096, decode_buckets=()))
+    executor, captured = core.runner.executor, []
+    run = executor.run
+
+    def recording(inputs, kv_views):
+        if torch.cuda.is_current_stream_capturing():
+            captured.append(inputs.feeds)
+        return run(inputs, kv_views)
+
+    executor.run = recording
+    graphs = DecodeGraphs(executor, core.runner.kv_views, [2], executor.bounds["P"])
+    region = graphs.layout.offset[field.name]
+    assert [feeds[field.name].data_ptr() for feeds in captured] == \
+        [graphs._devices[turn][region:].data_ptr() for turn in range(2)]
     lists = step_lists([1, 1], [3, 2], [0, 1], pages_for([4, 3], 16), page_size=16)
     lists.adapter_index = [6, 2]
     graphs.run(lists)
     torch.cuda.synchronize()
-    region = graphs.layout.offset[field.name]
     assert graphs._devices[0][region:region + 2].tolist() == [6, 2]
