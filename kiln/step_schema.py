@@ -12,7 +12,9 @@ up to a CUDA graph's bucket. Everything else is derived from this list:
 
 A feature that needs another input (an adapter index per sequence, image embeddings' rows, draft
 positions) adds one ``StepField`` with ``StepSchema.with_fields`` and nothing else: the graph
-gains the input, the buffers a region, the staging its padding. Shared by the compiler and the
+gains the input, the buffers a region, the staging its padding. Outputs are declared the same way
+(``StepOutput``, one row per logits row): every step returns the logits, and a step schema that
+names ``hidden_states`` also returns the rows' last hidden states (a draft head's input). Shared by the compiler and the
 runtime, like ``artifact_format``, so neither imports the other.
 """
 
@@ -59,14 +61,32 @@ class StepField:
 
 
 @dataclass(frozen=True)
+class StepOutput:
+    """One per-step output: a row for each logits row (``N``), named as the graph's output value."""
+
+    name: str
+    doc: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "doc": self.doc}
+
+
+LOGITS = StepOutput("logits", "f32 logits of each wanted row [N, vocab]")
+HIDDEN_STATES = StepOutput("hidden_states", "each wanted row's last hidden state, before the final norm [N, hidden]")
+
+
+@dataclass(frozen=True)
 class StepSchema:
     fields: tuple[StepField, ...]
+    outputs: tuple[StepOutput, ...] = (LOGITS,)
 
     def __post_init__(self) -> None:
         names = [f.name for f in self.fields]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"step schema declares {', '.join(duplicates)} more than once")
+        if not self.outputs or self.outputs[0] != LOGITS:
+            raise ValueError("a step schema's first output is the logits")
         for axis in AXES:
             if not any(f.axis == axis and f.columns is None for f in self.fields):
                 raise ValueError(f"step schema has no vector along {axis}: the step's {axis} size is read off one")
@@ -97,14 +117,18 @@ class StepSchema:
         return {axis: self.on(axis)[0].name for axis in AXES}
 
     def with_fields(self, *fields: StepField) -> "StepSchema":
-        return StepSchema(self.fields + tuple(fields))
+        return StepSchema(self.fields + tuple(fields), self.outputs)
 
-    def to_json(self) -> list[dict[str, Any]]:
-        return [f.to_json() for f in self.fields]
+    def with_outputs(self, *outputs: StepOutput) -> "StepSchema":
+        return StepSchema(self.fields, self.outputs + tuple(o for o in outputs if o not in self.outputs))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fields": [f.to_json() for f in self.fields], "outputs": [o.to_json() for o in self.outputs]}
 
     @staticmethod
-    def from_json(data: list[dict[str, Any]]) -> "StepSchema":
-        return StepSchema(tuple(StepField(**entry) for entry in data))
+    def from_json(data: dict[str, Any]) -> "StepSchema":
+        return StepSchema(tuple(StepField(**entry) for entry in data["fields"]),
+                          tuple(StepOutput(**entry) for entry in data["outputs"]))
 
 
 STEP_SCHEMA = StepSchema((
@@ -117,3 +141,5 @@ STEP_SCHEMA = StepSchema((
     StepField("page_table", SEQUENCE, 0, "each sequence's pages (row b, column j: the j-th page)", columns="P"),
     StepField("logits_index", LOGIT_ROW, 0, "the token rows whose logits the step returns"),
 ))
+# The outputs a step may return beyond the logits, by name (what ``CompileOptions.step_outputs`` takes).
+OPTIONAL_OUTPUTS = {o.name: o for o in (HIDDEN_STATES,)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from kiln.kernels.registry import BACKENDS
-from kiln.step_schema import STEP_SCHEMA, StepField, StepSchema
+from kiln.step_schema import OPTIONAL_OUTPUTS, STEP_SCHEMA, StepField, StepSchema
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,8 @@ class CompileOptions:
     page_size: int = 16
     # Per-step inputs beyond the default schema's (kiln.step_schema), for features that read more.
     step_fields: tuple[StepField, ...] = ()
+    # Outputs beyond the logits each step returns, by name (kiln.step_schema.OPTIONAL_OUTPUTS).
+    step_outputs: tuple[str, ...] = ()
 
     def validate(self) -> None:
         for name in ("max_batch_tokens", "max_batch_size", "page_size"):
@@ -28,11 +30,17 @@ class CompileOptions:
             raise ValueError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
         if self.max_logit_rows is not None and self.max_logit_rows < 1:
             raise ValueError(f"max_logit_rows must be >= 1, got {self.max_logit_rows}")
+        self.step_schema()
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
 
     def step_schema(self) -> StepSchema:
-        return STEP_SCHEMA.with_fields(*self.step_fields)
+        unknown = [name for name in self.step_outputs if name not in OPTIONAL_OUTPUTS]
+        if unknown:
+            raise ValueError(f"step_outputs: {', '.join(unknown)} is not a step output; supported: "
+                             f"{', '.join(OPTIONAL_OUTPUTS)}")
+        outputs = [OPTIONAL_OUTPUTS[name] for name in self.step_outputs]
+        return STEP_SCHEMA.with_fields(*self.step_fields).with_outputs(*outputs)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -35,3 +35,13 @@ class BuiltModel:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+
+
+def step_outputs(options: BuildOptions, values: dict[str, str]) -> list[str]:
+    """The graph outputs the step schema asks for, in its order, from the values a model can give
+    (by output name); an output the model cannot give is an error naming those it can."""
+    missing = [o.name for o in options.step_schema.outputs if o.name not in values]
+    if missing:
+        raise ValueError(f"this model cannot return {', '.join(missing)} from a step; it can return "
+                         f"{', '.join(sorted(values))}")
+    return [values[o.name] for o in options.step_schema.outputs]

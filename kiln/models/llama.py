@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from kiln.ir import DType, Graph, GraphBuilder, TensorType
 
-from .base import BuildOptions, BuiltModel
+from .base import BuildOptions, BuiltModel, step_outputs
 from .rope import RopeConfig, cos_sin_table
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -134,10 +134,10 @@ def _build_graph(cfg: LlamaConfig, options: BuildOptions, max_positions: int) ->
         hidden = b.op("add", hidden, down, name=f"{n}.resid_mlp")
     # Rows first, then the norm (it is per row): only the rows that give logits are normalized, and
     # the norm sits right before the head's GEMM, where fuse_norm_linear can fold it in.
-    rows = b.op("gather_rows", hidden, logits_index, name="last_rows")
+    rows = b.op("gather_rows", hidden, logits_index, name="hidden_states")
     normed = b.op("rmsnorm", rows, weight("model.norm.weight", H), eps=cfg.rms_norm_eps, name="final_norm")
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     logits = b.op("linear", normed, weight(head, cfg.vocab_size, H), name="lm_logits")
-    b.output(b.op("cast", logits, dtype="f32", name="logits"))
+    b.output(*step_outputs(options, {"logits": b.op("cast", logits, dtype="f32", name="logits"), "hidden_states": rows}))
     return b.build()
 

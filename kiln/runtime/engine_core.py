@@ -170,7 +170,8 @@ class EngineCore:
                 time.sleep(0.001)  # only grammars compiling: wait for them without spinning
             return events
         lists = build_step_lists(batch, self.page_size)
-        logits, greedy = self.runner.forward(lists)
+        result = self.runner.forward(lists)
+        logits, greedy = result.logits, result.greedy
         self.scheduler.complete_step(batch)
         if not lists.requests:
             return events
@@ -200,7 +201,8 @@ class EngineCore:
         if follow_up is not None:
             lists, batch, rows = follow_up
             tokens = inflight.tokens if rows is None else inflight.tokens.index_select(0, rows)
-            logits, greedy = self.runner.forward(lists, tokens_from=tokens)
+            result = self.runner.forward(lists, tokens_from=tokens)
+            logits, greedy = result.logits, result.greedy
             self.scheduler.complete_step(batch)
             requests = lists.requests
             if self._inflight_by_argmax:

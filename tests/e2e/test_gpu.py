@@ -149,9 +149,9 @@ def test_graph_replay_equals_eager_for_every_bucket(tmp_path, dtype):
                               slots=[(2 + 2 * i) * page + 19 - page for i in range(n)], q_start=list(range(n)),
                               q_len=[1] * n, kv_len=[20] * n, page_table=[[1 + 2 * i, 2 + 2 * i] for i in range(n)],
                               logits_index=list(range(n)), requests=[])
-            graph_logits, _ = runner.decode_graphs.run(lists)
+            graph_logits = runner.decode_graphs.run(lists).logits
             graph_logits = graph_logits.clone()
-            eager_logits, _ = runner.forward_eager(lists)
+            eager_logits = runner.forward_eager(lists).logits
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(graph_logits, eager_logits, atol=tol, rtol=tol)
 
@@ -174,9 +174,9 @@ def test_prefill_graph_replay_equals_eager(tmp_path, dtype):
             runner.forward_eager(step_lists([cached[i] for i in with_context], [0] * len(with_context), [],
                                             [page_rows[i] for i in with_context], page))
         lists = step_lists(new_tokens, cached, logits_rows, page_rows, page)
-        first = runner.prefill_graphs.run(lists).clone()  # captures this bucket's graph, then replays it
-        replayed = runner.prefill_graphs.run(lists).clone()
-        eager, _ = runner.forward_eager(lists)
+        first = runner.prefill_graphs.run(lists).logits.clone()  # captures this bucket's graph, then replays it
+        replayed = runner.prefill_graphs.run(lists).logits.clone()
+        eager = runner.forward_eager(lists).logits
         torch.testing.assert_close(first, eager, atol=tol, rtol=tol)
         torch.testing.assert_close(replayed, eager, atol=tol, rtol=tol)
     assert len(runner.prefill_graphs._graphs) == 4
@@ -184,7 +184,8 @@ def test_prefill_graph_replay_equals_eager(tmp_path, dtype):
 
 def test_an_added_step_field_is_a_captured_graphs_input(tmp_path):
     """A per-step input added in one place (``CompileOptions.step_fields``) is among the inputs each
-    decode graph is captured with, at its turn's staged device buffer, where a step's values land."""
+    decode graph is captured with, at its turn's staged device buffer, where a step's values land; an
+    added output (the hidden states) comes back from a replay as from the eager path."""
     from kiln.runtime.worker.decode_graphs import DecodeGraphs
     from kiln.step_schema import SEQUENCE, StepField
 
@@ -193,7 +194,8 @@ def test_an_added_step_field_is_a_captured_graphs_input(tmp_path):
     field = StepField("adapter_index", SEQUENCE, 0, "a test input")
     _, source = random_model("smollm2-135m", torch.bfloat16, 2)
     artifact = compile_model(source, tmp_path / "m.kiln", CompileOptions(
-        dtype="bf16", backend="triton", max_batch_size=8, max_seq_len=256, step_fields=(field,)))
+        dtype="bf16", backend="triton", max_batch_size=8, max_seq_len=256, step_fields=(field,),
+        step_outputs=("hidden_states",)))
     core = EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=4096, decode_buckets=()))
     executor, captured = core.runner.executor, []
     run = executor.run
@@ -210,6 +212,8 @@ def test_an_added_step_field_is_a_captured_graphs_input(tmp_path):
         [graphs._devices[turn][region:].data_ptr() for turn in range(2)]
     lists = step_lists([1, 1], [3, 2], [0, 1], pages_for([4, 3], 16), page_size=16)
     lists.adapter_index = [6, 2]
-    graphs.run(lists)
+    replayed = graphs.run(lists).outputs["hidden_states"].clone()
     torch.cuda.synchronize()
     assert graphs._devices[0][region:region + 2].tolist() == [6, 2]
+    eager = core.runner.forward_eager(lists).outputs["hidden_states"]
+    torch.testing.assert_close(replayed, eager, atol=2e-2, rtol=2e-2)  # bf16

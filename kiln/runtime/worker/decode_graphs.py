@@ -32,7 +32,7 @@ import torch
 from kiln.kernels.argmax import triton_argmax_rows
 
 from ..scheduler.batch import StepLists
-from .executor import Executor, StepInputs
+from .executor import Executor, StepInputs, StepResult
 from .step_buffers import StepLayout
 
 # What the one-token-a-sequence layout fixes: row i is sequence i's only token and its logits row.
@@ -76,7 +76,7 @@ class DecodeGraphs:
         self._held_rows: list[list[list[int] | None]] = [[None] * self.max_batch for _ in range(2)]
         self._turn = 0
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self._logits: dict[int, torch.Tensor] = {}
+        self._outputs: dict[int, dict[str, torch.Tensor]] = {}
         self._last_tokens: torch.Tensor | None = None  # the last replay's greedy tokens, on the device
         if on_gpu:
             self._copy_stream = torch.cuda.Stream(device)
@@ -90,8 +90,9 @@ class DecodeGraphs:
         return n <= self.max_batch and len(lists.logits_index) == n and max(lists.q_len) == 1 and \
             max(map(len, lists.page_table)) <= self.width
 
-    def run(self, lists: StepLists, tokens_from: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits ``[n, V]`` and greedy tokens ``[n]`` of a decode step (views valid until the next step).
+    def run(self, lists: StepLists, tokens_from: torch.Tensor | None = None) -> StepResult:
+        """The outputs (logits ``[n, V]``, ...) and greedy tokens ``[n]`` of a decode step (views valid
+        until the next step).
         ``tokens_from`` (on the device) replaces the step's input token ids: an overlapped step reads
         the previous step's output there, without a round trip through the host."""
         n = len(lists.token_ids)
@@ -103,13 +104,14 @@ class DecodeGraphs:
         if tokens_from is not None and not ids_in_place:
             self._devices[turn][:n].copy_(tokens_from)
         if bucket not in self._graphs:
-            logits = self.executor.run(self._inputs(bucket, turn), self.kv_views)["logits"]
-            return logits[:n], logits[:n].argmax(dim=-1)
+            outputs = {name: value[:n] for name, value in self.executor.run(self._inputs(bucket, turn),
+                                                                             self.kv_views).items()}
+            return StepResult(outputs, outputs["logits"].argmax(dim=-1))
         torch.cuda.current_stream().wait_event(self._uploaded[turn])
         self._graphs[bucket][turn].replay()
         self._replayed[turn].record()
         self._last_tokens = self._devices[turn ^ 1][:n]
-        return self._logits[bucket][:n], self._last_tokens
+        return StepResult({name: value[:n] for name, value in self._outputs[bucket].items()}, self._last_tokens)
 
     def host_mirror(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """Pinned host memory the last replay's argmax also wrote ``tokens`` to, when ``tokens`` are
@@ -184,12 +186,13 @@ class DecodeGraphs:
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = self.executor.run(inputs, self.kv_views)["logits"]
+                    outputs = self.executor.run(inputs, self.kv_views)
                     # torch's argmax reduces each row in one thread block (~28 us for a 128k
                     # vocabulary on an H200); the Triton kernel spreads every row over the SMs.
-                    triton_argmax_rows(logits, ids, mirror=mirror)
+                    triton_argmax_rows(outputs["logits"], ids, mirror=mirror)
                 graphs.append(graph)
-                # Both turns' logits are the arena's one logits buffer, so either turn's view serves.
-                assert self._logits.setdefault(bucket, logits).data_ptr() == logits.data_ptr()
+                # Both turns' outputs are views of the one arena, so either turn's views serve.
+                kept = self._outputs.setdefault(bucket, outputs)
+                assert all(kept[name].data_ptr() == value.data_ptr() for name, value in outputs.items())
             self._graphs[bucket] = graphs
         torch.cuda.synchronize()

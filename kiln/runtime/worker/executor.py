@@ -39,6 +39,20 @@ class StepInputs:
         return sizes
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What a step returns: its outputs by name (a row for each logits row; ``logits`` always, others
+    as the step schema declares), and the greedy tokens when the step computed them on the device
+    (decode graphs); views valid until the next step."""
+
+    outputs: dict[str, torch.Tensor]
+    greedy: torch.Tensor | None
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self.outputs["logits"]
+
+
 def kernel_table(artifact: Artifact, device: torch.device) -> dict[str, Callable]:
     """Each kernel the program names, as a callable: registry kernels by name, generated ones from
     the artifact's ``kernels/``. Triton kernels on a CPU without the interpreter fall back to their

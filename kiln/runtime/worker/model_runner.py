@@ -14,7 +14,7 @@ from ..kvcache.pool import KVPool
 from ..sampling import SamplerOutput, SamplingBatch, sample
 from ..scheduler.batch import StepLists
 from .decode_graphs import DecodeGraphs
-from .executor import Executor, StepInputs
+from .executor import Executor, StepInputs, StepResult
 from .prefill_graphs import PrefillGraphs
 
 _POOL_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
@@ -36,24 +36,24 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(self.executor, self.kv_views, buckets, bounds["P"]) if buckets else None
         self.prefill_graphs = PrefillGraphs(self.executor, self.kv_views, bounds) if prefill_graphs else None
 
-    def forward(self, lists: StepLists, tokens_from: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits ``[len(lists.logits_index), V]`` (f32) and, for decode steps run as graphs, their
-        greedy tokens; both views valid until the next step. ``tokens_from``: see DecodeGraphs.run
-        (only graph steps take their input ids from the device)."""
+    def forward(self, lists: StepLists, tokens_from: torch.Tensor | None = None) -> StepResult:
+        """The step's outputs (logits ``[len(lists.logits_index), V]`` in f32, and any other the
+        artifact's step schema declares) and, for decode steps run as graphs, their greedy tokens;
+        views valid until the next step. ``tokens_from``: see DecodeGraphs.run (only graph steps
+        take their input ids from the device)."""
         if self.decode_graphs is not None and self.decode_graphs.fits(lists):
             return self.decode_graphs.run(lists, tokens_from)
         if tokens_from is not None:
             raise ValueError("input ids from the device need a decode-graph step")
         if self.prefill_graphs is not None and self.prefill_graphs.fits(lists):
-            return self.prefill_graphs.run(lists), None
+            return self.prefill_graphs.run(lists)
         return self.forward_eager(lists)
 
     def host_mirror(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """Host memory the step that made ``tokens`` also wrote them to, if any (see DecodeGraphs)."""
         return self.decode_graphs.host_mirror(tokens) if self.decode_graphs is not None else None
 
-    def forward_eager(self, lists: StepLists) -> tuple[torch.Tensor, None]:
+    def forward_eager(self, lists: StepLists) -> StepResult:
         """The step run op by op, never through a graph, on tensors exactly the step's size."""
         schema = self.executor.schema
         sizes = {axis: len(lists.column(name)) for axis, name in schema.size_fields().items()}
@@ -71,7 +71,7 @@ class ModelRunner:
                 table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
             feeds[field.name] = table.to(self.device, non_blocking=True)
         inputs = StepInputs(feeds, max_q_len=max(lists.q_len), max_kv_len=max(lists.kv_len))
-        return self.executor.run(inputs, self.kv_views)["logits"], None
+        return StepResult(self.executor.run(inputs, self.kv_views), None)
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch, allowed: torch.Tensor | None = None) -> SamplerOutput:
         return sample(logits, batch, allowed)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..scheduler.batch import StepLists
-from .executor import Executor, StepInputs
+from .executor import Executor, StepInputs, StepResult
 from .step_buffers import StepLayout
 
 MIN_TOKEN_BUCKET = 16
@@ -58,7 +58,7 @@ class PrefillGraphs:
         self._hosts = [torch.zeros(self.layout.size, dtype=torch.int32, pin_memory=self._capturing) for _ in range(2)]
         self._turn = 0
         self._device = torch.zeros(self.layout.size, dtype=torch.int32, device=device)
-        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self._capturing else None
 
     def fits(self, lists: StepLists) -> bool:
@@ -67,19 +67,20 @@ class PrefillGraphs:
             and len(lists.logits_index) <= self.row_buckets[-1] \
             and all(len(row) <= self.layout.width for row in lists.page_table)
 
-    def run(self, lists: StepLists) -> torch.Tensor:
-        """Logits ``[len(lists.logits_index), V]`` of the step (a view valid until the next step)."""
+    def run(self, lists: StepLists) -> StepResult:
+        """The step's outputs, a row for each of ``lists.logits_index`` (views valid until the next step)."""
         n = len(lists.logits_index)
         sizes = self._buckets(len(lists.token_ids), len(lists.q_len), n)
         inputs = self._stage(lists, sizes)
         if not self._capturing:
-            return self.executor.run(inputs, self.kv_views)["logits"][:n]
-        key = (sizes["T"], sizes["B"], sizes["N"])
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(inputs)
-        graph, logits = self._graphs[key]
-        graph.replay()
-        return logits[:n]
+            outputs = self.executor.run(inputs, self.kv_views)
+        else:
+            key = (sizes["T"], sizes["B"], sizes["N"])
+            if key not in self._graphs:
+                self._graphs[key] = self._capture(inputs)
+            graph, outputs = self._graphs[key]
+            graph.replay()
+        return StepResult({name: value[:n] for name, value in outputs.items()}, None)
 
     def _buckets(self, t: int, b: int, n: int) -> dict[str, int]:
         sequences = next(s for s in self.sequence_buckets if s >= b)
@@ -104,7 +105,7 @@ class PrefillGraphs:
         return StepInputs(layout.views(self._device, sizes), max_q_len=sizes["T"],
                           max_kv_len=layout.width * self.executor.page_size)
 
-    def _capture(self, inputs: StepInputs) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, inputs: StepInputs) -> tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]:
         # The staged step is real: the warm-up runs compute it (storing its K/V), and the replay that
         # follows the capture computes it again, identically.
         stream = torch.cuda.Stream()
@@ -115,5 +116,5 @@ class PrefillGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self.executor.run(inputs, self.kv_views)["logits"]
-        return graph, logits
+            outputs = self.executor.run(inputs, self.kv_views)
+        return graph, outputs

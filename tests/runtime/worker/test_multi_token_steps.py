@@ -36,7 +36,7 @@ def shifted(rows: list[list[int]], by: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("path", ["graphs", "eager"])
 def test_three_tokens_and_one_equal_single_token_steps(runner, path):
-    forward = runner.prefill_graphs.run if path == "graphs" else (lambda lists: runner.forward_eager(lists)[0])
+    forward = (lambda lists: (runner.prefill_graphs.run(lists) if path == "graphs" else runner.forward_eager(lists)).logits)
     prompts, drafts = [5, 4], [3, 1]
     # Multi-token: the prompts, then one step where sequence 0 brings 3 tokens and sequence 1 one.
     pages = pages_for([p + d for p, d in zip(prompts, drafts)], PAGE)

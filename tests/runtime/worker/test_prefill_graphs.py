@@ -50,8 +50,8 @@ def test_padded_step_equals_unpadded(runner, new_tokens, cached, logits_rows):
                                         [page_rows[i] for i in with_context]))
     lists = step_lists(new_tokens, cached, logits_rows, page_rows)
     assert runner.prefill_graphs.fits(lists)
-    padded = runner.prefill_graphs.run(lists).clone()
-    unpadded, _ = runner.forward_eager(lists)
+    padded = runner.prefill_graphs.run(lists).logits.clone()
+    unpadded = runner.forward_eager(lists).logits
     assert padded.shape == (len(logits_rows), unpadded.shape[1])
     torch.testing.assert_close(padded, unpadded, atol=1e-5, rtol=1e-5)
 
