@@ -7,24 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.compiler.compile import compile_model
-from kiln.compiler.options import CompileOptions
-from kiln.runtime.engine_core import EngineCore
-from kiln.runtime.engine_options import EngineOptions
 from kiln.runtime.worker.prefill_graphs import bucket_sizes
-from tests.support.hf_models import make_hf_model
+from tests.support.runners import cpu_runner
 from tests.support.stepping import pages_for, step_lists
-
-PAGE = 4
 
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("prefill_graphs")
-    artifact = compile_model(make_hf_model("llama3", tmp / "src"), tmp / "m.kiln", CompileOptions(
-        dtype="fp32", page_size=PAGE, max_batch_tokens=40, max_batch_size=6, max_seq_len=64))
-    core = EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=256, prefill_graphs=True))
-    return core.runner
+    return cpu_runner(tmp_path_factory.mktemp("prefill_graphs"), max_batch_tokens=40, max_batch_size=6,
+                      max_seq_len=64)
 
 
 def test_bucket_sizes():

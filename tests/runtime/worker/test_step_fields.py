@@ -9,32 +9,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.compiler.compile import compile_model
-from kiln.compiler.options import CompileOptions
 from kiln.ir import DType, TensorType
 from kiln.runtime.artifact import load_artifact
-from kiln.runtime.engine_core import EngineCore
-from kiln.runtime.engine_options import EngineOptions
 from kiln.runtime.worker.decode_graphs import DecodeGraphs
 from kiln.step_schema import SEQUENCE, STEP_SCHEMA, StepField
-from tests.support.hf_models import make_hf_model
+from tests.support.runners import cpu_runner
 from tests.support.stepping import pages_for, step_lists
 
-PAGE = 4
 ADAPTER = StepField("adapter_index", SEQUENCE, -7, "a test input: which adapter each sequence uses")
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("step_fields")
-    return compile_model(make_hf_model("llama3", tmp / "src"), tmp / "m.kiln", CompileOptions(
-        dtype="fp32", page_size=PAGE, max_batch_tokens=32, max_batch_size=4, max_seq_len=32, step_fields=(ADAPTER,)))
+def runner(tmp_path_factory):
+    return cpu_runner(tmp_path_factory.mktemp("step_fields"), kv_cache_tokens=128, step_fields=(ADAPTER,))
 
 
 @pytest.fixture(scope="module")
-def runner(artifact):
-    core = EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=128, prefill_graphs=True))
-    return core.runner
+def artifact(runner):
+    return runner.executor.artifact.path
 
 
 def recorded_feeds(executor) -> list[dict[str, torch.Tensor]]:

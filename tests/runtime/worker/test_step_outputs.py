@@ -8,25 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.compiler.compile import compile_model
 from kiln.compiler.options import CompileOptions
-from kiln.runtime.engine_core import EngineCore
-from kiln.runtime.engine_options import EngineOptions
-from tests.support.hf_models import load_hf, make_hf_model
+from tests.support.hf_models import load_hf
+from tests.support.runners import PAGE, cpu_runner
 from tests.support.stepping import pages_for, step_lists
-
-PAGE = 4
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("step_outputs")
-    source = make_hf_model("llama3", tmp / "src")
-    artifact = compile_model(source, tmp / "m.kiln", CompileOptions(
-        dtype="fp32", page_size=PAGE, max_batch_tokens=32, max_batch_size=4, max_logit_rows=16, max_seq_len=32,
-        step_outputs=("hidden_states",)))
-    core = EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=256, prefill_graphs=True))
-    return core.runner, load_hf(source)
+    runner = cpu_runner(tmp, max_logit_rows=16, step_outputs=("hidden_states",))
+    return runner, load_hf(tmp / "src")
 
 
 def test_an_unknown_output_is_refused():
