@@ -157,6 +157,31 @@ def test_graph_replay_equals_eager_for_every_bucket(tmp_path, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graphs_of_several_tokens_a_sequence_equal_eager(tmp_path, dtype):
+    """Decode graphs of 4 tokens a sequence (a verification step): every bucket's replay gives the
+    eager step's logits for every row, and the in-graph argmax their greedy tokens."""
+    from kiln.runtime.worker.decode_graphs import DecodeGraphs
+
+    _, core = build("smollm2-135m", 4, dtype, tmp_path)
+    runner, k = core.runner, 4
+    graphs = DecodeGraphs(runner.executor, runner.kv_views, [1, 2, 4, 8], runner.executor.bounds["P"],
+                          tokens_per_sequence=k)
+    page = core.page_size
+    for n in (1, 3, 8):
+        # n sequences with 20 tokens of context on their own pages, each bringing k tokens.
+        cached = [20] * n
+        pages = [[1 + 3 * i, 2 + 3 * i, 3 + 3 * i] for i in range(n)]
+        lists = step_lists([k] * n, cached, [], pages, page_size=page, every_token=tuple(range(n)))
+        assert graphs.fits(lists)
+        result = graphs.run(lists)
+        replayed, greedy = result.logits.clone(), result.greedy.clone()
+        eager = runner.forward_eager(lists).logits
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(replayed, eager, atol=tol, rtol=tol)
+        assert torch.equal(greedy.long(), replayed.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_graph_replay_equals_eager(tmp_path, dtype):
     _, core = build("smollm2-135m", 4, dtype, tmp_path)
     runner = core.runner

@@ -1,23 +1,27 @@
 """Decode steps as captured CUDA graphs, per batch-size bucket, over static input buffers.
 
-A decode step (every sequence adds one token) of ``n`` sequences runs as a graph of the smallest
-bucket ``b >= n``: the step's index lists are written into a pinned host buffer laid out by the
-step schema (``step_buffers.StepLayout``, every axis' capacity the largest bucket), copied to the
-device in one transfer, and rows ``n..b`` are padding (each field's padding value: token 0, KV slot
--1 so nothing is stored; but each padding row is a sequence of one token, with a context of 1 over
-the reserved page 0). Row ``i`` is sequence ``i``'s one token and its logits row, so the layout's
-``q_start``, ``q_len`` and ``logits_index`` are the same on every step: written once. All graphs share the executor's arena, so capturing many
-buckets costs little memory. Greedy tokens are computed inside the graph too, so a greedy step
-needs no kernel launch after the replay.
+A decode step (every sequence adds ``k`` tokens, ``tokens_per_sequence``: one for plain decoding,
+more when a request verifies drafts, and wants the logits of each) of ``n`` sequences runs as a
+graph of the smallest bucket ``b >= n``: the step's index lists are written into a pinned host
+buffer laid out by the step schema (``step_buffers.StepLayout``, sized for the largest bucket),
+copied to the device in one transfer, and sequences ``n..b`` are padding (each field's padding
+value: token 0, KV slot -1 so nothing is stored; but each padding sequence has ``k`` tokens and a
+context of ``k`` over the reserved page 0). Rows ``k*i .. k*i+k-1`` are sequence ``i``'s tokens and
+logits rows, so the layout's ``q_start``, ``q_len`` and ``logits_index`` are the same on every
+step: written once. All graphs share the executor's arena, so capturing many buckets costs little
+memory. Greedy tokens of every row are computed inside the graph too, so a greedy step (or a greedy
+verification) needs no kernel launch after the replay.
 
 Steps take two turns in alternation, each with its own device inputs and its own graph per
 bucket, so that nothing is queued on the compute stream between two replays (a copy between
 graphs leaves the GPU idle ~5 us, far longer than its bytes take):
 - step N+1's inputs go to the device on a copy stream while step N's graph runs (they land in
   the other turn's buffers, which step N does not read);
-- step N's argmax writes its tokens as step N+1's input ids (so an overlapped next step of the
-  same rows, see EngineCore, reads them where they are and its transfer skips the ids), and into
-  pinned host memory (``host_mirror``), where the host reads them without a copy.
+- with one token a sequence, step N's argmax writes its tokens as step N+1's input ids (so an
+  overlapped next step of the same rows, see EngineCore, reads them where they are and its transfer
+  skips the ids); with more, into a tokens buffer of the turn (the next step's ids are the accepted
+  tokens and new drafts, which the host decides); either way also into pinned host memory
+  (``host_mirror``), where the host reads them without a copy.
 Events order the rest: a turn's transfer waits for the last replay that read its buffers (and, when
 it writes the ids, for the last replay, whose argmax writes them); each replay waits for its
 transfer. The host reads step N's tokens before it stages step N+2, which reuses N's pinned buffers.
@@ -35,42 +39,50 @@ from ..scheduler.batch import StepLists
 from .executor import Executor, StepInputs, StepResult
 from .step_buffers import StepLayout
 
-# What the one-token-a-sequence layout fixes: row i is sequence i's only token and its logits row.
+# What the k-tokens-a-sequence layout fixes: rows k*i.. are sequence i's tokens and logits rows.
 _LAYOUT_FIELDS = ("q_start", "q_len", "logits_index")
-# A padding row is a sequence of one token, so it has one token of context (page 0's first slot).
-_DECODE_PADDING = {"kv_len": 1}
 
 
 class DecodeGraphs:
     def __init__(self, executor: Executor, kv_views: dict[str, torch.Tensor], buckets: list[int],
-                 page_table_width: int) -> None:
+                 page_table_width: int, tokens_per_sequence: int = 1) -> None:
         self.executor = executor
         self.kv_views = kv_views
         self.buckets = sorted(set(buckets))
         self.max_batch = self.buckets[-1]
+        self.k = k = tokens_per_sequence
         schema = executor.schema
-        self.layout = StepLayout(schema, {"T": self.max_batch, "B": self.max_batch, "N": self.max_batch},
-                                 page_table_width)
+        too_large = {axis: size for axis, size in self._sizes(self.max_batch).items() if size > executor.bounds[axis]}
+        if too_large:
+            raise ValueError(f"decode graphs of {self.max_batch} sequences of {k} tokens need {too_large}; the "
+                             f"artifact was compiled for at most {executor.bounds}")
+        self.layout = StepLayout(schema, self._sizes(self.max_batch), page_table_width)
         self.width = page_table_width
+        # A padding sequence has k tokens, so k tokens of context (on page 0, and on whatever stale
+        # page a longer context reaches: its slots are -1, so nothing is stored, and its rows are
+        # dropped), and a page-table row of page 0.
+        self._padding = {"kv_len": k}
+        self._padding_row = [0] * -(-k // executor.page_size)
         # Everything but the fixed layout is staged each step; the ids come first in the buffer, so
         # a step whose ids are already on the device copies from the end of their region.
         self._staged = [f.name for f in schema if f.columns is None and f.name not in _LAYOUT_FIELDS]
         assert self._staged[0] == "token_ids" and self.layout.offset["token_ids"] == 0, \
             "the step schema must start with token_ids"
         self._staged_after_ids = self._staged[1:]
-        self._after_ids = self.max_batch
+        self._after_ids = k * self.max_batch
         device = executor.device
         on_gpu = device.type == "cuda"
         size = self.layout.size
-        # Per turn: the pinned staging buffer, the device inputs, the pinned tokens the argmax leaves.
+        rows = k * self.max_batch
+        # Per turn: the pinned staging buffer, the device inputs, the pinned tokens the argmax leaves,
+        # and (k > 1) the device tokens it leaves.
         self._hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=on_gpu) for _ in range(2)]
         self._devices = [torch.zeros(size, dtype=torch.int32, device=device) for _ in range(2)]
-        self._mirrors = [torch.zeros(self.max_batch, dtype=torch.int32, pin_memory=on_gpu) for _ in range(2)]
-        rows = list(range(self.max_batch))
-        fixed = StepLists(q_start=rows, q_len=[1] * self.max_batch, logits_index=rows)
-        full = {"T": self.max_batch, "B": self.max_batch, "N": self.max_batch}
+        self._mirrors = [torch.zeros(rows, dtype=torch.int32, pin_memory=on_gpu) for _ in range(2)]
+        self._tokens = [torch.zeros(rows, dtype=torch.int32, device=device) for _ in range(2)] if k > 1 else None
+        fixed = StepLists(q_start=list(range(0, rows, k)), q_len=[k] * self.max_batch, logits_index=list(range(rows)))
         for host in self._hosts:
-            self.layout.write_vectors(host, fixed, full, list(_LAYOUT_FIELDS))
+            self.layout.write_vectors(host, fixed, self._sizes(self.max_batch), list(_LAYOUT_FIELDS))
         # Copies of the table rows each turn's staging buffer holds, so that staging writes only
         # what changed (see StepLayout.write_table).
         self._held_rows: list[list[list[int] | None]] = [[None] * self.max_batch for _ in range(2)]
@@ -85,20 +97,22 @@ class DecodeGraphs:
             self._capture()
 
     def fits(self, lists: StepLists) -> bool:
-        """A decode-only step small enough for a bucket."""
-        n = len(lists.token_ids)
-        return n <= self.max_batch and len(lists.logits_index) == n and max(lists.q_len) == 1 and \
-            max(map(len, lists.page_table)) <= self.width
+        """A step of k tokens a sequence, with every row's logits, small enough for a bucket."""
+        n, k = len(lists.q_len), self.k
+        return n <= self.max_batch and len(lists.token_ids) == k * n and len(lists.logits_index) == k * n and \
+            min(lists.q_len) == max(lists.q_len) == k and max(map(len, lists.page_table)) <= self.width
 
     def run(self, lists: StepLists, tokens_from: torch.Tensor | None = None) -> StepResult:
-        """The outputs (logits ``[n, V]``, ...) and greedy tokens ``[n]`` of a decode step (views valid
-        until the next step).
-        ``tokens_from`` (on the device) replaces the step's input token ids: an overlapped step reads
-        the previous step's output there, without a round trip through the host."""
+        """The outputs (logits ``[n, V]``, ...) and greedy tokens ``[n]`` of the step's ``n`` rows (views
+        valid until the next step). ``tokens_from`` (on the device; one token a sequence only)
+        replaces the step's input token ids: an overlapped step reads the previous step's output
+        there, without a round trip through the host."""
         n = len(lists.token_ids)
-        bucket = next(b for b in self.buckets if b >= n)
+        bucket = next(b for b in self.buckets if b >= len(lists.q_len))
         turn = self._turn
         self._turn ^= 1
+        if tokens_from is not None and self.k > 1:
+            raise ValueError("input ids from the device need one token a sequence")
         ids_in_place = tokens_from is not None and self._is_ids_of(turn, tokens_from, n)
         self._stage(lists, bucket, turn, ids_on_device=tokens_from is not None)
         if tokens_from is not None and not ids_in_place:
@@ -110,7 +124,7 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_event(self._uploaded[turn])
         self._graphs[bucket][turn].replay()
         self._replayed[turn].record()
-        self._last_tokens = self._devices[turn ^ 1][:n]
+        self._last_tokens = self._greedy_target(turn)[:n]
         return StepResult({name: value[:n] for name, value in self._outputs[bucket].items()}, self._last_tokens)
 
     def host_mirror(self, tokens: torch.Tensor) -> torch.Tensor | None:
@@ -137,15 +151,14 @@ class DecodeGraphs:
         ``ids_on_device``), on the copy stream on a GPU. This runs on every decode step: only the
         fields that change are written, and table rows only where they changed."""
         host = self._hosts[turn]
-        sizes = {"T": bucket, "B": bucket, "N": bucket}
+        sizes = self._sizes(bucket)
         layout = self.layout
         # Ids already on the device are not staged (PENDING ones come from there).
         names = self._staged_after_ids if ids_on_device else self._staged
-        layout.write_vectors(host, lists, sizes, names, _DECODE_PADDING)
-        pad = bucket - len(lists.token_ids)
+        layout.write_vectors(host, lists, sizes, names, self._padding)
+        pad = bucket - len(lists.q_len)
         for table in layout.schema.tables():
-            # Padding rows read column 0, which must name page 0.
-            rows = (lists.column(table.name) or [[]] * len(lists.token_ids)) + [[0]] * pad
+            rows = (lists.column(table.name) or [[]] * len(lists.q_len)) + [self._padding_row] * pad
             layout.write_table(host, table, rows, self._held_rows[turn])
         first = self._after_ids if ids_on_device else 0
         used = layout.end(sizes)
@@ -160,10 +173,18 @@ class DecodeGraphs:
             device[first:used].copy_(host[first:used], non_blocking=True)
             self._uploaded[turn].record(self._copy_stream)
 
+    def _sizes(self, bucket: int) -> dict[str, int]:
+        return {"T": self.k * bucket, "B": bucket, "N": self.k * bucket}
+
+    def _greedy_target(self, turn: int) -> torch.Tensor:
+        """Where the argmax of a replay of ``turn`` writes its tokens: the other turn's input ids
+        (one token a sequence), else the turn's tokens buffer."""
+        return self._devices[turn ^ 1] if self._tokens is None else self._tokens[turn]
+
     def _inputs(self, bucket: int, turn: int) -> StepInputs:
-        views = self.layout.views(self._devices[turn], {"T": bucket, "B": bucket, "N": bucket})
+        views = self.layout.views(self._devices[turn], self._sizes(bucket))
         # max_kv_len stays at the table's reach: the graph must serve any context up to it.
-        return StepInputs(views, max_q_len=1, max_kv_len=self.width * self.executor.page_size)
+        return StepInputs(views, max_q_len=self.k, max_kv_len=self.width * self.executor.page_size)
 
     def _capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
@@ -175,8 +196,9 @@ class DecodeGraphs:
                 self._stage(empty, bucket, turn)
                 torch.cuda.current_stream().wait_event(self._uploaded[turn])
                 inputs = self._inputs(bucket, turn)
-                # The tokens become the other turn's input ids, and reach the host in the mirror.
-                ids, mirror = self._devices[turn ^ 1][:bucket], self._mirrors[turn][:bucket]
+                # The tokens (the other turn's input ids, with one token a sequence) reach the host in the mirror.
+                rows = self.k * bucket
+                ids, mirror = self._greedy_target(turn)[:rows], self._mirrors[turn][:rows]
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     # Warm-up: Triton compiles and autotunes outside the capture, and the argmax's

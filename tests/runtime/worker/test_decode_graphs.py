@@ -30,7 +30,8 @@ def staged_table(graphs: DecodeGraphs, lists: StepLists, bucket: int, turn: int)
 
 
 def test_page_rows_are_staged_incrementally_and_exactly():
-    executor = SimpleNamespace(device=torch.device("cpu"), page_size=4, schema=STEP_SCHEMA)
+    executor = SimpleNamespace(device=torch.device("cpu"), page_size=4, schema=STEP_SCHEMA,
+                               bounds={"T": 8, "B": 8, "N": 8, "P": WIDTH})
     graphs = DecodeGraphs(executor, {}, [1, 2, 4], WIDTH)
     steps = [
         [[3], [5, 6]],
@@ -49,7 +50,8 @@ def test_page_rows_are_staged_incrementally_and_exactly():
 
 
 def test_ids_already_on_the_device_are_left_alone():
-    executor = SimpleNamespace(device=torch.device("cpu"), page_size=4, schema=STEP_SCHEMA)
+    executor = SimpleNamespace(device=torch.device("cpu"), page_size=4, schema=STEP_SCHEMA,
+                               bounds={"T": 8, "B": 8, "N": 8, "P": WIDTH})
     graphs = DecodeGraphs(executor, {}, [2], WIDTH)
     graphs._devices[0][:2] = torch.tensor([11, 12], dtype=torch.int32)
     graphs._stage(decode_lists([[1], [2]]), 2, 0, ids_on_device=True)
