@@ -170,3 +170,26 @@ def test_dce_drops_unread_nodes_and_params_but_keeps_effects():
           return %y
         }
     """)
+
+
+def test_dce_keeps_the_scales_of_a_live_quantized_weight():
+    before = dedent("""
+        graph g {
+          input %x: f32[T, 8]
+          param @w.scale: f32[4]
+          param @w: i8[4, 8] format=int8_channel(@w.scale)
+          param @dead.scale: f32[4]
+          param @dead: i8[4, 8] format=int8_channel(@dead.scale)
+          %y = linear(%x, @w) : f32[T, 4]
+          return %y
+        }
+    """)
+    assert run(eliminate_dead_code, before) == dedent("""
+        graph g {
+          input %x: f32[T, 8]
+          param @w.scale: f32[4]
+          param @w: i8[4, 8] format=int8_channel(@w.scale)
+          %y = linear(%x, @w) : f32[T, 4]
+          return %y
+        }
+    """)
