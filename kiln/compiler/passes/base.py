@@ -1,8 +1,8 @@
-"""What passes share: the context they run in and the weight recipes they leave for the artifact writer.
+"""What passes share: the context they run in, with the weight recipes they leave for the artifact writer.
 
 A pass is ``fn(graph, ctx) -> graph``. When it changes what a parameter holds (fusing q/k/v
-concatenates three weights), it records a ``WeightRecipe`` for the new parameter in ``ctx``; the
-weight store applies recipes when the artifact is written, so passes never touch tensors.
+concatenates three weights), it adds a recipe for the new parameter to ``ctx`` (``kiln.compiler.recipes``);
+the weight store applies them when the artifact is written, so passes never touch tensors.
 """
 
 from __future__ import annotations
@@ -12,34 +12,24 @@ from typing import Any, Callable
 
 from kiln.ir import Graph, Node
 
-
-@dataclass(frozen=True)
-class WeightRecipe:
-    """How to make a parameter from others: ``concat`` along ``dim`` (more kinds come with sharding
-    and quantization)."""
-
-    kind: str
-    sources: tuple[str, ...]
-    args: tuple[tuple[str, Any], ...] = ()
-
-    def arg(self, name: str) -> Any:
-        return dict(self.args)[name]
+from ..recipes import Recipe
 
 
 @dataclass
 class PassContext:
     backend: str = "torch"
     symbol_bounds: dict[str, int] = field(default_factory=dict)
-    recipes: dict[str, WeightRecipe] = field(default_factory=dict)
+    recipes: list[Recipe] = field(default_factory=list)
     # Results of the analysis passes, read by codegen and the manifest.
     kernel_choice: list[str] = field(default_factory=list)
     generated_kernels: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (op, source)
     memory_plan: Any = None
 
-    def derive_weight(self, name: str, recipe: WeightRecipe) -> None:
-        if name in self.recipes:
-            raise ValueError(f"weight {name} is derived twice")
-        self.recipes[name] = recipe
+    def add_recipe(self, recipe: Recipe) -> None:
+        made = set(recipe.outputs).intersection(name for earlier in self.recipes for name in earlier.outputs)
+        if made:
+            raise ValueError(f"weight(s) {sorted(made)} are made twice")
+        self.recipes.append(recipe)
 
 
 Pass = Callable[[Graph, PassContext], Graph]

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from kiln.ir import Graph, Node, Param, make_node
 
-from .base import PassContext, WeightRecipe
+from ..recipes import Concat
+from .base import PassContext
 
 
 def fuse_qkv(graph: Graph, ctx: PassContext) -> Graph:
@@ -75,7 +76,7 @@ def _fuse_group(graph: Graph, ctx: PassContext, params: dict[str, Param], group:
         name = f"{prefix}.{fused_role}.{kind}"
         rows = sum(p.type.shape[0] for p in originals)
         params[name] = Param(name, originals[0].type.with_shape((rows,) + originals[0].type.shape[1:]))
-        ctx.derive_weight(name, WeightRecipe("concat", tuple(p.name for p in originals), (("dim", 0),)))
+        ctx.add_recipe(Concat(name, tuple(p.name for p in originals), axis=0))
         fused_inputs.append(name)
     types = graph.value_types()
     types.update((name, params[name].type) for name in fused_inputs[1:])

@@ -2,7 +2,8 @@
 
 import textwrap
 
-from kiln.compiler.passes.base import PassContext, WeightRecipe
+from kiln.compiler.passes.base import PassContext
+from kiln.compiler.recipes import Concat
 from kiln.compiler.passes.dce import eliminate_dead_code
 from kiln.compiler.passes.fuse_add_rmsnorm import fuse_add_rmsnorm
 from kiln.compiler.passes.fuse_linears import fuse_gate_up, fuse_qkv
@@ -59,9 +60,8 @@ def test_fuse_qkv():
           return %q, %s
         }
     """)
-    assert ctx.recipes["a.qkv_proj.weight"] == WeightRecipe(
-        "concat", ("a.q_proj.weight", "a.k_proj.weight", "a.v_proj.weight"), (("dim", 0),))
-    assert ctx.recipes["a.qkv_proj.bias"].sources == ("a.q_proj.bias", "a.k_proj.bias", "a.v_proj.bias")
+    assert ctx.recipes == [Concat("a.qkv_proj.weight", ("a.q_proj.weight", "a.k_proj.weight", "a.v_proj.weight")),
+                           Concat("a.qkv_proj.bias", ("a.q_proj.bias", "a.k_proj.bias", "a.v_proj.bias"))]
 
 
 def test_fuse_qkv_leaves_incomplete_or_shared_groups():
