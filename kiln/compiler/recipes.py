@@ -11,7 +11,7 @@ yields the weights one at a time, so a compile holds a few tensors at once, not 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence, Union
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -89,7 +89,7 @@ class Quantize:
         return (values, *scales)
 
 
-Recipe = Union[Concat, Slice, Quantize]
+Recipe = Concat | Slice | Quantize
 
 
 def apply_recipes(recipes: Sequence[Recipe], names: Iterable[str],

@@ -96,7 +96,7 @@ class WeightFormat:
         return f"{self.scheme}({', '.join('@' + s for s in self.scales)})"
 
     @staticmethod
-    def parse(text: str) -> "WeightFormat":
+    def parse(text: str) -> WeightFormat:
         if text == "plain":
             return PLAIN
         match = re.fullmatch(r"(\w+)\((.*)\)", text)
@@ -109,7 +109,7 @@ class WeightFormat:
         return None if self.scheme is None else {"scheme": self.scheme.name, "scales": list(self.scales)}
 
     @staticmethod
-    def from_json(data: dict[str, Any] | None) -> "WeightFormat":
+    def from_json(data: dict[str, Any] | None) -> WeightFormat:
         return PLAIN if data is None else WeightFormat(get_scheme(data["scheme"]), tuple(data["scales"]))
 
 
@@ -136,7 +136,8 @@ class Placement:
 
     def __post_init__(self) -> None:
         if (self.layout == Layout.replicated) != (self.axis is None):
-            raise ValueError(f"a {self.layout.value} placement {'has no' if self.axis is not None else 'needs an'} axis")
+            need = "has no" if self.axis is not None else "needs an"
+            raise ValueError(f"a {self.layout.value} placement {need} axis")
         if self.axis is not None and (isinstance(self.axis, bool) or not isinstance(self.axis, int) or self.axis < 0):
             raise ValueError(f"shard axis {self.axis!r} must be an int >= 0")
 
@@ -144,7 +145,7 @@ class Placement:
         return self.layout.value if self.axis is None else f"{self.layout.value}({self.axis})"
 
     @staticmethod
-    def parse(text: str) -> "Placement":
+    def parse(text: str) -> Placement:
         match = re.fullmatch(r"(\w+)(?:\((\d+)\))?", text)
         if not match or match.group(1) not in Layout.__members__:
             raise ValueError(f"cannot parse placement {text!r}; layouts: {', '.join(Layout.__members__)}")
@@ -154,7 +155,7 @@ class Placement:
         return {"layout": self.layout.value} if self.axis is None else {"layout": self.layout.value, "axis": self.axis}
 
     @staticmethod
-    def from_json(data: dict[str, Any]) -> "Placement":
+    def from_json(data: dict[str, Any]) -> Placement:
         return Placement(Layout(data["layout"]), data.get("axis"))
 
 
