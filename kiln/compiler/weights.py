@@ -1,6 +1,7 @@
 """The weight store: makes each final-graph parameter's tensor from the checkpoint and the model's
 computed tensors through the passes' recipes (``recipes.apply_recipes``), checking each against its
-parameter's shape and casting it to its storage dtype."""
+parameter's shape and casting a plain one to its dtype (a quantized one must come in its storage
+dtype: a cast would not quantize it)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,11 @@ class WeightStore:
                 where = self._checkpoint.file_of(name) if name in self._checkpoint else self._source_name
                 raise SourceError(f"{where}: tensor {name!r} has shape {list(tensor.shape)}, "
                                   f"the model needs {list(expected)}")
-            yield name, tensor.to(torch_dtype(param.type.dtype)).contiguous()
+            dtype = torch_dtype(param.type.dtype)
+            if param.format.quantized and tensor.dtype != dtype:
+                raise SourceError(f"{self._source_name}: {param.format.scheme} weight {name!r} comes as "
+                                  f"{tensor.dtype}, not its storage dtype {dtype}: no Quantize recipe makes it")
+            yield name, tensor.to(dtype).contiguous()
 
     def _read(self, name: str) -> torch.Tensor:
         if name in self._computed:

@@ -1,11 +1,15 @@
 """Weight recipes against torch computed by hand: concat, a rank's slice, the reference quantizers,
-and one recipe list applied lazily through recipes that feed each other."""
+one recipe list applied lazily through recipes that feed each other, and the weight store making a
+quantized parameter through its recipe."""
 
 import pytest
 import torch
 
 from kiln.compiler.quantize import dequantize, quantize
 from kiln.compiler.recipes import Concat, Quantize, Slice, apply_recipes, source_names
+from kiln.compiler.sources.hf import MemoryTensors, SourceError
+from kiln.compiler.weights import WeightStore
+from kiln.ir import DType, GraphBuilder, TensorType
 from kiln.ir.weights import SCHEMES, WeightFormat
 
 INT8 = SCHEMES["int8_channel"]
@@ -77,3 +81,18 @@ def test_recipes_feed_each_other_and_run_once():
     assert source_names(recipes, ["ab", "ab.scale", "c"]) == ["a", "b", "c"]
     with pytest.raises(ValueError, match="made by two recipes"):
         make(recipes + [Concat("ab", ("a",))], sources, "ab")
+
+
+def test_the_weight_store_quantizes_through_a_recipe_and_never_by_a_cast():
+    b = GraphBuilder("g")
+    b.param("w.scale", TensorType((2,), DType.f32))
+    w = b.param("w", TensorType((2, 2), DType.i8), WeightFormat(INT8, ("w.scale",)))
+    b.output(b.op("linear", b.input("x", TensorType(("T", 2), DType.f32)), w))
+    graph = b.build()
+    source = torch.tensor([[1.0, -2.0], [4.0, 1.0]])
+    recipe = Quantize("w", "w.f32", WeightFormat(INT8, ("w.scale",)))
+    made = dict(WeightStore(MemoryTensors({"w.f32": source}), {}, [recipe], "src").materialize(graph))
+    assert torch.equal(made["w"], torch.tensor([[64, -127], [127, 32]], dtype=torch.int8))
+    assert torch.equal(made["w.scale"], torch.tensor([2 / 127, 4 / 127]))
+    with pytest.raises(SourceError, match="int8_channel weight 'w' comes as torch.float32"):
+        dict(WeightStore(MemoryTensors({"w": source, "w.scale": torch.ones(2)}), {}, [], "src").materialize(graph))
