@@ -9,6 +9,7 @@ from kiln.ir.types import DType
 _TO_TORCH = {
     DType.f32: torch.float32, DType.f16: torch.float16, DType.bf16: torch.bfloat16,
     DType.i64: torch.int64, DType.i32: torch.int32, DType.i8: torch.int8, DType.u8: torch.uint8,
+    DType.f8e4m3: torch.float8_e4m3fn,
 }
 _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
 _NAMES = {"fp32": DType.f32, "float32": DType.f32, "f32": DType.f32, "fp16": DType.f16, "float16": DType.f16,

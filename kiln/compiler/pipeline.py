@@ -18,7 +18,7 @@ from .passes.base import Pass, PassContext
 from .passes.dce import eliminate_dead_code
 from .passes.fuse_add_rmsnorm import fuse_add_rmsnorm
 from .passes.fuse_linear_residual import fuse_linear_residual
-from .passes.fuse_linears import fuse_gate_up, fuse_qkv
+from .passes.fuse_linears import fuse_linears
 from .passes.fuse_norm_linear import fuse_norm_linear
 from .passes.fuse_rope_attention import fuse_rope_attention
 from .passes.fuse_rope_kv_store import fuse_rope_kv_store
@@ -35,8 +35,7 @@ def _verify(graph: Graph, ctx: PassContext) -> Graph:
 
 PIPELINE: list[tuple[str, Pass]] = [
     ("verify", _verify),
-    ("fuse_qkv", fuse_qkv),
-    ("fuse_gate_up", fuse_gate_up),
+    ("fuse_linears", fuse_linears),
     ("fuse_silu_mul", fuse_silu_mul),
     ("fuse_linear_residual", fuse_linear_residual),
     ("fuse_silu_mul_linear", fuse_silu_mul_linear),

@@ -1,63 +1,53 @@
-"""The weight store: makes each final-graph parameter's tensor from the checkpoint, the model's
-computed tensors and the passes' recipes, checking shapes and casting to the parameter's dtype."""
+"""The weight store: makes each final-graph parameter's tensor from the checkpoint and the model's
+computed tensors through the passes' recipes (``recipes.apply_recipes``), checking each against its
+parameter's shape and casting a plain one to its dtype (a quantized one must come in its storage
+dtype: a cast would not quantize it)."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
 from kiln.ir import Graph
 from kiln.tensors import torch_dtype
 
-from .passes.base import WeightRecipe
+from .recipes import Recipe, apply_recipes, source_names
 from .sources.hf import CheckpointTensors, SourceError
 
 
 class WeightStore:
     def __init__(self, checkpoint: CheckpointTensors, computed: dict[str, torch.Tensor],
-                 recipes: dict[str, WeightRecipe], source_name: str) -> None:
+                 recipes: Sequence[Recipe], source_name: str) -> None:
         self._checkpoint = checkpoint
         self._computed = computed
         self._recipes = recipes
         self._source_name = source_name
 
     def check_available(self, graph: Graph) -> None:
-        """Fails early, naming every parameter the checkpoint lacks, before any tensor is read."""
-        missing = [name for name in self._leaf_names(graph) if name not in self._computed and name not in self._checkpoint]
+        """Fails early, naming every tensor the checkpoint lacks, before any tensor is read."""
+        missing = [name for name in source_names(self._recipes, graph.params)
+                   if name not in self._computed and name not in self._checkpoint]
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise SourceError(f"{self._source_name}: checkpoint lacks tensor(s) the model needs: {shown}")
 
     def materialize(self, graph: Graph) -> Iterator[tuple[str, torch.Tensor]]:
         """Yields (name, tensor) for each parameter of ``graph``, one at a time."""
-        for name, param in graph.params.items():
-            tensor = self._tensor(name)
+        for name, tensor in apply_recipes(self._recipes, graph.params, self._read):
+            param = graph.params[name]
             expected = param.type.concrete_shape({})
             if tuple(tensor.shape) != expected:
                 where = self._checkpoint.file_of(name) if name in self._checkpoint else self._source_name
                 raise SourceError(f"{where}: tensor {name!r} has shape {list(tensor.shape)}, "
                                   f"the model needs {list(expected)}")
-            yield name, tensor.to(torch_dtype(param.type.dtype)).contiguous()
+            dtype = torch_dtype(param.type.dtype)
+            if param.format.quantized and tensor.dtype != dtype:
+                raise SourceError(f"{self._source_name}: {param.format.scheme} weight {name!r} comes as "
+                                  f"{tensor.dtype}, not its storage dtype {dtype}: no Quantize recipe makes it")
+            yield name, tensor.to(dtype).contiguous()
 
-    def _tensor(self, name: str) -> torch.Tensor:
-        recipe = self._recipes.get(name)
-        if recipe is not None:
-            parts = [self._tensor(source) for source in recipe.sources]
-            if recipe.kind == "concat":
-                return torch.cat(parts, dim=recipe.arg("dim"))
-            raise ValueError(f"unknown weight recipe {recipe.kind!r}")
+    def _read(self, name: str) -> torch.Tensor:
         if name in self._computed:
             return self._computed[name]
         return self._checkpoint.get(name)
-
-    def _leaf_names(self, graph: Graph) -> list[str]:
-        leaves: list[str] = []
-        pending = list(graph.params)
-        while pending:
-            name = pending.pop()
-            if name in self._recipes:
-                pending.extend(self._recipes[name].sources)
-            else:
-                leaves.append(name)
-        return leaves

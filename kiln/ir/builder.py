@@ -11,6 +11,7 @@ from typing import Any
 from .graph import FrozenAttrs, Graph, Node, Param
 from .ops import get_op
 from .types import TensorType
+from .weights import PLAIN, REPLICATED, Placement, WeightFormat
 
 
 class GraphBuilder:
@@ -28,14 +29,16 @@ class GraphBuilder:
         self._inputs[name] = type
         return name
 
-    def param(self, name: str, type: TensorType, placement: str = "replicated", quant: str | None = None) -> str:
-        """Declares a parameter; declaring the same name twice with the same type returns it (tied weights)."""
+    def param(self, name: str, type: TensorType, format: WeightFormat = PLAIN,
+              placement: Placement = REPLICATED) -> str:
+        """Declares a parameter; declaring the same one twice returns it (tied weights)."""
+        param = Param(name, type, format, placement)
         if name in self._params:
-            if self._params[name].type != type:
-                raise ValueError(f"parameter {name} declared as {self._params[name].type} and {type}")
+            if self._params[name] != param:
+                raise ValueError(f"parameter {name} declared twice, differently: {self._params[name]} and {param}")
             return name
-        self._claim(name, type)
-        self._params[name] = Param(name, type, placement, quant)
+        self._claim(name, param.value_type)
+        self._params[name] = param
         return name
 
     def op(self, op: str, *inputs: str, name: str | None = None, names: tuple[str, ...] | None = None,

@@ -13,6 +13,7 @@ from typing import Any, Iterator, Mapping
 
 from .ops import get_op
 from .types import TensorType
+from .weights import PLAIN, REPLICATED, Placement, QuantizedType, WeightFormat
 
 
 class FrozenAttrs(Mapping[str, Any]):
@@ -44,13 +45,21 @@ class FrozenAttrs(Mapping[str, Any]):
 
 @dataclass(frozen=True)
 class Param:
-    """A weight the graph reads. ``placement`` says how ranks hold it (``replicated`` until the
-    sharding passes say otherwise); ``quant`` names its quantized format, if any."""
+    """A weight the graph reads. ``type`` is its storage; ``format`` says how to read it (plain, or a
+    quantization scheme with its scale parameters); ``placement`` how ranks hold it (replicated until
+    the sharding passes say otherwise). ``kiln.ir.weights`` defines both."""
 
     name: str
     type: TensorType
-    placement: str = "replicated"
-    quant: str | None = None
+    format: WeightFormat = PLAIN
+    placement: Placement = REPLICATED
+
+    @property
+    def value_type(self) -> TensorType:
+        """The type ops see: a quantized parameter's storage type carries its format."""
+        if self.format.quantized:
+            return QuantizedType(self.type.shape, self.type.dtype, self.format)
+        return self.type
 
 
 @dataclass(frozen=True)
@@ -94,7 +103,7 @@ class Graph:
     def value_types(self) -> dict[str, TensorType]:
         """Every value name in the graph mapped to its type."""
         types: dict[str, TensorType] = dict(self.inputs)
-        types.update((name, p.type) for name, p in self.params.items())
+        types.update((name, p.value_type) for name, p in self.params.items())
         for node in self.nodes:
             types.update(zip(node.outputs, node.types))
         return types

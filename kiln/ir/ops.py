@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from .types import DType, TensorType
+from .weights import QuantizedType
 
 REQUIRED = object()
 
@@ -54,7 +55,8 @@ class OpDef:
     them then share the alias of the last ``aliases`` entry. ``reuses[i]`` names an input of output
     ``i``'s type whose storage the memory plan may give that output when this node is the input's
     last reader: every implementation must then allow ``out`` to be that input (each reads an
-    element of it before writing the same element of ``out``)."""
+    element of it before writing the same element of ``out``). ``quantized`` names the inputs that
+    may be quantized weights (``QuantizedType``); every other input must be a plain tensor."""
 
     name: str
     inputs: tuple[str, ...]
@@ -66,6 +68,7 @@ class OpDef:
     doc: str = ""
     # Ops with an effect (writes to an input) are never removed by dead-code elimination.
     has_effect: bool = False
+    quantized: tuple[str, ...] = ()
 
     def output_alias(self, index: int) -> int | None:
         if not self.aliases:
@@ -108,6 +111,10 @@ class OpDef:
             raise IRTypeError(
                 f"{self.name}: takes {self.min_inputs}..{len(self.inputs)} inputs ({', '.join(self.inputs)}), got {len(input_types)}"
             )
+        for name, t in zip(self.inputs, input_types):
+            if isinstance(t, QuantizedType) and name.rstrip("?") not in self.quantized:
+                raise IRTypeError(f"{self.name}: {name} is a quantized weight ({t}, {t.format}); "
+                                  f"only {', '.join(self.quantized) or 'plain tensors'} may be one here")
         result = self.infer(input_types, attrs)
         if self.num_outputs is not None and len(result) != self.num_outputs:
             raise IRTypeError(f"{self.name}: inferred {len(result)} outputs, expected {self.num_outputs}")

@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 
 from .ops import AttrSpec, OpDef, expect, expect_int, expect_rank, expect_same, register_op
 from .types import DType, TensorType, same_dim
+from .weights import QuantizedType
 
 Types = Sequence[TensorType]
 Attrs = Mapping[str, Any]
@@ -45,15 +46,20 @@ def _unary(t: Types, a: Attrs) -> tuple[TensorType, ...]:
 
 
 def infer_linear(t: Types, a: Attrs) -> tuple[TensorType, ...]:
+    """A quantized weight is read as the weight its format encodes (its logical shape, in x's dtype);
+    a plain one must have x's dtype."""
     x, w = t[0], t[1]
     expect_rank("linear", "x", x, 2)
     expect_rank("linear", "weight", w, 2)
-    expect(same_dim(x.shape[1], w.shape[1]), f"linear: x {x} and weight {w} disagree on in-features")
-    expect(x.dtype == w.dtype, f"linear: x {x} and weight {w} differ in dtype")
+    out_features, in_features = w.logical_shape if isinstance(w, QuantizedType) else w.shape
+    expect(same_dim(x.shape[1], in_features), f"linear: x {x} and weight {w} disagree on in-features")
+    expect(isinstance(w, QuantizedType) or x.dtype == w.dtype,
+           f"linear: x {x} and weight {w} differ in dtype (a weight stored in another dtype needs a quantized format)")
     if len(t) == 3:
         bias = t[2]
-        expect(bias.rank == 1 and same_dim(bias.shape[0], w.shape[0]), f"linear: bias {bias} does not match weight {w}")
-    return (TensorType((x.shape[0], w.shape[0]), x.dtype),)
+        expect(bias.rank == 1 and same_dim(bias.shape[0], out_features),
+               f"linear: bias {bias} does not match weight {w}")
+    return (TensorType((x.shape[0], out_features), x.dtype),)
 
 
 def _reshape(t: Types, a: Attrs) -> tuple[TensorType, ...]:
@@ -144,7 +150,8 @@ register_op(OpDef("rmsnorm", ("x", "weight"), {"eps": AttrSpec("float")}, infer_
 register_op(OpDef("add", ("a", "b"), {}, _elementwise_binary("add")))
 register_op(OpDef("mul", ("a", "b"), {}, _elementwise_binary("mul")))
 register_op(OpDef("silu", ("x",), {}, _unary))
-register_op(OpDef("linear", ("x", "weight", "bias?"), {}, infer_linear, doc="x @ weight.T (+ bias)"))
+register_op(OpDef("linear", ("x", "weight", "bias?"), {}, infer_linear, quantized=("weight",),
+                  doc="x @ weight.T (+ bias)"))
 register_op(OpDef("reshape", ("x",), {"shape": AttrSpec("dims")}, _reshape, aliases=(0,), doc="a view with another shape"))
 register_op(OpDef("split", ("x",), {"sizes": AttrSpec("ints")}, _split, num_outputs=None, aliases=(0,),
                   doc="views of consecutive column ranges of the last dim"))

@@ -102,15 +102,16 @@ def _silu_mul_linear_residual(t: Sequence[TensorType], a: Mapping[str, Any]) -> 
 
 register_op(OpDef(
     "rmsnorm_linear", ("x", "norm_weight", "weight", "bias?"), {"eps": AttrSpec("float")},
-    _rmsnorm_linear, doc="linear(rmsnorm(x, norm_weight), weight, bias)",
+    _rmsnorm_linear, quantized=("weight",), doc="linear(rmsnorm(x, norm_weight), weight, bias)",
 ))
 # Their output may take over the residual's storage (the residual stream is read last here): then no
 # copy of the residual into a fresh output precedes cuBLAS's beta=1 GEMM.
 register_op(OpDef(
-    "linear_residual", ("x", "weight", "residual"), {}, _linear_residual, reuses=(2,),
+    "linear_residual", ("x", "weight", "residual"), {}, _linear_residual, reuses=(2,), quantized=("weight",),
     doc="add(linear(x, weight), residual)",
 ))
 register_op(OpDef(
     "silu_mul_linear_residual", ("gate_up", "weight", "residual"), {}, _silu_mul_linear_residual, reuses=(2,),
+    quantized=("weight",),
     doc="gate, up = split(gate_up, 2 halves); add(linear(silu_mul(gate, up), weight), residual)",
 ))

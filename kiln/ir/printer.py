@@ -3,6 +3,8 @@
     graph NAME {
       input %token_ids: i32[T]
       param @model.norm.weight: bf16[576]
+      param @up: i8[1536, 576] format=int8_channel(@up.scale) placement=column(0)
+      param @up.scale: f32[1536]
       %0 = embedding(%token_ids, @model.embed_tokens.weight) : bf16[T, 576]
       %1, %2 = add_rmsnorm(%0, %r, @w) {eps=1e-05, offset=0.0} : bf16[T, 576], bf16[T, 576]
       return %logits
@@ -19,6 +21,7 @@ from typing import Any
 
 from .graph import Graph, Param, make_node
 from .types import TensorType
+from .weights import PLAIN, REPLICATED, Placement, WeightFormat
 
 _NAME = r"[A-Za-z0-9_.\-]+"
 
@@ -29,10 +32,10 @@ def print_graph(graph: Graph) -> str:
         lines.append(f"  input %{name}: {t}")
     for p in graph.params.values():
         extra = ""
-        if p.placement != "replicated":
+        if p.format != PLAIN:
+            extra += f" format={p.format}"
+        if p.placement != REPLICATED:
             extra += f" placement={p.placement}"
-        if p.quant is not None:
-            extra += f" quant={p.quant}"
         lines.append(f"  param @{p.name}: {p.type}{extra}")
     for node in graph.nodes:
         outs = ", ".join(f"%{o}" for o in node.outputs)
@@ -75,11 +78,13 @@ def parse_graph(text: str) -> Graph:
                 t = TensorType.parse(m.group(2))
                 inputs[m.group(1)] = types[m.group(1)] = t
             elif line.startswith("param "):
-                m = re.fullmatch(rf"param @({_NAME}): ([a-z0-9]+\[[^\]]*\])((?: \w+=\S+)*)", line)
-                t = TensorType.parse(m.group(2))
-                extras = dict(kv.split("=", 1) for kv in m.group(3).split())
-                params[m.group(1)] = Param(m.group(1), t, extras.get("placement", "replicated"), extras.get("quant"))
-                types[m.group(1)] = t
+                m = re.fullmatch(rf"param @({_NAME}): ([a-z0-9]+\[[^\]]*\])(?: format=(\w+\([^)]*\)))?"
+                                 r"(?: placement=(\S+))?", line)
+                param = Param(m.group(1), TensorType.parse(m.group(2)),
+                              WeightFormat.parse(m.group(3)) if m.group(3) else PLAIN,
+                              Placement.parse(m.group(4)) if m.group(4) else REPLICATED)
+                params[param.name] = param
+                types[param.name] = param.value_type
             elif line.startswith("return "):
                 outputs = tuple(o.strip().lstrip("%") for o in line[len("return "):].split(","))
             else:

@@ -7,14 +7,15 @@ from typing import Any
 
 from .graph import Graph, Param, make_node
 from .types import TensorType
+from .weights import Placement, WeightFormat
 
 
 def graph_to_json(graph: Graph) -> dict[str, Any]:
     return {
         "name": graph.name,
         "inputs": [[name, str(t)] for name, t in graph.inputs.items()],
-        "params": [{"name": p.name, "type": str(p.type), "placement": p.placement, "quant": p.quant}
-                   for p in graph.params.values()],
+        "params": [{"name": p.name, "type": str(p.type), "format": p.format.to_json(),
+                    "placement": p.placement.to_json()} for p in graph.params.values()],
         "nodes": [{"op": n.op, "inputs": list(n.inputs), "outputs": list(n.outputs),
                    "types": [str(t) for t in n.types],
                    "attrs": {k: list(v) if isinstance(v, tuple) else v for k, v in n.attrs.items()}}
@@ -26,10 +27,10 @@ def graph_to_json(graph: Graph) -> dict[str, Any]:
 def graph_from_json(data: dict[str, Any]) -> Graph:
     """Rebuilds a graph, re-inferring every node's types and checking them against the stored ones."""
     inputs = {name: TensorType.parse(t) for name, t in data["inputs"]}
-    params = {p["name"]: Param(p["name"], TensorType.parse(p["type"]), p["placement"], p["quant"])
-              for p in data["params"]}
+    params = {p["name"]: Param(p["name"], TensorType.parse(p["type"]), WeightFormat.from_json(p["format"]),
+                               Placement.from_json(p["placement"])) for p in data["params"]}
     types: dict[str, TensorType] = dict(inputs)
-    types.update((name, p.type) for name, p in params.items())
+    types.update((name, p.value_type) for name, p in params.items())
     nodes = []
     for raw in data["nodes"]:
         node = make_node(raw["op"], raw["inputs"], raw["outputs"], [types[i] for i in raw["inputs"]], raw["attrs"])

@@ -22,6 +22,7 @@ class DType(str, Enum):
     i32 = "i32"
     i8 = "i8"
     u8 = "u8"
+    f8e4m3 = "f8e4m3"  # a storage dtype of quantized weights (fp8_channel), not of activations
 
     @property
     def itemsize(self) -> int:
@@ -29,13 +30,14 @@ class DType(str, Enum):
 
     @property
     def is_float(self) -> bool:
-        return self in (DType.f32, DType.f16, DType.bf16)
+        return self in (DType.f32, DType.f16, DType.bf16, DType.f8e4m3)
 
     def __str__(self) -> str:
         return self.value
 
 
-_ITEMSIZE = {DType.f32: 4, DType.f16: 2, DType.bf16: 2, DType.i64: 8, DType.i32: 4, DType.i8: 1, DType.u8: 1}
+_ITEMSIZE = {DType.f32: 4, DType.f16: 2, DType.bf16: 2, DType.i64: 8, DType.i32: 4, DType.i8: 1, DType.u8: 1,
+             DType.f8e4m3: 1}
 
 _SYMBOL = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 

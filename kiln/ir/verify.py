@@ -1,12 +1,14 @@
 """The verifier: checks a graph's invariants; the pipeline runs it between passes in tests.
 
 Checked: every name is defined once; every input is defined before use; each node's attributes fit
-its op's schema and its recorded types equal what the op infers; outputs exist.
+its op's schema and its recorded types equal what the op infers; outputs exist; each parameter's
+format fits its storage (a quantized weight's scales are plain parameters of the types its scheme
+needs) and a shard's axis is within its rank.
 """
 
 from __future__ import annotations
 
-from .graph import Graph
+from .graph import Graph, Param
 from .ops import IRTypeError, get_op
 
 
@@ -23,7 +25,8 @@ def verify(graph: Graph) -> None:
             raise VerifyError(f"param key {name!r} holds param named {p.name!r}")
         if name in defined:
             raise VerifyError(f"{name!r} is both an input and a param")
-        defined[name] = p.type
+        _check_param(graph, p)
+        defined[name] = p.value_type
     for index, node in enumerate(graph.nodes):
         where = f"node {index} ({node.op} -> {', '.join(node.outputs)})"
         for name in node.inputs:
@@ -50,3 +53,24 @@ def verify(graph: Graph) -> None:
     for out in graph.outputs:
         if out not in defined:
             raise VerifyError(f"graph output {out!r} is not defined")
+
+
+def _check_param(graph: Graph, p: Param) -> None:
+    where = f"param @{p.name}: {p.type}"
+    if p.placement.axis is not None and p.placement.axis >= p.type.rank:
+        raise VerifyError(f"{where}: placement {p.placement} shards axis {p.placement.axis}, beyond its rank {p.type.rank}")
+    scheme = p.format.scheme
+    if scheme is None:
+        return
+    try:
+        needed = scheme.scale_types(p.type)
+    except ValueError as exc:
+        raise VerifyError(f"{where}: format {p.format}: {exc}") from None
+    if len(p.format.scales) != len(needed):
+        raise VerifyError(f"{where}: {scheme} needs {len(needed)} scale tensor(s), format names {len(p.format.scales)}")
+    for name, t in zip(p.format.scales, needed):
+        scale = graph.params.get(name)
+        if scale is None:
+            raise VerifyError(f"{where}: scale @{name} is not a param")
+        if scale.type != t or scale.format.quantized:
+            raise VerifyError(f"{where}: scale @{name} is {scale.type} {scale.format}, {scheme} needs plain {t}")

@@ -55,8 +55,8 @@ def test_artifact_layout_and_manifest(artifact):
     assert [entry["pass"] for entry in manifest["passes"]] == [name for name, _ in PIPELINE]
     assert all(entry["seconds"] >= 0 for entry in manifest["passes"])
     graph_text = (artifact / "graph.txt").read_text()
-    assert "qkv_proj" in graph_text and "silu_mul_linear_residual" in graph_text and "linear_residual" in graph_text
-    assert " q_proj" not in graph_text
+    assert "q_k_v_proj" in graph_text and "silu_mul_linear_residual" in graph_text and "linear_residual" in graph_text
+    assert ".q_proj" not in graph_text
 
 
 def test_the_residual_stream_is_one_buffer_written_in_place(artifact):
@@ -65,6 +65,29 @@ def test_the_residual_stream_is_one_buffer_written_in_place(artifact):
     assert len(residuals) >= 4 and len({plan["roots"][name] for name in residuals}) == 1
     program = (artifact / "program.py").read_text()
     assert program.count("# in place of") == len(residuals)
+
+
+def test_fused_weights_are_their_sources_joined_byte_for_byte(tmp_path):
+    """What the recipes make is what the compiler wrote before they existed: each fused weight (and
+    bias) the members' checkpoint tensors concatenated row-wise, then cast; every other weight its
+    checkpoint tensor, cast."""
+    from safetensors.torch import load_file
+
+    from kiln.compiler.sources.hf import load_hf_dir
+
+    source = load_hf_dir(make_hf_model("qwen2", tmp_path / "src"))
+    artifact = compile_model(source, tmp_path / "bf16.kiln", CompileOptions(dtype="bf16", max_batch_tokens=32))
+    written = load_file(str(artifact / "weights/rank0.safetensors"))
+    fused = {"q_k_v_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    for name, tensor in written.items():
+        if name == "rope.cos_sin":
+            continue
+        fusion = next((f for f in fused if f".{f}." in name), None)
+        parts = [name.replace(fusion, member) for member in fused[fusion]] if fusion else [name]
+        expected = torch.cat([source.tensors.get(p) for p in parts]).to(torch.bfloat16)
+        assert tensor.dtype == expected.dtype, name
+        assert torch.equal(tensor.view(torch.int16), expected.view(torch.int16)), name
+    assert sum(f".{f}." in name for name in written for f in fused) == 2 * 3  # a layer: q/k/v weight and bias, gate/up
 
 
 def test_dump_ir_writes_each_pass(artifact):

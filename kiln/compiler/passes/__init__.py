@@ -1,2 +1,2 @@
-"""Graph passes, one a file: each a ``Graph -> Graph`` function (with its weight transform where it changes
-weights), run in the order ``kiln/compiler/pipeline.py`` lists."""
+"""Graph passes, one a file: each a ``Graph -> Graph`` function (recording recipes for the weights it
+changes), run in the order ``kiln/compiler/pipeline.py`` lists; the fusions are rules over ``patterns``."""

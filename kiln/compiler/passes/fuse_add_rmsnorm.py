@@ -8,25 +8,21 @@ The sum stays an output, so other readers of ``%s`` (the next residual add) are 
 
 from __future__ import annotations
 
-from kiln.ir import Graph, make_node
+from kiln.ir import Graph, Node
 
-from .base import PassContext, rewrite_nodes
+from .base import PassContext
+from .patterns import Match, Rule, op, rewrite, var
+
+
+def _build(m: Match) -> Node:
+    norm, add = m.nodes["norm"], m.nodes["add"]
+    return m.make("add_rmsnorm", [m["a"], m["b"], m["weight"]], [norm.out, add.out], norm.attrs)
+
+
+ADD_INTO_NORM = Rule(
+    op("rmsnorm", op("add", var("a"), var("b"), name="add", shared=True), var("weight"), name="norm"),
+    _build, at="add")
 
 
 def fuse_add_rmsnorm(graph: Graph, ctx: PassContext) -> Graph:
-    producers = graph.producers()
-    types = graph.value_types()
-    fused_at: dict[int, object] = {}
-    absorbed: set[int] = set()
-    for node in graph.nodes:
-        if node.op != "rmsnorm":
-            continue
-        add = producers.get(node.inputs[0])
-        if add is None or add.op != "add" or id(add) in fused_at:
-            continue
-        a, b = add.inputs
-        weight = node.inputs[1]
-        fused_at[id(add)] = make_node("add_rmsnorm", [a, b, weight], [node.out, add.out],
-                                      [types[a], types[b], types[weight]], dict(node.attrs))
-        absorbed.add(id(node))
-    return rewrite_nodes(graph, fused_at, absorbed)
+    return rewrite(graph, ctx, ADD_INTO_NORM)

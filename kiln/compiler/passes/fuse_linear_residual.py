@@ -9,19 +9,28 @@ output and can join the GEMM after it (``fuse_norm_linear``). Linears with a bia
 
 from __future__ import annotations
 
-from kiln.ir import Graph, Node, make_node
+from kiln.ir import Graph, Node
 
-from .base import PassContext, fold_operand_producers
+from .base import PassContext
+from .patterns import Match, Rule, op, rewrite, var
+
+
+def _build(m: Match) -> Node | None:
+    gemm = m.nodes["gemm"]
+    if m.type(m["residual"]) != gemm.type:
+        return None
+    return m.make("linear_residual", [m["x"], m["weight"], m["residual"]], [m.root.out])
+
+
+def _gemm_on(side: int) -> Rule:
+    gemm = op("linear", var("x"), var("weight"), name="gemm")  # two inputs: no bias
+    operands = (var("residual"), gemm) if side == 1 else (gemm, var("residual"))
+    return Rule(op("add", *operands), _build)
+
+
+# Models write the residual stream first (h + o), so the GEMM is looked for on the right first.
+RESIDUAL_INTO_GEMM = (_gemm_on(1), _gemm_on(0))
 
 
 def fuse_linear_residual(graph: Graph, ctx: PassContext) -> Graph:
-    types = graph.value_types()
-
-    def fold(add: Node, linear: Node, residual: str) -> Node | None:
-        if len(linear.inputs) != 2 or types[residual] != types[linear.out]:
-            return None
-        x, weight = linear.inputs
-        return make_node("linear_residual", [x, weight, residual], [add.out], [types[x], types[weight], types[residual]])
-
-    # Models write the residual stream first (h + o), so the GEMM is looked for on the right first.
-    return fold_operand_producers(graph, "add", "linear", (1, 0), fold)
+    return rewrite(graph, ctx, *RESIDUAL_INTO_GEMM)

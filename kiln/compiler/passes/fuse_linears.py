@@ -1,85 +1,93 @@
-"""Fusing sibling linears (one input, several weights) into one GEMM followed by a split.
+"""Fusing sibling linears (several linears reading one input) into one GEMM followed by a split.
 
-``fuse_qkv`` merges each attention layer's q/k/v projections; ``fuse_gate_up`` each MLP's gate and
-up projections. The fused weight (and bias) is the row-wise concatenation of the originals; the
-split's outputs keep the original value names, so nothing downstream changes.
+Matched by structure, not by weight names: an attention layer's q/k/v projections and an MLP's
+gate/up projections are such siblings, and so is any group a new model makes. Linears join when
+their weights are replicated parameters no other node reads, of one dtype and format (plain, or one
+quantization scheme, whose scales then join too), and all or none have a bias. The fused weight is
+the row-wise concatenation of the members' (a ``Concat`` recipe); its name joins theirs; the split's
+outputs keep the members' value names, so nothing downstream changes.
 
-Before:  %q = linear(%x, @…q_proj.weight); %k = linear(%x, @…k_proj.weight); %v = linear(%x, @…v_proj.weight)
-After:   %qkv = linear(%x, @…qkv_proj.weight); %q, %k, %v = split(%qkv) {sizes=[…]}
+Before:  %q = linear(%x, @a.q_proj.weight); %k = linear(%x, @a.k_proj.weight); %v = linear(%x, @a.v_proj.weight)
+After:   %q_k_v = linear(%x, @a.q_k_v_proj.weight); %q, %k, %v = split(%q_k_v) {sizes=[…]}
 """
 
 from __future__ import annotations
 
-from kiln.ir import Graph, Node, Param, make_node
+import re
+from typing import Hashable, Sequence
 
-from .base import PassContext, WeightRecipe
+from kiln.ir import Graph, Param, WeightFormat, make_node
+from kiln.ir.weights import REPLICATED
 
+from ..recipes import Concat
+from .base import PassContext
+from .patterns import Match, Replacement, op, rewrite_siblings, var
 
-def fuse_qkv(graph: Graph, ctx: PassContext) -> Graph:
-    return fuse_sibling_linears(graph, ctx, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
-
-
-def fuse_gate_up(graph: Graph, ctx: PassContext) -> Graph:
-    return fuse_sibling_linears(graph, ctx, ("gate_proj", "up_proj"), "gate_up_proj")
-
-
-def fuse_sibling_linears(graph: Graph, ctx: PassContext, roles: tuple[str, ...], fused_role: str) -> Graph:
-    """Fuses every group of linears reading the same input whose weights are ``<prefix>.<role>.weight``
-    for each of ``roles`` (in that order), with biases on all or none."""
-    groups = _find_groups(graph, roles)
-    if not groups:
-        return graph
-    params = dict(graph.params)
-    first_of_group = {id(group[0]): group for group in groups}
-    dropped = {id(node) for group in groups for node in group[1:]}
-    nodes: list[Node] = []
-    for node in graph.nodes:
-        if id(node) in dropped:
-            continue
-        group = first_of_group.get(id(node))
-        if group is None:
-            nodes.append(node)
-            continue
-        nodes.extend(_fuse_group(graph, ctx, params, group, roles, fused_role))
-    return graph.replace(nodes=nodes, params=params)
+SIBLING = op("linear", var("x"), var("weight"), var("bias", optional=True))
 
 
-def _find_groups(graph: Graph, roles: tuple[str, ...]) -> list[list[Node]]:
+def fuse_linears(graph: Graph, ctx: PassContext) -> Graph:
     users = graph.users()
-    by_prefix_and_input: dict[tuple[str, str], dict[str, Node]] = {}
-    for node in graph.nodes:
-        if node.op != "linear":
-            continue
-        weight = node.inputs[1]
-        parts = weight.rsplit(".", 2)
-        if len(parts) != 3 or parts[1] not in roles or parts[2] != "weight" or len(users.get(weight, [])) != 1:
-            continue
-        by_prefix_and_input.setdefault((parts[0], node.inputs[0]), {})[parts[1]] = node
-    groups = []
-    for found in by_prefix_and_input.values():
-        if set(found) == set(roles) and len({len(n.inputs) for n in found.values()}) == 1:
-            groups.append([found[role] for role in roles])
-    return groups
+    taken = set(graph.value_types())
+
+    def key(m: Match) -> Hashable | None:
+        names = [m[role] for role in ("weight", "bias") if m[role] is not None]
+        params = [graph.params.get(name) for name in names]
+        if any(p is None or p.placement != REPLICATED or len(users[p.name]) != 1 for p in params):
+            return None
+        weight = params[0]
+        return m["x"], len(params), weight.type.dtype, weight.format.scheme
+
+    def concat(parts: list[Param]) -> tuple[list[Param], list[Concat]]:
+        """``parts`` joined row-wise: the new parameter, then its scales, and the recipes making them."""
+        first = parts[0]
+        scales: list[Param] = []
+        recipes: list[Concat] = []
+        for index in range(len(first.format.scales)):
+            (scale,), (recipe,) = concat([graph.params[p.format.scales[index]] for p in parts])
+            scales.append(scale)
+            recipes.append(recipe)
+        name = joined_name([p.name for p in parts], taken)
+        rows = sum(p.type.shape[0] for p in parts)
+        fused = Param(name, first.type.with_shape((rows, *first.type.shape[1:])),
+                      WeightFormat(first.format.scheme, tuple(s.name for s in scales)))
+        return [fused, *scales], [Concat(name, tuple(p.name for p in parts)), *recipes]
+
+    def build(members: list[Match]) -> Replacement:
+        x = members[0]["x"]
+        inputs, params, recipes = [x], [], []
+        for role in ("weight", "bias"):
+            if members[0][role] is not None:
+                made, made_recipes = concat([graph.params[m[role]] for m in members])
+                inputs.append(made[0].name)
+                params += made
+                recipes += made_recipes
+        types = {p.name: p.value_type for p in params} | {x: members[0].type(x)}
+        fused = joined_name([m.root.out for m in members], taken)
+        gemm = make_node("linear", inputs, [fused], [types[i] for i in inputs])
+        split = make_node("split", [fused], [m.root.out for m in members], [gemm.type],
+                          {"sizes": [m.root.type.shape[1] for m in members]})
+        return Replacement((gemm, split), tuple(params), tuple(recipes))
+
+    return rewrite_siblings(graph, ctx, SIBLING, key, build)
 
 
-def _fuse_group(graph: Graph, ctx: PassContext, params: dict[str, Param], group: list[Node],
-                roles: tuple[str, ...], fused_role: str) -> list[Node]:
-    x = group[0].inputs[0]
-    prefix = group[0].inputs[1].rsplit(".", 2)[0]
-    sizes = [node.type.shape[1] for node in group]
-    fused_inputs = [x]
-    for kind, index in (("weight", 1), ("bias", 2)):
-        if len(group[0].inputs) <= index:
-            continue
-        originals = [params[node.inputs[index]] for node in group]
-        name = f"{prefix}.{fused_role}.{kind}"
-        rows = sum(p.type.shape[0] for p in originals)
-        params[name] = Param(name, originals[0].type.with_shape((rows,) + originals[0].type.shape[1:]))
-        ctx.derive_weight(name, WeightRecipe("concat", tuple(p.name for p in originals), (("dim", 0),)))
-        fused_inputs.append(name)
-    types = graph.value_types()
-    types.update((name, params[name].type) for name in fused_inputs[1:])
-    fused_name = f"{group[0].out}.{fused_role}"
-    fused = make_node("linear", fused_inputs, [fused_name], [types[i] for i in fused_inputs])
-    split = make_node("split", [fused_name], [node.out for node in group], [fused.type], {"sizes": sizes})
-    return [fused, split]
+def joined_name(names: Sequence[str], taken: set[str]) -> str:
+    """A name for the fusion of ``names``: the words (between ``.`` and ``_``) they share at the start
+    and the end, around their differing middles joined by ``_`` (``a.q_proj.weight`` and
+    ``a.k_proj.weight`` give ``a.q_k_proj.weight``); numbered if ``taken`` holds it; added to ``taken``."""
+    words = [re.split(r"([._])", name) for name in names]
+    shortest = min(len(w) for w in words)
+    head = 0
+    while head < shortest and all(w[head] == words[0][head] for w in words):
+        head += 1
+    tail = 0
+    while tail < shortest - head and all(w[-1 - tail] == words[0][-1 - tail] for w in words):
+        tail += 1
+    middles = ["".join(w[head:len(w) - tail]) for w in words]
+    joined = "".join(words[0][:head]) + "_".join(middles) + "".join(words[0][len(words[0]) - tail:])
+    name, number = joined, 1
+    while name in taken:
+        name, number = f"{joined}.{number}", number + 1
+    taken.add(name)
+    return name

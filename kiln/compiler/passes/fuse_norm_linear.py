@@ -9,25 +9,21 @@ Only when the norm's output has that one reader and is not a graph output. Runs 
 
 from __future__ import annotations
 
-from kiln.ir import Graph, Node, make_node
+from kiln.ir import Graph, Node
 
-from .base import PassContext, rewrite_nodes, sole_reader
+from .base import PassContext
+from .patterns import Match, Rule, op, rewrite, var
+
+
+def _build(m: Match) -> Node:
+    return m.make("rmsnorm_linear", [m["x"], m["norm_weight"], m["weight"], m["bias"]], [m.root.out],
+                  m.nodes["norm"].attrs)
+
+
+NORM_INTO_GEMM = Rule(
+    op("linear", op("rmsnorm", var("x"), var("norm_weight"), name="norm"), var("weight"), var("bias", optional=True)),
+    _build)
 
 
 def fuse_norm_linear(graph: Graph, ctx: PassContext) -> Graph:
-    users = graph.users()
-    types = graph.value_types()
-    replaced: dict[int, Node] = {}
-    absorbed: set[int] = set()
-    for norm in graph.nodes:
-        if norm.op != "rmsnorm":
-            continue
-        linear = sole_reader(graph, users, norm.out)
-        if linear is None or linear.op != "linear" or linear.inputs[0] != norm.out:
-            continue
-        x, norm_weight = norm.inputs
-        weights = list(linear.inputs[1:])
-        absorbed.add(id(norm))
-        replaced[id(linear)] = make_node("rmsnorm_linear", [x, norm_weight, *weights], [linear.out],
-                                         [types[v] for v in (x, norm_weight, *weights)], dict(norm.attrs))
-    return rewrite_nodes(graph, replaced, absorbed)
+    return rewrite(graph, ctx, NORM_INTO_GEMM)

@@ -13,30 +13,26 @@ has no reader but this attention and the attention reads exactly the caches the 
 
 from __future__ import annotations
 
-from kiln.ir import Graph, Node, make_node
+from kiln.ir import Graph, Node
 
-from .base import PassContext, rewrite_nodes, sole_reader
+from .base import PassContext
+from .patterns import Match, Rule, op, rewrite, var
+
+_STORE_INPUTS = ("q", "k", "v", "positions", "cos_sin", "k_cache", "v_cache", "slots")
+_SEQUENCES = ("q_start", "q_len", "kv_len", "page_table")
+
+
+def _build(m: Match) -> Node:
+    store = m.nodes["store"]
+    inputs = [m[name] for name in (*_STORE_INPUTS, *_SEQUENCES)]
+    return m.make("rope_kv_attention", inputs, [m.root.out, *store.outputs[1:]], m.root.attrs)
+
+
+# Eight inputs: a store with q/k norms does not match.
+_STORE = op("rope_kv_store", *map(var, _STORE_INPUTS), name="store")
+STORE_INTO_ATTENTION = Rule(op("paged_attention", _STORE, op("rope_kv_store", name="store", output=1),
+                               op("rope_kv_store", name="store", output=2), *map(var, _SEQUENCES)), _build)
 
 
 def fuse_rope_attention(graph: Graph, ctx: PassContext) -> Graph:
-    producers = graph.producers()
-    users = graph.users()
-    types = graph.value_types()
-    replaced: dict[int, Node] = {}
-    absorbed: set[int] = set()
-    for attention in graph.nodes:
-        if attention.op != "paged_attention":
-            continue
-        store = producers.get(attention.inputs[0])
-        if store is None or store.op != "rope_kv_store" or len(store.inputs) != 8:
-            continue
-        # The fused node takes the attention's place, so nothing may read the store's outputs in between.
-        if store.outputs[1:] != attention.inputs[1:3] or any(
-                sole_reader(graph, users, value) is not attention for value in store.outputs):
-            continue
-        inputs = [*store.inputs, *attention.inputs[3:]]
-        fused = make_node("rope_kv_attention", inputs, [attention.out, *store.outputs[1:]],
-                          [types[i] for i in inputs], dict(attention.attrs))
-        replaced[id(attention)] = fused
-        absorbed.add(id(store))
-    return rewrite_nodes(graph, replaced, absorbed)
+    return rewrite(graph, ctx, STORE_INTO_ATTENTION)

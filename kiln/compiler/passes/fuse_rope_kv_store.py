@@ -15,48 +15,43 @@ had no reader other than the next op in the chain, which the pass checks.
 
 from __future__ import annotations
 
-from kiln.ir import Graph, Node, make_node
+from kiln.ir import Graph, Node
 
-from .base import PassContext, rewrite_nodes, sole_reader
+from .base import PassContext
+from .patterns import Match, Pattern, Rule, op, rewrite, var
+
+
+def _build(m: Match) -> Node | None:
+    norms, attrs = [], {}
+    if "q_normed" in m.nodes:
+        eps = m.nodes["q_normed"].attrs["eps"]
+        if m.nodes["k_normed"].attrs["eps"] != eps:
+            return None
+        norms, attrs = [m["q_norm"], m["k_norm"]], {"eps": eps}
+    store = m.nodes["store"]
+    inputs = [m["q"], m["k"], m["v"], m["positions"], m["cos_sin"], m["k_cache"], m["v_cache"], m["slots"], *norms]
+    return m.make("rope_kv_store", inputs, [m.nodes["q_rope"].out, *store.outputs], attrs)
+
+
+def _rope(which: str, x: Pattern) -> Pattern:
+    return op("rope", x, var("positions"), var("cos_sin"), name=f"{which}_rope")
+
+
+def _normed(which: str) -> Pattern:
+    return op("rmsnorm", var(which), var(f"{which}_norm"), name=f"{which}_normed")
+
+
+def _rule(q: Pattern, k: Pattern) -> Rule:
+    """The attention is context: the fused op takes the store's place, and the attention reads its outputs."""
+    store = op("kv_store", var("k_cache"), var("v_cache"), _rope("k", k), var("v"), var("slots"), name="store",
+               shared=True)
+    attention = op("paged_attention", _rope("q", q), store, op("kv_store", name="store", output=1), ..., keep=True)
+    return Rule(attention, _build, at="store")
+
+
+# With Qwen3's q/k norms first; norms that differ in eps or are read elsewhere stay outside.
+ROPE_INTO_STORE = (_rule(_normed("q"), _normed("k")), _rule(var("q"), var("k")))
 
 
 def fuse_rope_kv_store(graph: Graph, ctx: PassContext) -> Graph:
-    producers = graph.producers()
-    users = graph.users()
-    types = graph.value_types()
-
-    def sole_producer(value: str, op: str) -> Node | None:
-        node = producers.get(value)
-        if node is None or node.op != op or sole_reader(graph, users, value) is None:
-            return None
-        return node
-
-    replaced: dict[int, Node] = {}
-    absorbed: set[int] = set()
-    for attention in graph.nodes:
-        if attention.op != "paged_attention":
-            continue
-        store = producers.get(attention.inputs[1])
-        q_rope = sole_producer(attention.inputs[0], "rope")
-        if store is None or store.op != "kv_store" or q_rope is None or store.outputs != attention.inputs[1:3]:
-            continue
-        k_rope = sole_producer(store.inputs[2], "rope")
-        if k_rope is None or k_rope.inputs[1:] != q_rope.inputs[1:]:
-            continue
-        q_in, k_in = q_rope.inputs[0], k_rope.inputs[0]
-        norms = (sole_producer(q_in, "rmsnorm"), sole_producer(k_in, "rmsnorm"))
-        parts = [q_rope, k_rope, store]
-        extra: list[str] = []
-        attrs = {}
-        if all(norms) and norms[0].attrs["eps"] == norms[1].attrs["eps"]:
-            q_in, k_in = norms[0].inputs[0], norms[1].inputs[0]
-            extra = [norms[0].inputs[1], norms[1].inputs[1]]
-            attrs = {"eps": norms[0].attrs["eps"]}
-            parts += list(norms)
-        positions, cos_sin = q_rope.inputs[1:]
-        inputs = [q_in, k_in, store.inputs[3], positions, cos_sin, store.inputs[0], store.inputs[1], store.inputs[4],
-                  *extra]
-        fused = make_node("rope_kv_store", inputs, [q_rope.out, *store.outputs], [types[i] for i in inputs], attrs)
-        replaced[id(store)] = fused
-        absorbed.update(id(p) for p in parts if p is not store)
-    return rewrite_nodes(graph, replaced, absorbed)
+    return rewrite(graph, ctx, *ROPE_INTO_STORE)

@@ -6,16 +6,19 @@ After:   %m = silu_mul(%g, %u)          (when %a has no other reader)
 
 from __future__ import annotations
 
-from kiln.ir import Graph, Node, make_node
+from kiln.ir import Graph, Node
 
-from .base import PassContext, fold_operand_producers
+from .base import PassContext
+from .patterns import Match, Rule, op, rewrite, var
+
+
+def _build(m: Match) -> Node:
+    return m.make("silu_mul", [m["gate"], m["up"]], [m.root.out])
+
+
+_SILU = op("silu", var("gate"))
+SILU_MUL = (Rule(op("mul", _SILU, var("up")), _build), Rule(op("mul", var("up"), _SILU), _build))
 
 
 def fuse_silu_mul(graph: Graph, ctx: PassContext) -> Graph:
-    types = graph.value_types()
-
-    def fold(mul: Node, silu: Node, up: str) -> Node:
-        gate = silu.inputs[0]
-        return make_node("silu_mul", [gate, up], [mul.out], [types[gate], types[up]])
-
-    return fold_operand_producers(graph, "mul", "silu", (0, 1), fold)
+    return rewrite(graph, ctx, *SILU_MUL)

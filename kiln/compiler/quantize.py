@@ -1,0 +1,74 @@
+"""Reference quantizers: each scheme of ``kiln.ir.weights.SCHEMES`` encoded and decoded once, in torch.
+
+``quantize(weight, scheme)`` gives the stored values and the scale tensors the scheme's format names
+(the ``Quantize`` weight recipe calls it at compile time); ``dequantize`` reads them back, which is
+what a kernel reading a quantized weight must compute. Rows are every axis but the last; the 8-bit
+schemes scale each row by its largest magnitude, mxfp4 each block of 32 values of a row.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kiln.ir.weights import QuantScheme
+
+Scales = tuple[torch.Tensor, ...]
+
+# The magnitudes of the eight non-negative e2m1 (fp4) codes; bit 3 of a code is the sign.
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+MX_BLOCK = 32
+
+
+def quantize(weight: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, Scales]:
+    return _SCHEMES[scheme.name][0](weight.float())
+
+
+def dequantize(stored: torch.Tensor, scales: Scales, scheme: QuantScheme) -> torch.Tensor:
+    """The f32 weight ``stored`` and ``scales`` encode."""
+    return _SCHEMES[scheme.name][1](stored, scales)
+
+
+def _per_channel(limit: float, dtype: torch.dtype) -> Callable[[torch.Tensor], tuple[torch.Tensor, Scales]]:
+    """Each row scaled so that its largest magnitude becomes ``limit``; an all-zero row gets scale 1."""
+
+    def encode(w: torch.Tensor) -> tuple[torch.Tensor, Scales]:
+        amax = w.abs().amax(dim=-1)
+        scale = torch.where(amax > 0, amax / limit, torch.ones_like(amax))
+        scaled = (w / scale[..., None]).clamp(-limit, limit)
+        return (scaled.round() if dtype == torch.int8 else scaled).to(dtype), (scale,)
+
+    return encode
+
+
+def _per_channel_decode(stored: torch.Tensor, scales: Scales) -> torch.Tensor:
+    return stored.float() * scales[0][..., None]
+
+
+def _mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, Scales]:
+    """OCP microscaling fp4: a block's shared exponent puts its largest magnitude in e2m1's top binade
+    (4 to 6, so floor(log2(amax)) - 2); each value rounds to the nearest e2m1 magnitude (a tie to the
+    smaller), values beyond 6 to 6. Two codes a byte, the even-indexed value in the low nibble; the
+    exponent is stored biased by 127 (e8m0)."""
+    blocks = w.reshape(*w.shape[:-1], -1, MX_BLOCK)
+    amax = blocks.abs().amax(dim=-1)
+    exponent = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.zeros_like(amax)).clamp(-127, 127)
+    scaled = blocks / torch.exp2(exponent)[..., None]
+    magnitude = (scaled.abs()[..., None] - E2M1).abs().argmin(dim=-1)
+    codes = (magnitude | ((scaled < 0).long() << 3)).reshape(w.shape).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), ((exponent + 127).to(torch.uint8),)
+
+
+def _mxfp4_decode(stored: torch.Tensor, scales: Scales) -> torch.Tensor:
+    codes = torch.stack((stored & 15, stored >> 4), dim=-1).reshape(*stored.shape[:-1], -1).long()
+    values = E2M1[codes & 7] * (1 - 2 * (codes >> 3))
+    blocks = values.reshape(*values.shape[:-1], -1, MX_BLOCK) * torch.exp2(scales[0].float() - 127)[..., None]
+    return blocks.reshape(values.shape)
+
+
+_SCHEMES = {
+    "int8_channel": (_per_channel(127.0, torch.int8), _per_channel_decode),
+    "fp8_channel": (_per_channel(torch.finfo(torch.float8_e4m3fn).max, torch.float8_e4m3fn), _per_channel_decode),
+    "mxfp4": (_mxfp4, _mxfp4_decode),
+}

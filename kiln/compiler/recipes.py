@@ -1,0 +1,143 @@
+"""Weight recipes: how each artifact weight is made from source tensors, as data.
+
+Passes never touch tensors. A pass that changes what a parameter holds records a recipe for it in
+``PassContext.recipes``: fusing q/k/v a ``Concat`` of the three weights, a tensor-parallel shard a
+``Slice``, quantization a ``Quantize`` (which also makes the scales its format names). A recipe's
+inputs are checkpoint or computed tensors, or other recipes' outputs. The artifact writer asks
+``apply_recipes`` for the final graph's parameters; it reads each source when first needed and
+yields the weights one at a time, so a compile holds a few tensors at once, not the model twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from kiln.ir.weights import WeightFormat
+
+from .quantize import quantize
+
+
+@dataclass(frozen=True)
+class Concat:
+    """``output``: the ``inputs`` joined along ``axis``."""
+
+    output: str
+    inputs: tuple[str, ...]
+    axis: int = 0
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return (self.output,)
+
+    def make(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return (torch.cat(tensors, dim=self.axis),)
+
+
+@dataclass(frozen=True)
+class Slice:
+    """``output``: part ``index`` of ``count`` equal parts of ``source`` along ``axis`` (one rank's shard)."""
+
+    output: str
+    source: str
+    axis: int
+    index: int
+    count: int
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return (self.source,)
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return (self.output,)
+
+    def make(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        (tensor,) = tensors
+        size = tensor.shape[self.axis]
+        if size % self.count:
+            raise ValueError(f"{self.output}: axis {self.axis} of {self.source} ({size}) does not split into "
+                             f"{self.count} equal shards")
+        part = size // self.count
+        return (tensor.narrow(self.axis, self.index * part, part),)
+
+
+@dataclass(frozen=True)
+class Quantize:
+    """``output`` and the scales its ``format`` names: ``source`` quantized to ``format``."""
+
+    output: str
+    source: str
+    format: WeightFormat
+
+    def __post_init__(self) -> None:
+        if not self.format.quantized:
+            raise ValueError(f"{self.output}: Quantize needs a quantized format, got {self.format}")
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return (self.source,)
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return (self.output, *self.format.scales)
+
+    def make(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        values, scales = quantize(tensors[0], self.format.scheme)
+        return (values, *scales)
+
+
+Recipe = Concat | Slice | Quantize
+
+
+def apply_recipes(recipes: Sequence[Recipe], names: Iterable[str],
+                  read: Callable[[str], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) for each of ``names``: made by the recipe that outputs it, from its inputs
+    (recursively), or, when no recipe does, ``read(name)``. A recipe with several outputs runs once;
+    its other outputs wait until asked for."""
+    by_output = recipes_by_output(recipes)
+    waiting: dict[str, torch.Tensor] = {}
+
+    def tensor(name: str) -> torch.Tensor:
+        if name in waiting:
+            return waiting.pop(name)
+        recipe = by_output.get(name)
+        if recipe is None:
+            return read(name)
+        made = recipe.make([tensor(source) for source in recipe.inputs])
+        waiting.update(zip(recipe.outputs, made, strict=True))
+        return waiting.pop(name)
+
+    for name in names:
+        yield name, tensor(name)
+
+
+def source_names(recipes: Sequence[Recipe], names: Iterable[str]) -> list[str]:
+    """The tensors ``apply_recipes`` would read to make ``names``, in order: what the checkpoint must hold."""
+    by_output = recipes_by_output(recipes)
+    sources: dict[str, None] = {}
+
+    def visit(name: str) -> None:
+        recipe = by_output.get(name)
+        if recipe is None:
+            sources[name] = None
+        else:
+            for source in recipe.inputs:
+                visit(source)
+
+    for name in names:
+        visit(name)
+    return list(sources)
+
+
+def recipes_by_output(recipes: Sequence[Recipe]) -> dict[str, Recipe]:
+    """Each weight a recipe makes mapped to that recipe; a weight made twice is an error."""
+    by_output: dict[str, Recipe] = {}
+    for recipe in recipes:
+        for name in recipe.outputs:
+            if name in by_output:
+                raise ValueError(f"weight {name} is made by two recipes: {by_output[name]} and {recipe}")
+            by_output[name] = recipe
+    return by_output
