@@ -3,10 +3,9 @@
 
     python bench/step_breakdown.py --shape smollm2-135m --batch 1 [--timeline]
 
-Tuning experiments: ``--set MODULE.NAME=VALUE`` overrides a module constant read at launch time
-(e.g. ``kiln.kernels.attention_decode.MIN_SPLIT_TOKENS=64``) and ``--skip-pass NAME`` compiles
-without one pass of the pipeline (e.g. ``fuse_rope_attention``), so one GPU session can compare
-variants of the same step.
+Tuning experiments: ``--kernel-config NAME=VALUE`` compiles with a ``KernelConfig`` field changed
+(e.g. ``decode_min_split_tokens=64``) and ``--skip-pass NAME`` without one pass of the pipeline
+(e.g. ``fuse_rope_attention``), so one GPU session can compare variants of the same step.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import add_model_arguments, random_engine  # noqa: E402
-from overrides import add_override_arguments, apply_overrides  # noqa: E402
 from graph_gaps import between_graphs_table  # noqa: E402
 from timeline import Kernel, critical_path_table  # noqa: E402
 
@@ -66,9 +64,7 @@ def main() -> None:
                         help="also what engine steps run on the GPU between graph replays (bench/graph_gaps.py)")
     parser.add_argument("--dump-trace", type=Path, default=None,
                         help="write the traced replays' kernels (name, start and end in us) to this JSON file")
-    add_override_arguments(parser)
     args = parser.parse_args()
-    apply_overrides(args.set, args.skip_pass)
     core = random_engine(args, args.prompt_len + args.steps + 128, decode_buckets=(args.batch,))
     params = SamplingParams(temperature=0, max_new_tokens=args.steps + 100, ignore_eos=True)
     for i in range(args.batch):
@@ -87,7 +83,8 @@ def main() -> None:
         graph.replay()
     torch.cuda.synchronize()
     replay_ms = 1e3 * (time.perf_counter() - start) / args.steps
-    variant = " ".join([*args.set, *(f"skip {p}" for p in args.skip_pass)])
+    variant = " ".join([*(f"{name}={value}" for name, value in args.kernel_config),
+                        *(f"skip {p}" for p in args.skip_pass)])
     label = f"{args.shape} batch {args.batch}" + (f" [{variant}]" if variant else "")
     print(f"{label}: engine step {step_ms:.3f} ms, graph replay alone {replay_ms:.3f} ms, "
           f"host share {step_ms - replay_ms:.3f} ms")

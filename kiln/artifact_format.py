@@ -5,7 +5,7 @@ Neither side imports the other; both import this. ``docs/artifact.md`` describes
 
 from __future__ import annotations
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 GRAPH_TEXT = "graph.txt"
 GRAPH_JSON = "graph.json"

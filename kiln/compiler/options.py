@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from kiln.kernels.config import DEFAULTS, KernelConfig
 from kiln.kernels.registry import BACKENDS
+
+from .pipeline import selected_passes
 
 
 @dataclass(frozen=True)
@@ -16,6 +19,8 @@ class CompileOptions:
     max_seq_len: int | None = None    # context length; default: the model's max positions
     max_logit_rows: int | None = None  # N: rows of logits one step returns; default max_batch_size
     page_size: int = 16
+    kernel_config: KernelConfig = DEFAULTS  # the kernels' tunables, recorded in the manifest
+    skip_passes: tuple[str, ...] = ()  # pipeline passes left out, for experiments (pipeline.run_pipeline)
 
     def validate(self) -> None:
         for name in ("max_batch_tokens", "max_batch_size", "page_size"):
@@ -27,6 +32,9 @@ class CompileOptions:
             raise ValueError(f"max_logit_rows must be >= 1, got {self.max_logit_rows}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if not isinstance(self.kernel_config, KernelConfig):
+            raise ValueError(f"kernel_config must be a KernelConfig, got {type(self.kernel_config).__name__}")
+        selected_passes(self.skip_passes)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "kernel_config": self.kernel_config.to_json(), "skip_passes": list(self.skip_passes)}

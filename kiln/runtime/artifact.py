@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from kiln.artifact_format import FORMAT_VERSION, MANIFEST, PROGRAM
+from kiln.kernels.config import KernelConfig, KernelConfigError
 
 
 class ArtifactError(ValueError):
@@ -31,6 +32,14 @@ class Artifact:
     @property
     def runtime(self) -> dict[str, Any]:
         return self.manifest["runtime"]
+
+    @property
+    def kernel_config(self) -> KernelConfig:
+        """The kernel tunables the artifact was compiled with, which its kernels run with."""
+        try:
+            return KernelConfig.from_json(self.manifest["options"]["kernel_config"])
+        except KernelConfigError as exc:
+            raise ArtifactError(f"{self.path / MANIFEST}: {exc}") from None
 
     @property
     def tokenizer_dir(self) -> Path | None:

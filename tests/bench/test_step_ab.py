@@ -15,8 +15,8 @@ from step_ab import Case, Runs, Variant, parse_case, parse_step_line, parse_vari
 
 def test_variants_take_a_tree_and_step_breakdown_arguments():
     assert parse_variant("main=@.") == Variant("main", Path("."), ())
-    assert parse_variant("st3=@old --set a.b.C=3 --skip-pass dce") == Variant(
-        "st3", Path("old"), ("--set", "a.b.C=3", "--skip-pass", "dce"))
+    assert parse_variant("st3=@old --kernel-config decode_num_stages=3 --skip-pass dce") == Variant(
+        "st3", Path("old"), ("--kernel-config", "decode_num_stages=3", "--skip-pass", "dce"))
     assert parse_variant("plain=") == Variant("plain", None, ())
     for bad in ("no-equals", "=@."):
         with pytest.raises(argparse.ArgumentTypeError, match="LABEL=SPEC"):

@@ -28,8 +28,7 @@ from array import array
 
 import torch
 
-from kiln.kernels.argmax import triton_argmax_rows
-
+from ..sampling import SamplerKernels
 from ..scheduler.batch import StepLists
 from .executor import Executor, StepInputs
 
@@ -178,6 +177,7 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.executor.device)
         empty = StepLists([], [], [], [], [], [], [], [], [])
+        argmax_rows = SamplerKernels.for_device(self.executor.device, self.executor.artifact.kernel_config).argmax_rows
         for bucket in reversed(self.buckets):
             graphs = []
             for turn in range(2):
@@ -191,14 +191,14 @@ class DecodeGraphs:
                     # Warm-up: Triton compiles and autotunes outside the capture, and the argmax's
                     # first launch sizes the semaphore counters, which must not be allocated inside it.
                     for _ in range(2):
-                        triton_argmax_rows(self.executor.run(inputs, self.kv_views)["logits"], ids, mirror=mirror)
+                        argmax_rows(self.executor.run(inputs, self.kv_views)["logits"], ids, mirror=mirror)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     logits = self.executor.run(inputs, self.kv_views)["logits"]
                     # torch's argmax reduces each row in one thread block (~28 us for a 128k
                     # vocabulary on an H200); the Triton kernel spreads every row over the SMs.
-                    triton_argmax_rows(logits, ids, mirror=mirror)
+                    argmax_rows(logits, ids, mirror=mirror)
                 graphs.append(graph)
                 # Both turns' logits are the arena's one logits buffer, so either turn's view serves.
                 assert self._logits.setdefault(bucket, logits).data_ptr() == logits.data_ptr()
