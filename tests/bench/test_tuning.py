@@ -1,6 +1,5 @@
 """The benchmarks' compile variants: ``--kernel-config NAME=VALUE`` and ``--skip-pass NAME`` become
-the compile's ``KernelConfig`` and skipped passes, a typo is an error naming the valid fields, and
-gemv_sweep's variants are configs with the GEMV taking every weight."""
+the compile's ``KernelConfig`` and skipped passes, and a typo is an error naming the valid fields."""
 
 from __future__ import annotations
 
@@ -11,12 +10,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from gemv_sweep import parse_variant  # noqa: E402
 from models import add_model_arguments  # noqa: E402
 
 from kiln.cli import tuning_options  # noqa: E402
 from kiln.kernels import KernelConfig  # noqa: E402
-from kiln.kernels.config import KernelConfigError  # noqa: E402
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -44,11 +41,3 @@ def test_a_typo_is_an_error_naming_what_exists(argv, message, capsys):
         parse(*argv)
     assert message in capsys.readouterr().err
 
-
-def test_gemv_sweep_variants_are_configs():
-    config = parse_variant("gemv_block_n=(4,4) gemv_num_warps=8")
-    assert config.changes() == {"gemv_block_n": (4, 4), "gemv_num_warps": 8, "gemv_max_weight_bytes": 1 << 62,
-                                "gemv_one_row_max_weight_bytes": 1 << 62}
-    assert parse_variant("").changes().keys() == {"gemv_max_weight_bytes", "gemv_one_row_max_weight_bytes"}
-    with pytest.raises(KernelConfigError, match="no field 'GEMV_NUM_WARPS'"):
-        parse_variant("GEMV_NUM_WARPS=8")

@@ -1,8 +1,8 @@
-"""A/B of decode steps in one GPU call: ``bench/step_breakdown.py`` for each variant and case, the
+"""A/B of decode steps in one GPU call: ``bench/experiments/step_breakdown.py`` for each variant and case, the
 variants interleaved round by round (A B A B ...), since the same code measures a few percent apart
 from one device call to the next and only runs of one call compare.
 
-    python bench/step_ab.py --case llama3-8b:8:1 --case smollm2-135m::64 --repeat 2 \\
+    python bench/experiments/step_ab.py --case llama3-8b:8:1 --case smollm2-135m::64 --repeat 2 \\
         --variant main=@. --variant before=@old \\
         --variant 'stages3=@. --kernel-config decode_num_stages=3'
 

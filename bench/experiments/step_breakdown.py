@@ -1,7 +1,7 @@
 """Where a decode step's time goes: the captured graph's replay alone against the whole engine step
 (scheduling, staging inputs, replay, reading tokens back), and the replay's kernels one by one.
 
-    python bench/step_breakdown.py --shape smollm2-135m --batch 1 [--timeline]
+    python bench/experiments/step_breakdown.py --shape smollm2-135m --batch 1 [--timeline]
 
 Tuning experiments: ``--kernel-config NAME=VALUE`` compiles with a ``KernelConfig`` field changed
 (e.g. ``decode_min_split_tokens=64``) and ``--skip-pass NAME`` without one pass of the pipeline
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The experiments beside this file first, then the benchmarks' helpers in bench/.
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from models import add_model_arguments, random_engine  # noqa: E402
 from graph_gaps import between_graphs_table  # noqa: E402
 from timeline import Kernel, critical_path_table  # noqa: E402
@@ -59,9 +60,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--timeline", action="store_true",
-                        help="also each kernel's share of the replay's critical path (bench/timeline.py)")
+                        help="also each kernel's share of the replay's critical path (bench/experiments/timeline.py)")
     parser.add_argument("--between", action="store_true",
-                        help="also what engine steps run on the GPU between graph replays (bench/graph_gaps.py)")
+                        help="also what engine steps run on the GPU between graph replays (bench/experiments/graph_gaps.py)")
     parser.add_argument("--dump-trace", type=Path, default=None,
                         help="write the traced replays' kernels (name, start and end in us) to this JSON file")
     args = parser.parse_args()

@@ -1,7 +1,7 @@
 """Decode GEMV tuning on the GPU: the fused Triton GEMV (``kiln/kernels/gemv.py``) against the cuBLAS
 composition, per op and chained as decode runs a Llama-3-8B layer, under tiling variants.
 
-    python bench/gemv_sweep.py --tokens 1 8 --variant "" --variant "gemv_block_k=(64,2048) gemv_num_warps=8"
+    python bench/experiments/gemv_sweep.py --tokens 1 8 --variant "" --variant "gemv_block_k=(64,2048) gemv_num_warps=8"
 
 A layer's GEMMs, each on its own weights (``--layers`` copies, so nothing is served from L2):
 norm + qkv, o + residual, norm + gate/up + SiLU gate, down + residual. Each op is timed as a CUDA
@@ -23,7 +23,8 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The experiments beside this file first, then the benchmarks' helpers in bench/.
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from kernel_bench import copy_bandwidth  # noqa: E402
 
 from kiln.kernels import linear_fused as lf  # noqa: E402
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     except KernelConfigError as exc:
         parser.error(f"--variant: {exc}")
     if not torch.cuda.is_available():
-        print("bench/gemv_sweep.py needs a CUDA GPU.", file=sys.stderr)
+        print("bench/experiments/gemv_sweep.py needs a CUDA GPU.", file=sys.stderr)
         return 2
     ceiling = copy_bandwidth()
     layers = random_layers(args.layers)

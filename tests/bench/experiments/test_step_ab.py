@@ -1,4 +1,4 @@
-"""bench/step_ab.py: variants and cases parse from the command line, step_breakdown.py's result line is
+"""bench/experiments/step_ab.py: variants and cases parse from the command line, step_breakdown.py's result line is
 read back, and the table gives each variant's medians (or the failures) a case."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+BENCH = Path(__file__).resolve().parents[3] / "bench"
+sys.path[:0] = [str(BENCH / "experiments"), str(BENCH)]
 from step_ab import Case, Runs, Variant, parse_case, parse_step_line, parse_variant, run_once, table  # noqa: E402
 
 
