@@ -8,6 +8,8 @@ prompt tokens over the 1-token run. The roofline is one read of all weights per 
 bandwidth measured in the same run.
 
     python bench/decode.py --shapes smollm2-135m llama3-8b --batches 1 8 64 --out results.json
+
+``--kernel-config NAME=VALUE`` and ``--skip-pass NAME`` go into kiln's compile (a variant under test).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import random_model  # noqa: E402
-from overrides import add_override_arguments, apply_overrides  # noqa: E402
 
+from kiln.cli import add_tuning_options, tuning_options  # noqa: E402
 from kiln.compiler.compile import compile_model  # noqa: E402
 from kiln.compiler.options import CompileOptions  # noqa: E402
 from kiln.runtime.engine_core import EngineCore  # noqa: E402
@@ -87,7 +89,8 @@ def bench_shape(shape: str, args: argparse.Namespace, bandwidth: float, log) -> 
     with tempfile.TemporaryDirectory() as tmp:
         artifact = compile_model(source, Path(tmp) / "model.kiln", CompileOptions(
             dtype="bf16", backend="triton", max_batch_tokens=max(max(args.batches) * args.prompt_len, 2048),
-            max_batch_size=max(buckets), max_seq_len=args.prompt_len + args.new_tokens + 16, page_size=16))
+            max_batch_size=max(buckets), max_seq_len=args.prompt_len + args.new_tokens + 16, page_size=16,
+            **tuning_options(args)))
         core = EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=max(buckets) * 1024,
                                                        enable_prefix_cache=False, decode_buckets=buckets))
     rows = []
@@ -135,9 +138,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=None)
-    add_override_arguments(parser, skip_pass=False)
+    add_tuning_options(parser)
     args = parser.parse_args()
-    apply_overrides(args.set, [])
     if not torch.cuda.is_available():
         sys.exit("bench/decode.py needs a CUDA GPU")
     bandwidth = copy_bandwidth()

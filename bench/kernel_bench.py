@@ -15,7 +15,9 @@ device-to-device copy timed in the same run (bytes read + bytes written over its
 "% of copy" column says how close a kernel comes to what the memory system delivers. Attention also
 reports TFLOP/s (QK^T and PV, causal pairs only): prefill is compute-bound.
 
-Usage: ``python bench/kernel_bench.py [--quick]``; from code, ``run(quick)`` returns the markdown table.
+Usage: ``python bench/kernel_bench.py [--quick] [--kernel-config NAME=VALUE ...]``; from code,
+``run(quick)`` returns the markdown table. ``--kernel-config`` sets ``KernelConfig`` fields for every
+launcher timed.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from functools import partial
 from typing import Callable
 
 import torch
+
+from kiln.cli import add_tuning_options, tuning_options
+from kiln.kernels.config import DEFAULTS, KernelConfig
 
 # Llama-3-8B: hidden 4096, 32 query heads, 8 KV heads of 128, MLP 14336, rope theta 500000.
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 4096, 32, 8, 128, 14336
@@ -62,7 +67,7 @@ def _compare(triton_fn: Callable[[], object], out: torch.Tensor, torch_fn: Calla
     return check
 
 
-def _norm_cases(tokens_list: list[int]) -> list[Case]:
+def _norm_cases(tokens_list: list[int], config: KernelConfig) -> list[Case]:
     from kiln.kernels.norm import ref_add_rmsnorm, ref_rmsnorm, triton_add_rmsnorm, triton_rmsnorm
 
     cases = []
@@ -71,18 +76,18 @@ def _norm_cases(tokens_list: list[int]) -> list[Case]:
         res = torch.randn_like(x)
         w = torch.randn(HIDDEN, device="cuda", dtype=DTYPE)
         out, summed = torch.empty_like(x), torch.empty_like(x)
-        norm = partial(triton_rmsnorm, x, w, out=out, eps=1e-5)
+        norm = partial(triton_rmsnorm, x, w, out=out, eps=1e-5, config=config)
         norm_ref = partial(ref_rmsnorm, x, w, 1e-5)
         cases.append(Case("rmsnorm", f"[{tokens}, {HIDDEN}]", _nbytes(x, w, out), norm, norm_ref,
                           _compare(norm, out, norm_ref)))
-        fused = partial(triton_add_rmsnorm, x, res, w, out=(out, summed), eps=1e-5)
+        fused = partial(triton_add_rmsnorm, x, res, w, out=(out, summed), eps=1e-5, config=config)
         fused_ref = partial(ref_add_rmsnorm, x, res, w, 1e-5)
         cases.append(Case("add_rmsnorm", f"[{tokens}, {HIDDEN}]", _nbytes(x, res, w, out, summed), fused, fused_ref,
                           _compare(fused, out, fused_ref)))
     return cases
 
 
-def _silu_mul_cases(tokens_list: list[int]) -> list[Case]:
+def _silu_mul_cases(tokens_list: list[int], config: KernelConfig) -> list[Case]:
     from kiln.kernels.elementwise import ref_silu_mul, triton_silu_mul
 
     cases = []
@@ -90,13 +95,13 @@ def _silu_mul_cases(tokens_list: list[int]) -> list[Case]:
         fused = torch.randn(tokens, 2 * INTERMEDIATE, device="cuda", dtype=DTYPE)
         gate, up = torch.split(fused, [INTERMEDIATE, INTERMEDIATE], dim=-1)
         out = torch.empty(tokens, INTERMEDIATE, device="cuda", dtype=DTYPE)
-        fn, ref = partial(triton_silu_mul, gate, up, out=out), partial(ref_silu_mul, gate, up)
+        fn, ref = partial(triton_silu_mul, gate, up, out=out, config=config), partial(ref_silu_mul, gate, up)
         cases.append(Case("silu_mul", f"[{tokens}, {INTERMEDIATE}]", _nbytes(fused, out), fn, ref,
                           _compare(fn, out, ref)))
     return cases
 
 
-def _rope_cases(tokens_list: list[int]) -> list[Case]:
+def _rope_cases(tokens_list: list[int], config: KernelConfig) -> list[Case]:
     from kiln.kernels.rope import ref_rope, triton_rope
 
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, HEAD_DIM, 2, device="cuda", dtype=torch.float32) / HEAD_DIM))
@@ -110,12 +115,13 @@ def _rope_cases(tokens_list: list[int]) -> list[Case]:
         out = torch.empty(tokens, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
         # q read, out written, each token's table row read once.
         moved = 2 * _nbytes(out) + _nbytes(positions) + tokens * HEAD_DIM * 4
-        fn, ref = partial(triton_rope, q, positions, table, out=out), partial(ref_rope, q, positions, table)
+        fn = partial(triton_rope, q, positions, table, out=out, config=config)
+        ref = partial(ref_rope, q, positions, table)
         cases.append(Case("rope", f"q [{tokens}, {HEADS}, {HEAD_DIM}]", moved, fn, ref, _compare(fn, out, ref)))
     return cases
 
 
-def _kv_store_cases(tokens_list: list[int]) -> list[Case]:
+def _kv_store_cases(tokens_list: list[int], config: KernelConfig) -> list[Case]:
     from kiln.kernels.kv_store import ref_kv_store, triton_kv_store
 
     cases = []
@@ -128,7 +134,7 @@ def _kv_store_cases(tokens_list: list[int]) -> list[Case]:
         slots = torch.randperm(slots_total, device="cuda")[:tokens].int()
         # k and v read, the same bytes written, the slots read.
         moved = 2 * _nbytes(k, v) + _nbytes(slots)
-        fn = partial(triton_kv_store, k_cache, v_cache, k, v, slots)
+        fn = partial(triton_kv_store, k_cache, v_cache, k, v, slots, config=config)
 
         def check(fn=fn, k=k, v=v, slots=slots) -> float:
             k_cache.zero_()
@@ -142,7 +148,7 @@ def _kv_store_cases(tokens_list: list[int]) -> list[Case]:
     return cases
 
 
-def _attention_case(q_lens: list[int], kv_lens: list[int], label: str) -> Case:
+def _attention_case(q_lens: list[int], kv_lens: list[int], label: str, config: KernelConfig) -> Case:
     from kiln.kernels.attention import ref_paged_attention, triton_paged_attention
 
     batch = len(q_lens)
@@ -170,19 +176,19 @@ def _attention_case(q_lens: list[int], kv_lens: list[int], label: str) -> Case:
     moved = kv_bytes + 2 * _nbytes(q) + _nbytes(table, q_start, q_len, kv_len)
     # Causal (query, key) pairs; per pair and head, QK^T and PV take 2 * head_dim flops each.
     pairs = sum(n * (k - n) + n * (n + 1) // 2 for n, k in zip(q_lens, kv_lens))
-    fn = partial(triton_paged_attention, *inputs, out=out, sizes=sizes, **attrs)
+    fn = partial(triton_paged_attention, *inputs, out=out, sizes=sizes, config=config, **attrs)
     ref = partial(ref_paged_attention, *inputs, **attrs)
     return Case("paged_attention", label, moved, fn, ref, _compare(fn, out, ref), flops=4 * pairs * HEADS * HEAD_DIM)
 
 
-def _attention_cases(quick: bool) -> list[Case]:
+def _attention_cases(quick: bool, config: KernelConfig) -> list[Case]:
     cases = []
     decode = [(8, 4096)] if quick else [(b, ctx) for b in (1, 8, 64) for ctx in (1024, 4096)]
     for batch, ctx in decode:
-        cases.append(_attention_case([1] * batch, [ctx] * batch, f"decode B={batch} ctx={ctx}"))
+        cases.append(_attention_case([1] * batch, [ctx] * batch, f"decode B={batch} ctx={ctx}", config))
     extend = [(1, 2048)] if quick else [(1, 2048), (8, 512)]
     for batch, length in extend:
-        cases.append(_attention_case([length] * batch, [length] * batch, f"prefill {batch}x{length}"))
+        cases.append(_attention_case([length] * batch, [length] * batch, f"prefill {batch}x{length}", config))
     return cases
 
 
@@ -201,7 +207,7 @@ FUSED_GEMMS = [
 ]
 
 
-def _linear_fused_case(op: str, label: str, weight: torch.Tensor, tokens: int) -> Case:
+def _linear_fused_case(op: str, label: str, weight: torch.Tensor, tokens: int, config: KernelConfig) -> Case:
     from kiln.kernels import linear_fused as lf
 
     n, k = weight.shape
@@ -211,13 +217,13 @@ def _linear_fused_case(op: str, label: str, weight: torch.Tensor, tokens: int) -
     residual = torch.randn(tokens, n, device="cuda", dtype=DTYPE)
     out, want = (torch.empty(tokens, n, device="cuda", dtype=DTYPE) for _ in range(2))
     if op == "rmsnorm_linear":
-        fused = partial(lf.triton_rmsnorm_linear, x, norm_weight, weight, out=out, eps=1e-5)
-        composed = partial(lf.composed_rmsnorm_linear, x, norm_weight, weight, out=want, eps=1e-5)
+        fused = partial(lf.triton_rmsnorm_linear, x, norm_weight, weight, out=out, eps=1e-5, config=config)
+        composed = partial(lf.composed_rmsnorm_linear, x, norm_weight, weight, out=want, eps=1e-5, config=config)
         inputs = (x, norm_weight, weight)
     else:
         fused_fn, composed_fn = ((lf.triton_linear_residual, lf.composed_linear_residual) if op == "linear_residual"
                                  else (lf.triton_silu_mul_linear_residual, lf.composed_silu_mul_linear_residual))
-        fused = partial(fused_fn, x, weight, residual, out=out)
+        fused = partial(fused_fn, x, weight, residual, out=out, config=config)
         composed = partial(composed_fn, x, weight, residual, out=want)
         inputs = (x, weight, residual)
 
@@ -229,22 +235,21 @@ def _linear_fused_case(op: str, label: str, weight: torch.Tensor, tokens: int) -
                 _compare(fused, out, reference))
 
 
-def _linear_fused_cases(quick: bool) -> list[Case]:
-    from kiln.kernels import linear_fused
+def _linear_fused_cases(quick: bool, config: KernelConfig) -> list[Case]:
     from kiln.kernels.gemv import GEMV_MAX_ROWS
 
     # The (gemv) rows time the GEMV at every shape, whatever weight size the engine gives it.
-    linear_fused.GEMV_MAX_WEIGHT_BYTES = linear_fused.GEMV_ONE_ROW_MAX_WEIGHT_BYTES = 1 << 62
+    config = config.with_settings({"gemv_max_weight_bytes": 1 << 62, "gemv_one_row_max_weight_bytes": 1 << 62})
     # Decode's batch sizes; GEMV_MAX_ROWS (the tl.dot path at its largest) shows where cuBLAS should take over.
     tokens_list = [1] if quick else [1, 8, GEMV_MAX_ROWS]
     cases = []
     for model, gemm, op, n, k in FUSED_GEMMS:
         weight = torch.randn(n, k, device="cuda", dtype=DTYPE) * k ** -0.5
-        cases += [_linear_fused_case(op, f"{model} {gemm}", weight, tokens) for tokens in tokens_list]
+        cases += [_linear_fused_case(op, f"{model} {gemm}", weight, tokens, config) for tokens in tokens_list]
     return cases
 
 
-def _argmax_cases(quick: bool) -> list[Case]:
+def _argmax_cases(quick: bool, config: KernelConfig) -> list[Case]:
     from kiln.kernels.argmax import ref_argmax_rows, triton_argmax_rows
 
     # Greedy decode's argmax over f32 logits: SmolLM2's and Llama 3's vocabularies, batch 1 to 256.
@@ -253,14 +258,14 @@ def _argmax_cases(quick: bool) -> list[Case]:
     for rows, vocab in shapes:
         x = torch.randn(rows, vocab, device="cuda", dtype=torch.float32)
         out = torch.empty(rows, device="cuda", dtype=torch.int64)
-        fn, ref = partial(triton_argmax_rows, x, out), partial(ref_argmax_rows, x)
+        fn, ref = partial(triton_argmax_rows, x, out, config=config), partial(ref_argmax_rows, x)
         cases.append(Case("argmax", f"[{rows}, {vocab}] f32", _nbytes(x, out), fn, ref, _compare(fn, out, ref)))
     return cases
 
 
-def _sample_cases(quick: bool) -> list[Case]:
+def _sample_cases(quick: bool, config: KernelConfig) -> list[Case]:
     from kiln.kernels.argmax import ref_argmax_rows, triton_argmax_rows
-    from kiln.kernels.bitmask import apply_bitmask, bitmask_width
+    from kiln.kernels.bitmask import bitmask_width, triton_apply_bitmask
     from kiln.kernels.sample import ref_sample_rows, triton_sample_rows
 
     # Sampled decode's token pick (temperature 0.7, top-k 50, top-p 0.9, min-p 0.05; the reference
@@ -274,7 +279,8 @@ def _sample_cases(quick: bool) -> list[Case]:
                   torch.arange(rows, device="cuda"), torch.zeros(rows, dtype=torch.int64, device="cuda"), True, True,
                   True)
         out = torch.empty(rows, device="cuda", dtype=torch.int64)
-        fn, ref = partial(triton_sample_rows, x, *params, out=out), partial(ref_sample_rows, x, *params)
+        fn = partial(triton_sample_rows, x, *params, out=out, config=config)
+        ref = partial(ref_sample_rows, x, *params)
         cases.append(Case("sample (top-k/p, min-p)", f"[{rows}, {vocab}] f32", _nbytes(x, out), fn, ref,
                           _compare(fn, out, ref)))
     for rows, vocab in shapes[:2]:
@@ -285,10 +291,10 @@ def _sample_cases(quick: bool) -> list[Case]:
 
         def unfused(x=x, mask=mask) -> torch.Tensor:  # what masked_argmax did before: copy, mask, argmax
             scores = x.clone()
-            apply_bitmask(scores, mask)
-            return triton_argmax_rows(scores)
+            triton_apply_bitmask(scores, mask, config=config)
+            return triton_argmax_rows(scores, config=config)
 
-        fn = partial(triton_argmax_rows, x, out, bitmask=mask)
+        fn = partial(triton_argmax_rows, x, out, bitmask=mask, config=config)
         cases.append(Case("masked argmax (vs clone+mask+argmax)", f"[{rows}, {vocab}] f32", _nbytes(x, mask, out), fn,
                           unfused, _compare(fn, out, partial(ref_argmax_rows, x, mask))))
     return cases
@@ -304,9 +310,10 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
-def run(quick: bool = False, log: Callable[[str], None] = print, only: str | None = None) -> str:
-    """Benchmarks every kernel (with ``only``, those whose name contains it) and returns (and logs
-    line by line) a markdown table."""
+def run(quick: bool = False, log: Callable[[str], None] = print, only: str | None = None,
+        config: KernelConfig = DEFAULTS) -> str:
+    """Benchmarks every kernel (with ``only``, those whose name contains it) under ``config`` and
+    returns (and logs line by line) a markdown table."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench/kernel_bench.py needs a CUDA GPU: it times compiled Triton kernels")
     import triton.testing
@@ -316,7 +323,8 @@ def run(quick: bool = False, log: Callable[[str], None] = print, only: str | Non
     ceiling = copy_bandwidth()
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     lines = [
-        f"GPU: {torch.cuda.get_device_name()}; copy ceiling {ceiling / 1e9:.0f} GB/s; dtype {DTYPE}",
+        f"GPU: {torch.cuda.get_device_name()}; copy ceiling {ceiling / 1e9:.0f} GB/s; dtype {DTYPE}; "
+        f"kernel config changes: {config.changes() or 'none'}",
         "",
         "| kernel | shape | triton µs (graph) | triton µs (eager) | torch µs (eager) | speedup | GB/s | % of copy "
         "| TFLOP/s | max abs err |",
@@ -324,9 +332,10 @@ def run(quick: bool = False, log: Callable[[str], None] = print, only: str | Non
     ]
     for line in lines:
         log(line)
-    builders = [lambda: _norm_cases(tokens), lambda: _silu_mul_cases(tokens), lambda: _rope_cases(tokens),
-                lambda: _kv_store_cases(tokens), lambda: _attention_cases(quick), lambda: _linear_fused_cases(quick),
-                lambda: _argmax_cases(quick), lambda: _sample_cases(quick)]
+    builders = [lambda: _norm_cases(tokens, config), lambda: _silu_mul_cases(tokens, config),
+                lambda: _rope_cases(tokens, config), lambda: _kv_store_cases(tokens, config),
+                lambda: _attention_cases(quick, config), lambda: _linear_fused_cases(quick, config),
+                lambda: _argmax_cases(quick, config), lambda: _sample_cases(quick, config)]
     for build in builders:
         for case in build():
             if only is not None and only not in case.kernel:
@@ -362,12 +371,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     parser.add_argument("--only", default=None, metavar="TEXT", help="only kernels whose name contains TEXT")
+    add_tuning_options(parser, skip_pass=False)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/kernel_bench.py needs a CUDA GPU: it times compiled Triton kernels against torch; none found.",
               file=sys.stderr)
         return 2
-    run(args.quick, only=args.only)
+    run(args.quick, only=args.only, config=tuning_options(args)["kernel_config"])
     return 0
 
 

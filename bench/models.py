@@ -3,7 +3,8 @@
 ``random_model(shape, layers=None)`` returns an HF model (random weights, scaled so logits have
 clear margins) and a kiln ``ModelSource`` over the same tensors, so kiln and HF run identical
 weights without a checkpoint round trip through the disk. ``random_engine`` compiles one for the
-triton backend and loads it into an ``EngineCore``, as the breakdown benchmarks run it.
+triton backend (with the ``--kernel-config`` and ``--skip-pass`` of ``add_model_arguments``) and
+loads it into an ``EngineCore``, as the breakdown benchmarks run it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from kiln.cli import add_tuning_options, tuning_options
 from kiln.compiler.compile import compile_model
 from kiln.compiler.options import CompileOptions
 from kiln.compiler.sources.hf import MemoryTensors, ModelSource
@@ -68,11 +70,13 @@ def random_model(shape: str, dtype: torch.dtype = torch.bfloat16, layers: int | 
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments ``random_engine`` reads: the shape, its layers, and the batch of prompts."""
+    """The arguments ``random_engine`` reads: the shape, its layers, the batch of prompts, and the
+    compile's kernel config and skipped passes."""
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, default=None, help="cut the shape to this many layers")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt-len", type=int, default=128)
+    add_tuning_options(parser)
 
 
 def random_engine(args: argparse.Namespace, max_seq_len: int, **options) -> EngineCore:
@@ -83,6 +87,6 @@ def random_engine(args: argparse.Namespace, max_seq_len: int, **options) -> Engi
     with tempfile.TemporaryDirectory() as tmp:
         artifact = compile_model(source, Path(tmp) / "m.kiln", CompileOptions(
             dtype="bf16", backend="triton", max_batch_tokens=max(512, args.batch * args.prompt_len),
-            max_batch_size=args.batch, max_seq_len=max_seq_len))
+            max_batch_size=args.batch, max_seq_len=max_seq_len, **tuning_options(args)))
         return EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=args.batch * 1024,
                                                        enable_prefix_cache=False, **options))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 EXPECTED_ERRORS = (ValueError, FileNotFoundError, FileExistsError, LookupError)
 
@@ -39,6 +40,7 @@ def _add_compile(commands) -> None:
     p.add_argument("-o", "--output", required=True, type=Path, help="artifact directory to write (NAME.kiln)")
     add_compile_options(p)
     p.add_argument("--dump-ir", type=Path, default=None, help="write the IR after each pass into this directory")
+    add_tuning_options(p)
     p.set_defaults(run=_run_compile)
 
 
@@ -50,6 +52,47 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=256, help="sequences in one step (default 256)")
     p.add_argument("--max-seq-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens (default 16)")
+
+
+def add_tuning_options(p: argparse.ArgumentParser, skip_pass: bool = True) -> None:
+    """``--kernel-config NAME=VALUE`` and (unless ``skip_pass`` is off) ``--skip-pass NAME``, for
+    ``kiln compile`` and the benchmarks. Each is checked as it is parsed: a name that is no
+    ``KernelConfig`` field or no pass is an error listing the valid ones."""
+    p.add_argument("--kernel-config", action="append", default=[], type=_kernel_setting, metavar="NAME=VALUE",
+                   help="set a kernel tunable (a KernelConfig field, e.g. decode_block_n=32 or pdl=false; "
+                        "repeatable); the artifact records it")
+    if skip_pass:
+        p.add_argument("--skip-pass", action="append", default=[], type=_pass_name, metavar="NAME",
+                       help="compile without this pass of the pipeline, for experiments (repeatable)")
+
+
+def tuning_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``CompileOptions`` fields ``add_tuning_options``'s arguments set."""
+    from kiln.kernels.config import DEFAULTS
+
+    return {"kernel_config": DEFAULTS.with_settings(dict(args.kernel_config)),
+            "skip_passes": tuple(getattr(args, "skip_pass", ()))}
+
+
+def _kernel_setting(text: str) -> tuple[str, Any]:
+    from kiln.kernels.config import DEFAULTS, KernelConfigError, parse_settings
+
+    try:
+        (name, value), = parse_settings([text]).items()
+        DEFAULTS.with_settings({name: value})
+    except KernelConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name, value
+
+
+def _pass_name(name: str) -> str:
+    from kiln.compiler.pipeline import selected_passes
+
+    try:
+        selected_passes([name])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name
 
 
 def compile_options_from(args: argparse.Namespace):
@@ -65,9 +108,12 @@ def compile_options_from(args: argparse.Namespace):
 
 
 def _run_compile(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from kiln.compiler.compile import compile_model
 
-    out = compile_model(args.model, args.output, compile_options_from(args), dump_ir=args.dump_ir)
+    options = replace(compile_options_from(args), **tuning_options(args))
+    out = compile_model(args.model, args.output, options, dump_ir=args.dump_ir)
     print(f"wrote {out}")
     return 0
 

@@ -1,10 +1,10 @@
 """``kiln bench NAME [ARGS...]``: runs a benchmark from the checkout's ``bench/`` directory.
 
-The benchmarks are scripts beside the package (``decode.py``, ``offline.py``, ``serving.py``,
-``structured.py``, ``step_breakdown.py``, ``step_ab.py``, ``prefill_breakdown.py``,
-``gemv_sweep.py``, ``host_overhead.py``, and ``kernel_bench.py`` as ``kiln bench kernels``); this runs one with its own
-arguments, as ``python bench/NAME.py ARGS`` would. An installed kiln without the checkout has no
-``bench/``, and says so.
+The benchmarks a user runs are scripts beside the package (``decode.py``, ``offline.py``,
+``serving.py``, ``structured.py``, and ``kernel_bench.py`` as ``kiln bench kernels``); this runs one
+with its own arguments, as ``python bench/NAME.py ARGS`` would. One-off probes of the engine's
+internals live in ``bench/experiments/`` and are run directly, not listed here. An installed kiln
+without the checkout has no ``bench/``, and says so.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 # Modules the benchmarks import, not benchmarks themselves.
-BENCH_HELPERS = frozenset({"graph_gaps", "models", "overrides", "timeline"})
+BENCH_HELPERS = frozenset({"models"})
 # Benchmarks named other than their file. The kernel benchmark's file is not kernels.py: the scripts
 # run with bench/ first on sys.path, where a module named kernels shadows the `kernels` package that
 # transformers imports when it is installed (transformers 5.25 installs it).

@@ -60,7 +60,7 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
         "P": -(-max_seq_len // options.page_size),
     }
     ctx = PassContext(backend=options.backend, symbol_bounds=bounds)
-    graph, pass_log = run_pipeline(built.graph, ctx, dump_dir=dump_ir)
+    graph, pass_log = run_pipeline(built.graph, ctx, dump_dir=dump_ir, skip=options.skip_passes)
 
     store = WeightStore(source.tensors, built.computed, ctx.recipes, str(source.path))
     store.check_available(graph)

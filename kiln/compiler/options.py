@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from kiln.kernels.config import DEFAULTS, KernelConfig
 from kiln.kernels.registry import BACKENDS
 from kiln.step_schema import OPTIONAL_OUTPUTS, STEP_SCHEMA, StepField, StepSchema
+
+from .pipeline import selected_passes
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,8 @@ class CompileOptions:
     step_fields: tuple[StepField, ...] = ()
     # Outputs beyond the logits each step returns, by name (kiln.step_schema.OPTIONAL_OUTPUTS).
     step_outputs: tuple[str, ...] = ()
+    kernel_config: KernelConfig = DEFAULTS  # the kernels' tunables, recorded in the manifest
+    skip_passes: tuple[str, ...] = ()  # pipeline passes left out, for experiments (pipeline.run_pipeline)
 
     def validate(self) -> None:
         for name in ("max_batch_tokens", "max_batch_size", "page_size"):
@@ -33,6 +38,9 @@ class CompileOptions:
         self.step_schema()
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if not isinstance(self.kernel_config, KernelConfig):
+            raise ValueError(f"kernel_config must be a KernelConfig, got {type(self.kernel_config).__name__}")
+        selected_passes(self.skip_passes)
 
     def step_schema(self) -> StepSchema:
         unknown = [name for name in self.step_outputs if name not in OPTIONAL_OUTPUTS]
@@ -43,4 +51,4 @@ class CompileOptions:
         return STEP_SCHEMA.with_fields(*self.step_fields).with_outputs(*outputs)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "kernel_config": self.kernel_config.to_json(), "skip_passes": list(self.skip_passes)}

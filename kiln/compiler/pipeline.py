@@ -5,12 +5,16 @@ the context for codegen. The order matters: the linear fusions must see the unfu
 silu·mul must see the split the gate/up fusion made, the residual adds must join their GEMMs
 before silu·mul joins the down GEMM and the norms join theirs, rope+KV store must see the q/k norms before
 anything else touches them (and joins the attention after that), and planning runs last on the final graph.
+
+Experiments leave passes out by name (``CompileOptions.skip_passes``, ``kiln compile --skip-pass``);
+the list itself never changes, and the passes the artifact needs (``REQUIRED``) cannot be skipped.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Sequence
 
 from kiln.ir import Graph, print_graph, verify
 
@@ -47,16 +51,35 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("select_kernels", select_kernels),
     ("plan_memory", plan_memory),
 ]
+# Without these there is no checked graph, no kernel table or no memory plan to write.
+REQUIRED = frozenset({"verify", "select_kernels", "plan_memory"})
 
 
-def run_pipeline(graph: Graph, ctx: PassContext, dump_dir: Path | None = None,
-                 verify_each: bool = True) -> tuple[Graph, list[dict]]:
-    """Runs every pass in order; returns the final graph and the pass log (name, seconds, node count)."""
+def selected_passes(skip: Sequence[str] = ()) -> list[tuple[int, str, Pass]]:
+    """The passes that run when those named in ``skip`` are left out, each with its position in
+    ``PIPELINE`` (from 1); refuses names of no pass and of required ones."""
+    names = [name for name, _ in PIPELINE]
+    unknown = sorted(set(skip) - set(names))
+    if unknown:
+        raise ValueError(f"cannot skip {', '.join(unknown)}: no such pass; passes: {', '.join(names)}")
+    required = sorted(set(skip) & REQUIRED)
+    if required:
+        raise ValueError(f"cannot skip {', '.join(required)}: every artifact needs it; skippable passes: "
+                         f"{', '.join(n for n in names if n not in REQUIRED)}")
+    return [(index, name, fn) for index, (name, fn) in enumerate(PIPELINE, start=1) if name not in skip]
+
+
+def run_pipeline(graph: Graph, ctx: PassContext, dump_dir: Path | None = None, verify_each: bool = True,
+                 skip: Sequence[str] = ()) -> tuple[Graph, list[dict]]:
+    """Runs the passes in order, less those named in ``skip``; returns the final graph and the pass
+    log (name, seconds, node count). Dumps are numbered by the pass's place in ``PIPELINE``, so the
+    same file names the same pass whatever was skipped."""
+    passes = selected_passes(skip)
     log = []
     if dump_dir is not None:
         dump_dir.mkdir(parents=True, exist_ok=True)
         (dump_dir / "00_input.txt").write_text(print_graph(graph))
-    for index, (name, fn) in enumerate(PIPELINE, start=1):
+    for index, name, fn in passes:
         start = time.perf_counter()
         graph = fn(graph, ctx)
         seconds = time.perf_counter() - start

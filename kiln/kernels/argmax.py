@@ -21,6 +21,9 @@ f16 and bf16 inputs are compared as their (exact) f32 values.
 With a packed token ``bitmask`` (the grammar's, in the layout of ``bitmask.py``) the elements it
 disallows count as -inf, as if the mask had been applied to the logits first: a grammar-constrained
 greedy token in one launch, with the logits neither copied nor written.
+
+Registered as the runtime op ``argmax_rows`` (``registry.impl_for_device``): the sampler and the
+decode graphs call it on a step's logits, not a program.
 """
 
 from __future__ import annotations
@@ -30,18 +33,10 @@ import triton
 import triton.language as tl
 
 from .bitmask import bitmask_width, unpack_bitmask
+from .config import DEFAULTS, KernelConfig
+from .registry import register_impl
 from .triton_support import (await_previous_kernel, pdl_launch, pow2, require, require_device, require_float,
                              require_unit_last_stride, semaphore_counters, sm_count)
-
-# Elements per loop step: 16 f32 (64 bytes) a thread at 4 warps, so each program has several vector
-# loads in flight per step (the loop is not software-pipelined).
-ARGMAX_BLOCK = 2048
-# Programs to aim for per SM when choosing the chunk count. More than one: each program has only one
-# step's loads in flight, and several resident programs per SM are what hide the memory latency when
-# a large batch gives every program many steps. Not yet tuned on a GPU (bench/kernel_bench.py times it).
-PROGRAMS_PER_SM = 4
-# Partials reduced per step of the merge; the chunk count is at most 4 * SMs (528 on an H200).
-MERGE_BLOCK = 256
 
 # The packed value of masked-off elements and of empty merge lanes: below every real element's.
 _FLOOR = tl.constexpr(-(2 ** 63))
@@ -134,21 +129,17 @@ def _store_result(out_ptr, mirror_ptr, row, best, MIRROR: tl.constexpr):
         tl.store(mirror_ptr + row, index.to(mirror_ptr.dtype.element_ty))
 
 
-def argmax_rows(x: torch.Tensor, bitmask: torch.Tensor | None = None) -> torch.Tensor:
-    """Each row's argmax (under ``bitmask`` when given): the Triton kernel for CUDA tensors, torch's
-    otherwise."""
-    return triton_argmax_rows(x, bitmask=bitmask) if x.is_cuda else ref_argmax_rows(x, bitmask)
-
-
-def argmax_chunk(rows: int, vocab: int, sm_count: int) -> int:
-    """Elements per chunk: whole ``ARGMAX_BLOCK`` steps, as many chunks as make about
-    ``PROGRAMS_PER_SM`` programs per SM, but never more chunks than steps."""
-    chunks = min(triton.cdiv(PROGRAMS_PER_SM * sm_count, rows), triton.cdiv(vocab, ARGMAX_BLOCK))
-    return triton.cdiv(triton.cdiv(vocab, chunks), ARGMAX_BLOCK) * ARGMAX_BLOCK
+def argmax_chunk(rows: int, vocab: int, sm_count: int, config: KernelConfig = DEFAULTS) -> int:
+    """Elements per chunk: whole ``config.argmax_block`` steps, as many chunks as make about
+    ``argmax_programs_per_sm`` programs per SM, but never more chunks than steps."""
+    block = config.argmax_block
+    chunks = min(triton.cdiv(config.argmax_programs_per_sm * sm_count, rows), triton.cdiv(vocab, block))
+    return triton.cdiv(triton.cdiv(vocab, chunks), block) * block
 
 
 def triton_argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, *, bitmask: torch.Tensor | None = None,
-                       mirror: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
+                       mirror: torch.Tensor | None = None, chunk: int | None = None,
+                       config: KernelConfig = DEFAULTS) -> torch.Tensor:
     """int64 ``[R]``: ``ref_argmax_rows(x, bitmask)`` for f32/f16/bf16 ``x [R, V]`` whose rows are contiguous
     (the row stride may exceed V). ``out`` may also be int32 (a decode graph writes the next step's
     input ids that way). ``mirror`` (pinned host memory when ``x`` is on a GPU, int32 or int64
@@ -181,7 +172,7 @@ def triton_argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, *, bitm
     if rows == 0:
         return out
     if chunk is None:
-        chunk = argmax_chunk(rows, vocab, sm_count(x))
+        chunk = argmax_chunk(rows, vocab, sm_count(x), config)
     num_chunks = triton.cdiv(vocab, chunk)
     if num_chunks > 1:
         partials = torch.empty(rows * num_chunks, dtype=torch.int64, device=x.device)
@@ -192,6 +183,11 @@ def triton_argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, *, bitm
     mask = bitmask if bitmask is not None else out  # never read without MASKED; any tensor will do
     _argmax_kernel[(rows, num_chunks)](
         x, mask, out, mirror if mirror is not None else out, partials, counters, vocab, x.stride(0), mask.stride(0),
-        chunk, num_chunks, MASKED=bitmask is not None, MIRROR=mirror is not None, SPLIT=num_chunks > 1, BLOCK=min(ARGMAX_BLOCK, pow2(chunk)), MERGE=MERGE_BLOCK,
-        num_warps=4, **pdl_launch(x))
+        chunk, num_chunks, MASKED=bitmask is not None, MIRROR=mirror is not None, SPLIT=num_chunks > 1,
+        BLOCK=min(config.argmax_block, pow2(chunk)), MERGE=config.argmax_merge_block, num_warps=4,
+        **pdl_launch(x, config.pdl))
     return out
+
+
+register_impl("argmax_rows", "torch", ref_argmax_rows)
+register_impl("argmax_rows", "triton", triton_argmax_rows, priority=10, wants_config=True)

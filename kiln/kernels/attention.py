@@ -21,6 +21,7 @@ from kiln.ir.types import TensorType
 
 from .attention_decode import NewTokens, decode_splits, launch_decode
 from .attention_extend import extend_blocks, launch_extend
+from .config import DEFAULTS, KernelConfig
 from .kv_store import triton_kv_store
 from .registry import register_impl
 from .rope import triton_rope
@@ -111,7 +112,8 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_star
 def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
                            q_len: torch.Tensor, kv_len: torch.Tensor, page_table: torch.Tensor, *, out: torch.Tensor,
                            scale: float, page_size: int, sliding_window: int = 0, soft_cap: float = 0.0,
-                           sizes: Mapping[str, int] | None = None, new_tokens: NewTokens | None = None) -> None:
+                           sizes: Mapping[str, int] | None = None, new_tokens: NewTokens | None = None,
+                           config: KernelConfig = DEFAULTS) -> None:
     """Writes each sequence's attention output into its rows of ``out``. Reads only host facts
     (shapes and ``sizes``), never device values, so the decode path can be captured in a CUDA graph.
 
@@ -135,16 +137,16 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             kv_bound = min(kv_bound, sizes["max_kv_len"])
         if sliding_window > 0:
             kv_bound = min(kv_bound, sliding_window)
-        splits = decode_splits(q_len.shape[0], k_cache.shape[1], kv_bound, sm_count(q))
+        splits = decode_splits(q_len.shape[0], k_cache.shape[1], kv_bound, sm_count(q), config)
         launch_decode(q, k_cache, v_cache, q_start, q_len, kv_len, page_table, out, num_splits=splits,
-                      new_tokens=new_tokens, **common)
+                      new_tokens=new_tokens, config=config, **common)
         return
     if new_tokens is not None:
         new = new_tokens
         q_rot, k_rot = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty_like(new.k)
-        triton_rope(q, new.positions, new.cos_sin, out=q_rot)
-        triton_rope(new.k, new.positions, new.cos_sin, out=k_rot)
-        triton_kv_store(k_cache, v_cache, k_rot, new.v, new.slots)
+        triton_rope(q, new.positions, new.cos_sin, out=q_rot, config=config)
+        triton_rope(new.k, new.positions, new.cos_sin, out=k_rot, config=config)
+        triton_kv_store(k_cache, v_cache, k_rot, new.v, new.slots, config=config)
         q = q_rot
     # An unknown max_q_len is bounded by the step's token count.
     bound = tokens if max_q_len is None else min(max_q_len, tokens)
@@ -162,4 +164,4 @@ def _paged_attention_checker(types: Sequence[TensorType], attrs: Mapping[str, An
 
 
 register_impl("paged_attention", "triton", triton_paged_attention, checker=_paged_attention_checker, priority=10,
-              wants_sizes=True)
+              wants_sizes=True, wants_config=True)

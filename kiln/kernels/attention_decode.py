@@ -34,40 +34,8 @@ import triton.language as tl
 
 from .attention_block import attend_block, fold_block, load_kv_block
 from .attention_split_merge import splits_merged_at_once, store_split_and_merge
+from .config import DEFAULTS, KernelConfig
 from .triton_support import await_previous_kernel, dot_in_f32, pdl_launch, pow2, semaphore_counters, sm_count
-
-# Below this many context tokens per split the fixed per-program cost (loading q, the partials and
-# their merge) outweighs the extra parallelism. Measured on an H200 (SmolLM2-135M decode step at batch
-# 1, 128-456-token contexts, bench/gpu_session.sh sweep): 64 gave 0.524 ms a step, 32 0.525, 128
-# 0.543, one split 0.606: at batch 1 more, shorter splits shorten each program's serial key loop.
-MIN_SPLIT_TOKENS = 64
-MAX_SPLITS = 64
-# Splits are added until the grid has this many programs an SM (then capped by MIN_SPLIT_TOKENS).
-# Measured on an H200 (engine step, ms, at 2 / 4 / 8): Llama-3-8B (8 layers) batch 64 1.627 / 1.692 /
-# 1.724, SmolLM2-135M batch 64 1.172 / 1.187 / 1.260, Llama-3-8B batch 8 1.391 / 1.396 / 1.395.
-SPLIT_PROGRAMS_PER_SM = 2
-# Keys per loop step. Measured on an H200 (B=64 and B=8, 4096-token contexts, 8 KV heads of 128):
-# 64 keys at 4 warps and 2 stages read 4.4 TB/s; 32 keys, 8 warps or 3 stages were slower.
-DECODE_BLOCK_N = 64
-# Measured on an H200: 8 warps made the SmolLM2-135M batch-1 step 0.499 ms against 4 warps' 0.485
-# (the eighth session's variant of the preload) and Llama-3-8B's 8-layer batch-1 step 1.266 against
-# 1.259, though at 8 the kernel spills no registers (compiled for sm_90, head_dim 128 spills 588 B at
-# 4 with the preload).
-DECODE_NUM_WARPS = 4
-# Two stages give the loop one shared K and one V buffer (sm_90 TTGIR: 1x64x64): a block's copies go
-# out once the previous block's dots are done, so a program's blocks run one after another at
-# memory latency and only other programs hide it. Fine for long contexts (the 4.4 TB/s above); at
-# Llama-3-8B batch 64 with 338-token contexts the kernel read 2.9 TB/s. Yet a loop that carries the
-# next block's slots, so that 3-4 stages ring real K/V copies, made that step slower on an H200
-# (1.663-1.676 ms against 1.599 at 3-4 stages, 4-8 warps; bench/RESULTS.md, tenth session).
-DECODE_NUM_STAGES = 2
-# Programs an SM holds at once: 4 warps at up to 255 registers a thread (ptxas takes them all) fill
-# half of an SM's 64K registers. Loading the first key block before the PDL wait pays only for a grid
-# of at most that many an SM (``preloads_first_block``). Measured on an H200 (decode kernel, us a
-# layer, with / without): Llama-3-8B batch 1 (264 programs) 11.6 / 14.5; SmolLM2-135M batch 1 (24)
-# 6.5 / 7.4; but Llama-3-8B batch 8 (320) 14.5 / 12.9 and SmolLM2-135M batch 64 (384) 13.3 / 12.4.
-PRELOAD_MAX_PROGRAMS_PER_SM = 2
-
 
 @dataclass(frozen=True)
 class NewTokens:
@@ -219,29 +187,30 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_o_ptr, part_lse_ptr, cou
                  out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def decode_splits(batch: int, kv_heads: int, kv_bound: int, sm_count: int) -> int:
-    """How many slices to cut each context into: enough programs for about ``SPLIT_PROGRAMS_PER_SM`` an
-    SM, but no slice under ``MIN_SPLIT_TOKENS`` of the longest possible context ``kv_bound``."""
-    wanted = triton.cdiv(SPLIT_PROGRAMS_PER_SM * sm_count, max(1, batch * kv_heads))
-    most = triton.cdiv(max(kv_bound, 1), MIN_SPLIT_TOKENS)
-    return max(1, min(wanted, most, MAX_SPLITS))
+def decode_splits(batch: int, kv_heads: int, kv_bound: int, sm_count: int, config: KernelConfig = DEFAULTS) -> int:
+    """How many slices to cut each context into: enough programs for about
+    ``config.decode_split_programs_per_sm`` an SM, but no slice under ``decode_min_split_tokens`` of
+    the longest possible context ``kv_bound``."""
+    wanted = triton.cdiv(config.decode_split_programs_per_sm * sm_count, max(1, batch * kv_heads))
+    most = triton.cdiv(max(kv_bound, 1), config.decode_min_split_tokens)
+    return max(1, min(wanted, most, config.decode_max_splits))
 
 
-def preloads_first_block(programs: int, sm_count: int) -> bool:
+def preloads_first_block(programs: int, sm_count: int, config: KernelConfig = DEFAULTS) -> bool:
     """Whether each program of a grid of ``programs`` loads its first key block before the PDL wait:
     only when all of them are resident at once, so every one of them starts under the kernel before."""
-    return programs <= PRELOAD_MAX_PROGRAMS_PER_SM * sm_count
+    return programs <= config.decode_preload_max_programs_per_sm * sm_count
 
 
 def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
                   q_len: torch.Tensor, kv_len: torch.Tensor, page_table: torch.Tensor, out: torch.Tensor, *,
                   scale: float, page_size: int, sliding_window: int, soft_cap: float, num_splits: int,
-                  block_n: int | None = None, new_tokens: NewTokens | None = None) -> None:
+                  new_tokens: NewTokens | None = None, config: KernelConfig = DEFAULTS) -> None:
     """Launches decode attention on inputs the dispatcher has checked; every ``q_len[b]`` must be 0 or 1.
     With ``new_tokens``, ``q`` is unrotated and the kernel rotates it and stores the new k and v
     first; then every token with a pool slot must be the query of a sequence (``q_start[b]`` with
-    ``q_len[b] = 1``), as in every decode step, since only those are stored. ``block_n`` defaults to
-    ``DECODE_BLOCK_N``, read at each call so that a benchmark may set it."""
+    ``q_len[b] = 1``), as in every decode step, since only those are stored. Block size, warps,
+    stages and the preload's bound come from ``config``'s ``decode_*`` fields."""
     tokens, heads, head_dim = q.shape
     batch, kv_heads = q_len.shape[0], k_cache.shape[1]
     if tokens == 0 or batch == 0:
@@ -265,9 +234,10 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         page_table.stride(0), heads, group, head_dim, page_size, scale, soft_cap, sliding_window, num_splits,
         ROPE=new is not None, SPLIT=num_splits > 1, BLOCK_G=pow2(group, 16), BLOCK_H=block_h,
-        MERGE_S=min(MAX_SPLITS, splits_merged_at_once(block_h, block_d)), BLOCK_N=block_n or DECODE_BLOCK_N,
+        MERGE_S=min(config.decode_max_splits, splits_merged_at_once(block_h, block_d, config)),
+        BLOCK_N=config.decode_block_n,
         BLOCK_D=block_d, SOFT_CAP=soft_cap > 0, SLIDING=sliding_window > 0, DOT_F32=dot_in_f32(q.dtype),
-        PRELOAD=new is not None and preloads_first_block(batch * kv_heads * num_splits, sm_count(q)),
-        num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
+        PRELOAD=new is not None and preloads_first_block(batch * kv_heads * num_splits, sm_count(q), config),
+        num_warps=config.decode_num_warps, num_stages=config.decode_num_stages,
         # With the rotation, an fma would skip the rounding of a product to the dtype that ref_rope does.
-        enable_fp_fusion=new is None, **pdl_launch(q))
+        enable_fp_fusion=new is None, **pdl_launch(q, config.pdl))

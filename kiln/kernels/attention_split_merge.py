@@ -17,14 +17,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Elements of one [heads, splits, head_dim] tile of partials in the merge: 64 f32 registers a thread
-# at 4 warps, so the merge needs no more registers than the attention loop before it.
-MERGE_TILE = 8192
+from .config import KernelConfig
 
 
-def splits_merged_at_once(block_h: int, block_d: int) -> int:
-    """How many splits the merge reads per step for a group of ``block_h`` heads of ``block_d``."""
-    return max(1, MERGE_TILE // (block_h * block_d))
+def splits_merged_at_once(block_h: int, block_d: int, config: KernelConfig) -> int:
+    """How many splits the merge reads per step for a group of ``block_h`` heads of ``block_d``: a
+    tile of ``config.decode_merge_tile`` partials."""
+    return max(1, config.decode_merge_tile // (block_h * block_d))
 
 
 @triton.jit

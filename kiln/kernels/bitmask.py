@@ -7,7 +7,8 @@ allows every token. ``apply_bitmask`` sets the logits of disallowed tokens to -i
 ``rows`` selects which rows of the batch are constrained, indexing logits and bitmask alike, so
 unconstrained rows of a mixed batch are not touched. A negative entry is skipped: a CUDA graph can
 hold a fixed-size rows buffer and pad it with -1. The Triton launcher never reads device values on
-the host, so it can be captured.
+the host, so it can be captured. Applying a mask is the runtime op ``apply_bitmask``
+(``registry.impl_for_device``): the sampler calls it on a step's logits.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .config import DEFAULTS, KernelConfig
+from .registry import register_impl
 from .triton_support import require_device
 
 
@@ -82,13 +85,6 @@ def ref_apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.T
     logits.index_copy_(0, rows, selected)
 
 
-# Words per program: 32 words are 1024 tokens. Measured on an H200 at 256 x 151936 f32 logits, this
-# store-only kernel takes ~66 us on a mask allowing almost nothing (a full write at ~2.4 TB/s, as
-# fast as xgrammar's load-and-store kernel) and ~28 us on one allowing almost everything (inside a
-# JSON string), where xgrammar's takes 38 us. Wider programs were slower on the first case.
-_WORDS_PER_PROGRAM = 32
-
-
 @triton.jit
 def _apply_bitmask_kernel(logits_ptr, bitmask_ptr, rows_ptr, vocab_size, num_words, logits_row_stride,
                           bitmask_row_stride, HAS_ROWS: tl.constexpr, WORDS: tl.constexpr):
@@ -109,8 +105,12 @@ def _apply_bitmask_kernel(logits_ptr, bitmask_ptr, rows_ptr, vocab_size, num_wor
     tl.store(logits_ptr + row * logits_row_stride + tokens, float("-inf"), mask=disallowed)
 
 
-def apply_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-    """The Triton kernel's launcher. ``rows`` values are trusted (checking them would sync the GPU)."""
+def triton_apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None, *,
+                         config: KernelConfig = DEFAULTS) -> None:
+    """The Triton kernel's launcher. ``rows`` values are trusted (checking them would sync the GPU).
+    A program masks ``config.bitmask_words_per_program`` words (32 tokens each) of a row: at 256 x
+    151936 f32 logits it writes as fast as xgrammar's load-and-store kernel on a mask allowing almost
+    nothing, and beats it on one allowing almost everything, as inside a JSON string."""
     _check(logits, bitmask, rows)
     require_device("apply_bitmask", *(t for t in (logits, bitmask, rows) if t is not None))
     if logits.stride(1) != 1 or bitmask.stride(1) != 1:
@@ -119,16 +119,12 @@ def apply_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, rows: torc
     num_words = bitmask.shape[1]
     if num_rows == 0:
         return
-    grid = (num_rows, triton.cdiv(num_words, _WORDS_PER_PROGRAM))
+    words_per_program = config.bitmask_words_per_program
+    grid = (num_rows, triton.cdiv(num_words, words_per_program))
     _apply_bitmask_kernel[grid](logits, bitmask, rows if rows is not None else bitmask, logits.shape[1], num_words,
                                 logits.stride(0), bitmask.stride(0), HAS_ROWS=rows is not None,
-                                WORDS=_WORDS_PER_PROGRAM)
+                                WORDS=words_per_program)
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-    """Set the logits of tokens the bitmask disallows to -inf, in place: the Triton kernel for CUDA
-    tensors, torch otherwise."""
-    if logits.is_cuda:
-        apply_bitmask_triton(logits, bitmask, rows)
-    else:
-        ref_apply_bitmask(logits, bitmask, rows)
+register_impl("apply_bitmask", "torch", ref_apply_bitmask)
+register_impl("apply_bitmask", "triton", triton_apply_bitmask, priority=10, wants_config=True)

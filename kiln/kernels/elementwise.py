@@ -15,6 +15,7 @@ import triton.language as tl
 
 from kiln.ir.types import TensorType
 
+from .config import DEFAULTS, KernelConfig
 from .registry import register_impl
 from .triton_support import (IR_FLOATS, await_previous_kernel, pdl_launch, pow2, require, require_device, require_float,
                              require_unit_last_stride)
@@ -69,9 +70,6 @@ register_impl("cast", "torch", _cast)
 
 # --- Triton -----------------------------------------------------------------------------------------
 
-# Columns per program: 1024 elements is 2-4 KB per input, 8 per thread at 4 warps.
-_BLOCK = 1024
-
 
 @triton.jit
 def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, width, g_st, u_st, o_st, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -88,7 +86,8 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, width, g_st, u_st, o_st, BLOCK: 
     tl.store(out_ptr + row * o_st + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def triton_silu_mul(gate: torch.Tensor, up: torch.Tensor, *, out: torch.Tensor) -> None:
+def triton_silu_mul(gate: torch.Tensor, up: torch.Tensor, *, out: torch.Tensor,
+                    config: KernelConfig = DEFAULTS) -> None:
     kernel = "triton.silu_mul"
     for name, t in (("gate", gate), ("up", up), ("out", out)):
         require(t.dim() == 2, kernel, lambda: f"{name} must be [T, I], got {tuple(t.shape)}")
@@ -100,14 +99,14 @@ def triton_silu_mul(gate: torch.Tensor, up: torch.Tensor, *, out: torch.Tensor) 
     rows, width = gate.shape
     if rows == 0 or width == 0:
         return
-    block = min(_BLOCK, pow2(width))
+    block = min(config.silu_mul_block, pow2(width))
     _silu_mul_kernel[(rows, triton.cdiv(width, block))](
         gate, up, out, width, gate.stride(0), up.stride(0), out.stride(0), BLOCK=block, num_warps=4,
-        **pdl_launch(gate))
+        **pdl_launch(gate, config.pdl))
 
 
 def _silu_mul_checker(types: Sequence[TensorType], attrs: Mapping[str, Any]) -> bool:
     return types[0].dtype in IR_FLOATS and types[0].rank == 2
 
 
-register_impl("silu_mul", "triton", triton_silu_mul, checker=_silu_mul_checker, priority=10)
+register_impl("silu_mul", "triton", triton_silu_mul, checker=_silu_mul_checker, priority=10, wants_config=True)

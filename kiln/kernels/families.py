@@ -2,3 +2,4 @@
 
 from . import attention, elementwise, embedding, kv_store, linear, linear_fused, norm, rope  # noqa: F401
 from . import rope_kv_attention, rope_kv_store, views  # noqa: F401
+from . import argmax, bitmask, sample  # noqa: F401  (runtime ops: the sampler's kernels)

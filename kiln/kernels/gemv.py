@@ -29,27 +29,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .config import DEFAULTS, KernelConfig
 from .triton_support import await_previous_kernel, dot_in_f32, pdl_launch, pow2, sm_count
 
-# Where the GEMV runs: few rows. Above this the GEMM is compute-bound and cuBLAS is the better kernel.
+# Where the GEMV runs: few rows, at most the 16 its tl.dot path pads them to. Above this the GEMM is
+# compute-bound and cuBLAS is the better kernel.
 GEMV_MAX_ROWS = 16
-# Tiling knobs of gemv_config (module constants so that bench/step_breakdown.py --set can sweep them).
-GEMV_PROGRAMS_PER_SM = 2  # at least this many column tiles per SM, so every SM streams
-GEMV_BLOCK_N = (4, 8)  # least and most weight rows (output columns) per tile
-GEMV_BLOCK_K = (64, 1024)  # least and most of K per tile; contiguous runs that load as wide vectors
-# A one-row tile holds this many weights: 128 a
-# thread at 4 warps, twice that with the next tile in flight beside it. Measured on an H200 at
-# Llama-3-8B's shapes: tiles of 8192 weights streamed at 2.4-3.4 TB/s, tiles of 16384 at 3.2-3.9.
-GEMV_PRODUCT_ELEMENTS = 16384
-GEMV_DOT_BLOCK_K = 128  # the tl.dot path steps through K by this much
-# Up to this K a one-row program takes all of K in one tile, so all its loads are in flight at once
-# and x is read once. Measured on an H200 at SmolLM2's shapes: 1.5-2.8 us a GEMV, against 2.5-4.7 us
-# stepping through K.
-GEMV_ONE_STEP_MAX_K = 2048
-GEMV_NUM_WARPS = 4
-GEMV_NUM_STAGES = 1  # the loop pipelines its weight tiles in registers itself
-# The norm's first pass over x reads this many elements at a time (all rows together).
-NORM_PASS_ELEMENTS = 4096
 
 # Prologue kinds (what the GEMM's input is made from); constexprs so that the kernel may read them.
 RAW = tl.constexpr(0)
@@ -66,25 +51,28 @@ class GemvConfig:
     use_dot: bool
 
 
-def gemv_config(rows: int, n: int, k: int, sms: int) -> GemvConfig:
-    """Tiles for ``rows`` (<= GEMV_MAX_ROWS) rows of output ``n`` columns wide over ``k``."""
+def gemv_config(rows: int, n: int, k: int, sms: int, config: KernelConfig = DEFAULTS) -> GemvConfig:
+    """Tiles for ``rows`` (<= GEMV_MAX_ROWS) rows of output ``n`` columns wide over ``k``, within the
+    bounds of ``config``'s ``gemv_*`` fields."""
     use_dot = rows > 1
     block_t = 16 if use_dot else 1
-    least_n = 16 if use_dot else GEMV_BLOCK_N[0]
-    most_n = GEMV_BLOCK_N[1] if use_dot else GEMV_PRODUCT_ELEMENTS // GEMV_BLOCK_K[0]
-    block_n = max(least_n, min(GEMV_BLOCK_N[1], most_n))
+    least_n, most_n = config.gemv_block_n
+    least_k, most_k = config.gemv_block_k
+    if use_dot:
+        least_n = 16
+    else:
+        most_n = min(most_n, config.gemv_product_elements // least_k)
+    block_n = max(least_n, most_n)
     # The widest tile that still gives every SM its programs: wider tiles reload x less often.
-    while block_n > least_n and triton.cdiv(n, block_n) < sms * GEMV_PROGRAMS_PER_SM:
+    while block_n > least_n and triton.cdiv(n, block_n) < sms * config.gemv_programs_per_sm:
         block_n //= 2
     whole_k = pow2(k, 16)
     if use_dot:
-        # Measured on an H200: all of K in one tl.dot step (its operands in shared memory) ran 3-10x
-        # slower than stepping through K.
-        block_k = GEMV_DOT_BLOCK_K
-    elif whole_k <= GEMV_ONE_STEP_MAX_K and block_n * whole_k <= GEMV_PRODUCT_ELEMENTS:
+        block_k = config.gemv_dot_block_k
+    elif whole_k <= config.gemv_one_step_max_k and block_n * whole_k <= config.gemv_product_elements:
         block_k = whole_k
     else:
-        block_k = max(GEMV_BLOCK_K[0], min(GEMV_BLOCK_K[1], GEMV_PRODUCT_ELEMENTS // block_n))
+        block_k = max(least_k, min(most_k, config.gemv_product_elements // block_n))
     return GemvConfig(block_t, block_n, min(block_k, whole_k), use_dot)
 
 
@@ -211,7 +199,7 @@ def _epilogue(acc, b_ptr, r_ptr, y_ptr, rows, cols, row_mask, col_mask, r_st, y_
 
 def launch_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
                 gated: bool = False, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                eps: float = 0.0) -> None:
+                eps: float = 0.0, config: KernelConfig = DEFAULTS) -> None:
     """``out = prologue(x) @ weight.T + bias + residual`` for checked operands, where the prologue is
     ``rmsnorm(x, norm_weight)`` when a norm weight is given, ``silu(gate) * up`` when ``gated`` (x's
     rows then hold [gate | up], twice weight's K), and x itself otherwise."""
@@ -220,7 +208,7 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, nor
     if rows == 0 or n == 0:
         return
     prologue = NORM if norm_weight is not None else SILU_MUL if gated else RAW
-    cfg = gemv_config(rows, n, k, sm_count(x))
+    cfg = gemv_config(rows, n, k, sm_count(x), config)
     # Absent inputs are never read (their constexpr flag is off); any tensor stands in for the pointer.
     res = residual if residual is not None else out
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
@@ -229,5 +217,5 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, nor
         PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         USE_DOT=cfg.use_dot, DOT_F32=dot_in_f32(x.dtype), BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, ONE_TILE=cfg.block_k >= k,
-        NORM_BLOCK_K=min(pow2(k, 16), max(16, NORM_PASS_ELEMENTS // cfg.block_t)),
-        num_warps=GEMV_NUM_WARPS, num_stages=GEMV_NUM_STAGES, **pdl_launch(x))
+        NORM_BLOCK_K=min(pow2(k, 16), max(16, config.gemv_norm_pass_elements // cfg.block_t)),
+        num_warps=config.gemv_num_warps, num_stages=config.gemv_num_stages, **pdl_launch(x, config.pdl))

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from kiln.ir.types import TensorType
 
+from .config import DEFAULTS, KernelConfig
 from .registry import register_impl
 from .triton_support import (IR_FLOATS, IR_INDEXES, pow2, require, require_device, require_float, require_index,
                              require_unit_last_stride)
@@ -32,9 +33,6 @@ register_impl("kv_store", "torch", ref_kv_store)
 
 
 # --- Triton -----------------------------------------------------------------------------------------
-
-# Elements of one token's K (and as many of V) per program: a whole token for up to 32 KV heads of 128.
-_BLOCK = 4096
 
 
 @triton.jit
@@ -55,7 +53,7 @@ def _kv_store_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, width, head_dim,
 
 
 def triton_kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    slots: torch.Tensor, config: KernelConfig = DEFAULTS) -> tuple[torch.Tensor, torch.Tensor]:
     """Writes k/v rows into the caches in place and returns the caches. Slots must be < NS (not
     checked: that would need a host sync); slots < 0 are skipped; duplicate slots race."""
     kernel = "triton.kv_store"
@@ -77,7 +75,7 @@ def triton_kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tenso
     tokens, kv_heads, head_dim = k.shape
     width = kv_heads * head_dim
     if tokens and width:
-        block = min(_BLOCK, pow2(width))
+        block = min(config.kv_store_block, pow2(width))
         _kv_store_kernel[(tokens, triton.cdiv(width, block))](
             k, v, k_cache, v_cache, slots, width, head_dim,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -90,4 +88,4 @@ def _kv_store_checker(types: Sequence[TensorType], attrs: Mapping[str, Any]) -> 
     return k_cache.dtype in IR_FLOATS and k.dtype == k_cache.dtype and slots.dtype in IR_INDEXES
 
 
-register_impl("kv_store", "triton", triton_kv_store, checker=_kv_store_checker, priority=10)
+register_impl("kv_store", "triton", triton_kv_store, checker=_kv_store_checker, priority=10, wants_config=True)

@@ -20,6 +20,7 @@ import torch
 
 from kiln.ir.types import TensorType
 
+from .config import DEFAULTS, KernelConfig
 from .elementwise import ref_silu_mul, triton_silu_mul
 from .gemv import GEMV_MAX_ROWS, launch_gemv
 from .linear import ref_linear
@@ -61,22 +62,17 @@ register_impl("silu_mul_linear_residual", "torch", _silu_mul_linear_residual)
 
 # --- Triton GEMV ------------------------------------------------------------------------------------
 
-# Where the fused GEMV (gemv.py) runs instead of the composition (Triton norm and activation kernels
-# around cuBLAS): for one row up to GEMV_ONE_ROW_MAX_WEIGHT_BYTES of weights, for 2-GEMV_MAX_ROWS
-# rows up to GEMV_MAX_WEIGHT_BYTES. Measured on an H200 (bench/gemv_sweep.py, bench/step_breakdown.py):
-# at one row the GEMV streams Llama-3-8B's qkv, o and down weights faster than cuBLAS, which also
-# needs a split-K reduce and the norm kernels beside it; at 8-16 rows its tl.dot path is slower than
-# cuBLAS on weights of tens of MB, and small weights are latency-bound, where one launch wins.
-GEMV_MAX_WEIGHT_BYTES = 16 << 20
-GEMV_ONE_ROW_MAX_WEIGHT_BYTES = 128 << 20
 
-
-def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the fused GEMV (rather than the cuBLAS composition) runs for these operands."""
+def uses_gemv(x: torch.Tensor, weight: torch.Tensor, config: KernelConfig = DEFAULTS) -> bool:
+    """Whether the fused GEMV (rather than the composition: Triton norm and activation kernels around
+    cuBLAS) runs for these operands: for one row up to ``config.gemv_one_row_max_weight_bytes`` of
+    weights, for 2-GEMV_MAX_ROWS rows up to ``config.gemv_max_weight_bytes``. At one row the GEMV
+    streams Llama-3-8B's qkv, o and down weights faster than cuBLAS, which also needs a split-K
+    reduce and the norm kernels beside it (bench/experiments/gemv_sweep.py measures both)."""
     weight_bytes = weight.numel() * weight.element_size()
     if x.shape[0] == 1:
-        return weight_bytes <= GEMV_ONE_ROW_MAX_WEIGHT_BYTES
-    return x.shape[0] <= GEMV_MAX_ROWS and weight_bytes <= GEMV_MAX_WEIGHT_BYTES
+        return weight_bytes <= config.gemv_one_row_max_weight_bytes
+    return x.shape[0] <= GEMV_MAX_ROWS and weight_bytes <= config.gemv_max_weight_bytes
 
 
 def _check_gemv(kernel: str, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *,
@@ -106,9 +102,10 @@ def _check_gemv(kernel: str, x: torch.Tensor, weight: torch.Tensor, out: torch.T
 # The compositions for many rows; public so that the benchmark can time them against the fused GEMV.
 
 def composed_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
-                            bias: torch.Tensor | None = None, *, out: torch.Tensor, eps: float) -> None:
+                            bias: torch.Tensor | None = None, *, out: torch.Tensor, eps: float,
+                            config: KernelConfig = DEFAULTS) -> None:
     normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    triton_rmsnorm(x, norm_weight, out=normed, eps=eps)
+    triton_rmsnorm(x, norm_weight, out=normed, eps=eps, config=config)
     if bias is None:
         torch.matmul(normed, weight.t(), out=out)
     else:
@@ -122,37 +119,38 @@ def composed_linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: to
 
 
 def composed_silu_mul_linear_residual(gate_up: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
-                                      out: torch.Tensor) -> None:
+                                      out: torch.Tensor, config: KernelConfig = DEFAULTS) -> None:
     activated = torch.empty(gate_up.shape[0], weight.shape[1], dtype=gate_up.dtype, device=gate_up.device)
-    triton_silu_mul(*gate_up.chunk(2, dim=-1), out=activated)
+    triton_silu_mul(*gate_up.chunk(2, dim=-1), out=activated, config=config)
     composed_linear_residual(activated, weight, residual, out=out)
 
 
 def triton_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
-                          bias: torch.Tensor | None = None, *, out: torch.Tensor, eps: float) -> None:
+                          bias: torch.Tensor | None = None, *, out: torch.Tensor, eps: float,
+                          config: KernelConfig = DEFAULTS) -> None:
     _check_gemv("triton.rmsnorm_linear", x, weight, out, norm_weight=norm_weight, bias=bias)
-    if not uses_gemv(x, weight):
-        composed_rmsnorm_linear(x, norm_weight, weight, bias, out=out, eps=eps)
+    if not uses_gemv(x, weight, config):
+        composed_rmsnorm_linear(x, norm_weight, weight, bias, out=out, eps=eps, config=config)
     else:
-        launch_gemv(x, weight, out, norm_weight=norm_weight, bias=bias, eps=eps)
+        launch_gemv(x, weight, out, norm_weight=norm_weight, bias=bias, eps=eps, config=config)
 
 
 def triton_linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
-                           out: torch.Tensor) -> None:
+                           out: torch.Tensor, config: KernelConfig = DEFAULTS) -> None:
     _check_gemv("triton.linear_residual", x, weight, out, residual=residual)
-    if not uses_gemv(x, weight):
+    if not uses_gemv(x, weight, config):
         composed_linear_residual(x, weight, residual, out=out)
     else:
-        launch_gemv(x, weight, out, residual=residual)
+        launch_gemv(x, weight, out, residual=residual, config=config)
 
 
 def triton_silu_mul_linear_residual(gate_up: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
-                                    out: torch.Tensor) -> None:
+                                    out: torch.Tensor, config: KernelConfig = DEFAULTS) -> None:
     _check_gemv("triton.silu_mul_linear_residual", gate_up, weight, out, residual=residual, gated=True)
-    if not uses_gemv(gate_up, weight):
-        composed_silu_mul_linear_residual(gate_up, weight, residual, out=out)
+    if not uses_gemv(gate_up, weight, config):
+        composed_silu_mul_linear_residual(gate_up, weight, residual, out=out, config=config)
     else:
-        launch_gemv(gate_up, weight, out, gated=True, residual=residual)
+        launch_gemv(gate_up, weight, out, gated=True, residual=residual, config=config)
 
 
 def _floats_like_x(weight_index: int) -> Checker:
@@ -167,7 +165,9 @@ def _floats_like_x(weight_index: int) -> Checker:
     return check
 
 
-register_impl("rmsnorm_linear", "triton", triton_rmsnorm_linear, checker=_floats_like_x(2), priority=10)
-register_impl("linear_residual", "triton", triton_linear_residual, checker=_floats_like_x(1), priority=10)
+register_impl("rmsnorm_linear", "triton", triton_rmsnorm_linear, checker=_floats_like_x(2), priority=10,
+              wants_config=True)
+register_impl("linear_residual", "triton", triton_linear_residual, checker=_floats_like_x(1), priority=10,
+              wants_config=True)
 register_impl("silu_mul_linear_residual", "triton", triton_silu_mul_linear_residual, checker=_floats_like_x(1),
-              priority=10)
+              priority=10, wants_config=True)

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from kiln.ir.types import TensorType
 
+from .config import DEFAULTS, KernelConfig
 from .registry import register_impl
 from .triton_support import (IR_FLOATS, await_previous_kernel, pdl_launch, pow2, require, require_device, require_float,
                              require_unit_last_stride)
@@ -51,9 +52,6 @@ register_impl("add_rmsnorm", "torch", _add_rmsnorm)
 
 # A row is held whole in registers (one pass over memory); wider rows go to the torch reference.
 MAX_HIDDEN = 32768
-# Elements one program holds: small rows (q/k-norm's head_dim) are packed several to a program so
-# that each program still moves a useful amount of memory.
-_ELEMENTS_PER_PROGRAM = 4096
 
 
 @triton.jit
@@ -97,7 +95,7 @@ def _check_like(kernel: str, name: str, t: torch.Tensor, x: torch.Tensor) -> Non
 
 
 def _launch(kernel: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-            out: torch.Tensor, summed: torch.Tensor | None, eps: float) -> None:
+            out: torch.Tensor, summed: torch.Tensor | None, eps: float, config: KernelConfig) -> None:
     require(x.dim() in (2, 3), kernel, lambda: f"x must be [T, hidden] or [T, heads, head_dim], got {tuple(x.shape)}")
     require_float(kernel, "x", x)
     require_unit_last_stride(kernel, "x", x)
@@ -119,7 +117,7 @@ def _launch(kernel: str, x: torch.Tensor, residual: torch.Tensor | None, weight:
     if n_rows == 0:
         return
     block_h = pow2(hidden)
-    block_r = min(pow2(n_rows), max(1, _ELEMENTS_PER_PROGRAM // block_h))
+    block_r = min(pow2(n_rows), max(1, config.rmsnorm_elements_per_program // block_h))
     # About 16 elements per thread (32 threads a warp), between 1 and 16 warps.
     num_warps = min(16, max(1, block_r * block_h // 512))
     res = residual if residual is not None else x
@@ -128,17 +126,18 @@ def _launch(kernel: str, x: torch.Tensor, residual: torch.Tensor | None, weight:
         x, res, weight, out, sm, n_rows, heads, hidden, eps,
         *_token_head_strides(x), *_token_head_strides(res), *_token_head_strides(out), *_token_head_strides(sm),
         HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps,
-        **pdl_launch(x))
+        **pdl_launch(x, config.pdl))
 
 
-def triton_rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor, eps: float) -> None:
-    _launch("triton.rmsnorm", x, None, weight, out, None, eps)
+def triton_rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor, eps: float,
+                   config: KernelConfig = DEFAULTS) -> None:
+    _launch("triton.rmsnorm", x, None, weight, out, None, eps, config)
 
 
 def triton_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *,
-                       out: tuple[torch.Tensor, torch.Tensor], eps: float) -> None:
+                       out: tuple[torch.Tensor, torch.Tensor], eps: float, config: KernelConfig = DEFAULTS) -> None:
     normed, summed = out
-    _launch("triton.add_rmsnorm", x, residual, weight, normed, summed, eps)
+    _launch("triton.add_rmsnorm", x, residual, weight, normed, summed, eps, config)
 
 
 def _takes(x: TensorType, weight: TensorType) -> bool:
@@ -155,5 +154,6 @@ def _add_rmsnorm_checker(types: Sequence[TensorType], attrs: Mapping[str, Any]) 
     return _takes(types[0], types[2])
 
 
-register_impl("rmsnorm", "triton", triton_rmsnorm, checker=_rmsnorm_checker, priority=10)
-register_impl("add_rmsnorm", "triton", triton_add_rmsnorm, checker=_add_rmsnorm_checker, priority=10)
+register_impl("rmsnorm", "triton", triton_rmsnorm, checker=_rmsnorm_checker, priority=10, wants_config=True)
+register_impl("add_rmsnorm", "triton", triton_add_rmsnorm, checker=_add_rmsnorm_checker, priority=10,
+              wants_config=True)

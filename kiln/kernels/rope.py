@@ -17,6 +17,7 @@ import triton.language as tl
 
 from kiln.ir.types import DType, TensorType
 
+from .config import DEFAULTS, KernelConfig
 from .registry import register_impl
 from .triton_support import (IR_FLOATS, IR_INDEXES, pow2, require, require_device, require_float, require_index,
                              require_unit_last_stride)
@@ -41,10 +42,6 @@ register_impl("rope", "torch", _rope)
 
 
 # --- Triton -----------------------------------------------------------------------------------------
-
-# Heads per program: the program loads its token's cos/sin row once and applies it to up to 4096
-# elements of heads.
-_ELEMENTS_PER_PROGRAM = 4096
 
 
 @triton.jit
@@ -79,8 +76,11 @@ def _rope_kernel(x_ptr, pos_ptr, cs_ptr, out_ptr, heads, head_dim, half,
         tl.store(o_row + d[None, :], tl.load(x_row + d[None, :], mask=rest_mask), mask=rest_mask)
 
 
-def triton_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, *, out: torch.Tensor) -> None:
-    """Rotates ``x`` into ``out``. Positions must index rows of ``cos_sin`` (not checked: no host sync)."""
+def triton_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, *, out: torch.Tensor,
+                config: KernelConfig = DEFAULTS) -> None:
+    """Rotates ``x`` into ``out``. Positions must index rows of ``cos_sin`` (not checked: no host sync).
+    A program loads its token's cos/sin row once and applies it to up to
+    ``config.rope_elements_per_program`` elements of heads."""
     kernel = "triton.rope"
     require(x.dim() == 3, kernel, lambda: f"x must be [T, heads, head_dim], got {tuple(x.shape)}")
     require_float(kernel, "x", x)
@@ -103,7 +103,7 @@ def triton_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
         return
     block_half = pow2(rot // 2)
     block_rest = pow2(head_dim - rot) if head_dim > rot else 0
-    block_heads = min(pow2(heads), max(1, _ELEMENTS_PER_PROGRAM // (2 * block_half + block_rest)))
+    block_heads = min(pow2(heads), max(1, config.rope_elements_per_program // (2 * block_half + block_rest)))
     _rope_kernel[(tokens, triton.cdiv(heads, block_heads))](
         x, positions, cos_sin, out, heads, head_dim, rot // 2,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos_sin.stride(0),
@@ -118,4 +118,4 @@ def _rope_checker(types: Sequence[TensorType], attrs: Mapping[str, Any]) -> bool
     return x.dtype in IR_FLOATS and positions.dtype in IR_INDEXES and cos_sin.dtype == DType.f32
 
 
-register_impl("rope", "triton", triton_rope, checker=_rope_checker, priority=10)
+register_impl("rope", "triton", triton_rope, checker=_rope_checker, priority=10, wants_config=True)

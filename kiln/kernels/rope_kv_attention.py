@@ -17,6 +17,7 @@ from kiln.ir.types import DType, TensorType
 
 from .attention import MAX_HEAD_DIM, ref_paged_attention, triton_paged_attention
 from .attention_decode import NewTokens
+from .config import DEFAULTS, KernelConfig
 from .registry import register_impl
 from .rope_kv_store import ref_rope_kv_store
 from .triton_support import IR_FLOATS, IR_INDEXES, require, require_device, require_index, require_unit_last_stride
@@ -48,7 +49,7 @@ def triton_rope_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              q_start: torch.Tensor, q_len: torch.Tensor, kv_len: torch.Tensor,
                              page_table: torch.Tensor, *, out: torch.Tensor, scale: float, page_size: int,
                              sliding_window: int = 0, soft_cap: float = 0.0,
-                             sizes: Mapping[str, int] | None = None) -> None:
+                             sizes: Mapping[str, int] | None = None, config: KernelConfig = DEFAULTS) -> None:
     """Writes the attention output into ``out`` and the step's rotated k and v into the pool. The
     decode path stores only the tokens that are some sequence's query (every token of a decode
     step); positions must index rows of ``cos_sin`` and slots the pool (not checked: no host sync)."""
@@ -71,7 +72,7 @@ def triton_rope_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     require_device(kernel, q, k, v, positions, cos_sin, slots)
     triton_paged_attention(q, k_cache, v_cache, q_start, q_len, kv_len, page_table, out=out, scale=scale,
                            page_size=page_size, sliding_window=sliding_window, soft_cap=soft_cap, sizes=sizes,
-                           new_tokens=NewTokens(k, v, positions, cos_sin, slots))
+                           new_tokens=NewTokens(k, v, positions, cos_sin, slots), config=config)
 
 
 def _checker(types: Sequence[TensorType], attrs: Mapping[str, Any]) -> bool:
@@ -83,4 +84,4 @@ def _checker(types: Sequence[TensorType], attrs: Mapping[str, Any]) -> bool:
 
 
 register_impl("rope_kv_attention", "triton", triton_rope_kv_attention, checker=_checker, priority=10,
-              wants_sizes=True)
+              wants_sizes=True, wants_config=True)

@@ -7,7 +7,7 @@ the most likely token down (stable, so equal scores keep id order); min-p; then 
 The full-vocabulary sort makes it ~0.8 ms a step on a GPU.
 
 ``triton_sample_rows`` gets the same tokens without sorting, in two launches over programs
-(row, chunk of ``SAMPLE_CHUNK`` ids): the work on every score is spread over them, and only the
+(row, chunk of ``KernelConfig.sample_chunk`` ids): the work on every score is spread over them, and only the
 search for the cuts runs in one program per row.
 
 1. keys and cut (``sample_filters``): each program divides its chunk by the temperature and writes
@@ -44,7 +44,7 @@ and counts are exact, so top-k keeps exactly the reference's tokens, and the noi
 ``rng``'s (its float64 ``log`` is libdevice's on the GPU, as torch's CUDA ``log``; numpy's under the
 interpreter, which may differ from torch's CPU one by an ulp: that only matters for draws tied to
 ~1e-16). Top-p sums probabilities in another order than torch's cumsum (whose CPU and CUDA orders
-differ too; the candidate lists and ``SAMPLE_BLOCK`` change ours), and ``exp`` and min-p's ``log``
+differ too; the candidate lists and ``sample_block`` change ours), and ``exp`` and min-p's ``log``
 may differ from torch's by an ulp, so a top-p or min-p cut that lands within float rounding of the
 boundary may keep or drop one token more. The draw differs only if it lands that close and that
 token also wins the draw: for random inputs about the running sum's rounding error, 1e-6 to 1e-5 a
@@ -57,8 +57,11 @@ H200, at batch 1. Here the division and the noise run on rows x chunks programs 
 where a score is kept), and the search's steps read int32 keys, then shrinking lists: on such rows
 about 3 row lengths of reads in all, where each of the 20-30 steps read the whole row before (a
 simulation in numpy). The split is not yet measured on a GPU. Scratch: 4 bytes a score for the
-keys and two lists of ``SAMPLE_CANDIDATES`` int64 a row; no host synchronization, so the launches
+keys and two lists of ``sample_candidates`` int64 a row; no host synchronization, so the launches
 can be captured in a CUDA graph.
+
+Drawing is the runtime op ``sample_rows`` (``registry.impl_for_device``): the sampler calls it on a
+step's scores.
 """
 
 from __future__ import annotations
@@ -70,19 +73,11 @@ import triton
 import triton.language as tl
 
 from . import rng
+from .config import DEFAULTS, KernelConfig
+from .registry import register_impl
 from .sample_filters import NO_KEY, key_value, keys_and_cut_kernel, scaled
 from .triton_support import (await_previous_kernel, pdl_launch, pow2, require, require_device, require_unit_last_stride,
                              semaphore_counters)
-
-# Tunables, not yet tuned on a GPU (bench/kernel_bench.py times the sampler). Ids per program of both
-# launches: 32 programs a row for a 128k vocabulary.
-SAMPLE_CHUNK = 4096
-# Elements per loop step, in the chunks and in the search's passes.
-SAMPLE_BLOCK = 2048
-# Capacity of each of a row's two candidate lists in the search (sample_filters): 256 KiB a row.
-SAMPLE_CANDIDATES = 16384
-# Chunk results reduced per step by a row's last program.
-MERGE_BLOCK = 128
 
 _GOLDEN = tl.constexpr(rng.GOLDEN)
 _M1 = tl.constexpr(rng.M1)
@@ -220,18 +215,10 @@ def _draw_kernel(scores_ptr, keys_ptr, meta_ptr, best_ptr, out_ptr, counter_ptr,
         tl.store(counter, 0)
 
 
-def sample_rows(scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
-                use_top_k: bool, use_top_p: bool, use_min_p: bool) -> torch.Tensor:
-    """Each row's sampled token: the Triton kernel for CUDA tensors, the torch reference otherwise."""
-    sampler = triton_sample_rows if scores.is_cuda else ref_sample_rows
-    return sampler(scores, temperature, top_k, top_p, min_p, seeds, steps, use_top_k, use_top_p, use_min_p)
-
-
 def triton_sample_rows(scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                        min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
                        use_top_k: bool, use_top_p: bool, use_min_p: bool,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, config: KernelConfig = DEFAULTS) -> torch.Tensor:
     """int64 ``[B]``: ``ref_sample_rows`` of the same inputs (see the module docstring for where the
     two may differ). ``scores`` is f32 ``[B, V]`` with contiguous rows; the per-row parameters are
     contiguous ``[B]`` tensors of ``SamplingBatch``'s dtypes. Two launches (one with every filter
@@ -256,8 +243,9 @@ def triton_sample_rows(scores: torch.Tensor, temperature: torch.Tensor, top_k: t
     require_device(kernel, scores, *(t for t, _ in params.values()))
     if rows == 0:
         return out
-    chunks = triton.cdiv(vocab, SAMPLE_CHUNK)
-    block = min(SAMPLE_BLOCK, pow2(SAMPLE_CHUNK))
+    chunk = config.sample_chunk
+    chunks = triton.cdiv(vocab, chunk)
+    block = min(config.sample_block, pow2(chunk))
     filtered = use_top_k or use_top_p or use_min_p
     counters = semaphore_counters(scores.device, rows)
     # Per row: each chunk's largest and smallest key, each chunk's winner, then the cut, its last kept
@@ -269,14 +257,18 @@ def triton_sample_rows(scores: torch.Tensor, temperature: torch.Tensor, top_k: t
         keys = torch.empty(rows, vocab, dtype=torch.int32, device=scores.device)
         # The search's two candidate lists: a copy holds at most half the list it reads, so no list
         # needs more than half the row.
-        cap = max(1, min(SAMPLE_CANDIDATES, vocab // 2))
+        cap = max(1, min(config.sample_candidates, vocab // 2))
         cands = torch.empty(rows, 2 * cap if use_top_k or use_top_p else 1, dtype=torch.int64, device=scores.device)
         keys_and_cut_kernel[(rows, chunks)](
             scores, keys, meta, cands, counters, temperature, top_k, top_p, vocab, scores.stride(0), chunks, cap,
-            CHUNK=SAMPLE_CHUNK, BLOCK=block, MERGE=MERGE_BLOCK, USE_TOP_K=use_top_k, USE_TOP_P=use_top_p,
-            num_warps=8, **pdl_launch(scores))
+            CHUNK=chunk, BLOCK=block, MERGE=config.sample_merge_block, USE_TOP_K=use_top_k, USE_TOP_P=use_top_p,
+            num_warps=8, **pdl_launch(scores, config.pdl))
     _draw_kernel[(rows, chunks)](
         scores, keys, meta, best, out, counters, temperature, min_p, seeds, steps, vocab, scores.stride(0), chunks,
-        CHUNK=SAMPLE_CHUNK, BLOCK=block, MERGE=MERGE_BLOCK, FILTERED=filtered, USE_MIN_P=use_min_p, num_warps=8,
-        **pdl_launch(scores))
+        CHUNK=chunk, BLOCK=block, MERGE=config.sample_merge_block, FILTERED=filtered, USE_MIN_P=use_min_p,
+        num_warps=8, **pdl_launch(scores, config.pdl))
     return out
+
+
+register_impl("sample_rows", "torch", ref_sample_rows)
+register_impl("sample_rows", "triton", triton_sample_rows, priority=10, wants_config=True)

@@ -122,19 +122,19 @@ def sm_count(t: torch.Tensor) -> int:
 # has finished and its writes are visible. Decode steps of small models are chains of ~200 kernels of
 # a few microseconds each, where the gap between one kernel's end and the next one's start is a large
 # share of the step; with PDL the next kernel is already resident when the previous one ends.
-# KILN_PDL=0 turns it off (to measure it, or to rule it out).
-PDL_ENV = "KILN_PDL"
+# ``KernelConfig.pdl`` turns it off (to measure it, or to rule it out).
 
 
 @functools.lru_cache(maxsize=None)
 def _pdl_capable(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9 and os.environ.get(PDL_ENV, "1") != "0"
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def pdl_launch(t: torch.Tensor) -> dict[str, bool]:
-    """Launch options for a kernel that starts with ``await_previous_kernel(PDL)``: PDL on for CUDA
-    tensors of a Hopper or later GPU, off under the interpreter and elsewhere."""
-    if INTERPRET or t.device.type != "cuda":
+def pdl_launch(t: torch.Tensor, enabled: bool) -> dict[str, bool]:
+    """Launch options for a kernel that starts with ``await_previous_kernel(PDL)``: PDL on when
+    ``enabled`` (the kernel config's ``pdl``) for CUDA tensors of a Hopper or later GPU, off under the
+    interpreter and elsewhere."""
+    if not enabled or INTERPRET or t.device.type != "cuda":
         return {"PDL": False}
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     return {"PDL": True, "launch_pdl": True} if _pdl_capable(index) else {"PDL": False}

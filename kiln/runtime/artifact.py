@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from kiln.artifact_format import FORMAT_VERSION, MANIFEST, PROGRAM
 from kiln.step_schema import StepSchema
+from kiln.kernels.config import KernelConfig, KernelConfigError
 
 
 class ArtifactError(ValueError):
@@ -37,6 +38,14 @@ class Artifact:
     def step_schema(self) -> StepSchema:
         """The step inputs the artifact's program reads (see ``kiln.step_schema``)."""
         return StepSchema.from_json(self.runtime["step_schema"])
+
+    @property
+    def kernel_config(self) -> KernelConfig:
+        """The kernel tunables the artifact was compiled with, which its kernels run with."""
+        try:
+            return KernelConfig.from_json(self.manifest["options"]["kernel_config"])
+        except KernelConfigError as exc:
+            raise ArtifactError(f"{self.path / MANIFEST}: {exc}") from None
 
     @property
     def tokenizer_dir(self) -> Path | None:

@@ -229,7 +229,7 @@ class EngineCore:
         step runs) when all are greedy, else the sampler's draw."""
         mask = Constraints.mask(requests, logits.shape[1], logits.device)
         if all(_argmax_row(r) for r in requests):
-            return greedy if mask is None else masked_argmax(logits, mask)
+            return greedy if mask is None else masked_argmax(logits, mask, self.runner.sampler_kernels)
         rows = [SamplingRow(r.params, r.seed, len(r.output_ids)) for r in requests]
         return self.runner.sample(logits, SamplingBatch.pack(rows, self.vocab_size, logits.device), mask).token_ids
 

@@ -6,16 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.kernels import argmax, triton_support
-from kiln.kernels.argmax import ARGMAX_BLOCK, argmax_chunk, ref_argmax_rows, triton_argmax_rows
+from kiln.kernels import KernelConfig, triton_support
+from kiln.kernels.argmax import argmax_chunk, ref_argmax_rows, triton_argmax_rows
 from kiln.kernels.bitmask import bitmask_width
+from kiln.kernels.config import DEFAULTS
+
+ARGMAX_BLOCK = DEFAULTS.argmax_block
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def check(x: torch.Tensor, chunk: int | None = None) -> None:
+def check(x: torch.Tensor, chunk: int | None = None, config: KernelConfig = DEFAULTS) -> None:
     """The kernel agrees with torch on every row, and leaves the shared counters at zero."""
-    got = triton_argmax_rows(x, chunk=chunk)
+    got = triton_argmax_rows(x, chunk=chunk, config=config)
     assert got.dtype == torch.int64
     assert got.tolist() == ref_argmax_rows(x).tolist()
     counters = triton_support._counters.get(x.device)
@@ -81,12 +84,11 @@ def test_strided_rows(dtype, device):
     check(x, chunk=100)
 
 
-def test_merge_in_steps(monkeypatch, device):
+def test_merge_in_steps(device):
     # More chunks than the merge takes in one step: its running max crosses steps, the last partial.
-    monkeypatch.setattr(argmax, "MERGE_BLOCK", 4)
     x = torch.randn(2, 100, device=device)
     x[1, 7] = x[1, 99] = 9.0
-    check(x, chunk=16)
+    check(x, chunk=16, config=KernelConfig(argmax_merge_block=4))
 
 
 def test_launches_in_a_row(device):
@@ -170,6 +172,9 @@ def test_chunk_heuristic():
     assert argmax_chunk(rows=64, vocab=128256, sm_count=132) == 7 * ARGMAX_BLOCK
     assert argmax_chunk(rows=1024, vocab=128256, sm_count=132) >= 128256
     assert argmax_chunk(rows=1, vocab=31, sm_count=132) == ARGMAX_BLOCK
+    # The kernel config's block and target: one program an SM at batch 1 makes chunks of 1024 * 2.
+    config = KernelConfig(argmax_block=1024, argmax_programs_per_sm=1)
+    assert argmax_chunk(rows=1, vocab=128256, sm_count=66, config=config) == 2 * 1024
 
 
 def test_rejects_bad_inputs(device):

@@ -8,12 +8,14 @@ import pytest
 import torch
 
 from kiln.ir.types import DType, TensorType
-from kiln.kernels import attention, attention_split_merge, select_impl, triton_support
+from kiln.kernels import KernelConfig, attention, select_impl, triton_support
 from kiln.kernels.attention import ref_paged_attention, triton_paged_attention
 from kiln.kernels.attention_decode import decode_splits, launch_decode
 from kiln.kernels.attention_extend import launch_extend
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Decode kernels step through keys 16 at a time, so small test contexts still span several blocks.
+BLOCK_16 = KernelConfig(decode_block_n=16)
 
 
 @dataclass
@@ -111,7 +113,7 @@ def test_decode_kernel(case, dtype, device, poisoned, assert_matches):
     q_lens, kv_lens, heads, kv_heads, head_dim, page_size, window, cap, splits = case
     batch = make_batch(q_lens, kv_lens, heads, kv_heads, head_dim, page_size, dtype, device, gap=1)
     out = poisoned(tuple(batch.q.shape), dtype)
-    launch_decode(*batch.inputs(), out, num_splits=splits, block_n=16, **attrs(head_dim, page_size, window, cap))
+    launch_decode(*batch.inputs(), out, num_splits=splits, config=BLOCK_16, **attrs(head_dim, page_size, window, cap))
     check_rows(out, batch, ref_paged_attention(*batch.inputs(), **attrs(head_dim, page_size, window, cap)),
                assert_matches)
 
@@ -131,9 +133,10 @@ def assert_counters_zero() -> None:
         assert not counters.any(), f"split counters left at {counters.tolist()}"
 
 
-def run_decode(batch: Batch, splits: int, head_dim: int, page_size: int, poisoned, assert_matches) -> None:
+def run_decode(batch: Batch, splits: int, head_dim: int, page_size: int, poisoned, assert_matches,
+               config: KernelConfig = BLOCK_16) -> None:
     out = poisoned(tuple(batch.q.shape), batch.q.dtype)
-    launch_decode(*batch.inputs(), out, num_splits=splits, block_n=16, **attrs(head_dim, page_size))
+    launch_decode(*batch.inputs(), out, num_splits=splits, config=config, **attrs(head_dim, page_size))
     check_rows(out, batch, ref_paged_attention(*batch.inputs(), **attrs(head_dim, page_size)), assert_matches)
     assert_counters_zero()
 
@@ -170,7 +173,7 @@ def test_decode_counter_per_sequence_and_group(fresh_counters, device, poisoned)
     counters = triton_support.semaphore_counters(batch.q.device, 4)
     counters[1 * 2 + 0] = 1000  # sequence 1, KV group 0: query heads 0-2
     out = poisoned(tuple(batch.q.shape), torch.float32)
-    launch_decode(*batch.inputs(), out, num_splits=3, block_n=16, **attrs(64, 4))
+    launch_decode(*batch.inputs(), out, num_splits=3, config=BLOCK_16, **attrs(64, 4))
     assert counters.tolist()[:4] == [0, 0, 1003, 0]
     assert torch.isnan(out[1, :3]).all() and not torch.isnan(out[0]).any() and not torch.isnan(out[1, 3:]).any()
 
@@ -182,15 +185,15 @@ def test_decode_empty_splits_take_no_ticket(fresh_counters, device, poisoned):
     counters = triton_support.semaphore_counters(batch.q.device, 1)
     counters[0] = 1000
     out = poisoned(tuple(batch.q.shape), torch.float32)
-    launch_decode(*batch.inputs(), out, num_splits=4, block_n=16, **attrs(64, 4))
+    launch_decode(*batch.inputs(), out, num_splits=4, config=BLOCK_16, **attrs(64, 4))
     assert counters.tolist()[:1] == [1002]
 
 
-def test_decode_merge_in_chunks(fresh_counters, monkeypatch, device, poisoned, assert_matches):
+def test_decode_merge_in_chunks(fresh_counters, device, poisoned, assert_matches):
     # A merge tile of 2 splits: the merge's running max crosses chunks, the last one partial.
-    monkeypatch.setattr(attention_split_merge, "MERGE_TILE", 2 * 4 * 64)
     batch = make_batch([1, 1, 1], [90, 3, 50], 6, 2, 64, 4, torch.float32, device, gap=1)
-    run_decode(batch, 5, 64, 4, poisoned, assert_matches)
+    config = KernelConfig(decode_block_n=16, decode_merge_tile=2 * 4 * 64)
+    run_decode(batch, 5, 64, 4, poisoned, assert_matches, config)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -239,6 +242,13 @@ def test_decode_splits_heuristic():
     assert decode_splits(batch=1, kv_heads=8, kv_bound=100, sm_count=132) == 2
     assert decode_splits(batch=1, kv_heads=8, kv_bound=64, sm_count=132) == 1
     assert decode_splits(batch=1, kv_heads=1, kv_bound=1 << 20, sm_count=132) == 64
+
+
+def test_decode_splits_follow_the_kernel_config():
+    config = KernelConfig(decode_min_split_tokens=1024, decode_split_programs_per_sm=1, decode_max_splits=8)
+    assert decode_splits(batch=1, kv_heads=8, kv_bound=4096, sm_count=132, config=config) == 4
+    assert decode_splits(batch=1, kv_heads=1, kv_bound=1 << 20, sm_count=132, config=config) == 8
+    assert decode_splits(batch=8, kv_heads=8, kv_bound=4096, sm_count=132, config=config) == 3
 
 
 def test_rejects_bad_inputs(device):

@@ -9,8 +9,9 @@ import pytest
 import torch
 import xgrammar
 
-from kiln.kernels.bitmask import (allocate_bitmask, apply_bitmask, apply_bitmask_triton, bitmask_width,
-                                  ref_apply_bitmask, unpack_bitmask)
+from kiln.kernels import KernelConfig, impl_for_device
+from kiln.kernels.bitmask import (allocate_bitmask, bitmask_width, ref_apply_bitmask, triton_apply_bitmask,
+                                  unpack_bitmask)
 from kiln.kernels.triton_support import INTERPRET
 
 VOCAB_SIZES = [1, 31, 32, 33, 1000, 4131, 49172]
@@ -71,12 +72,15 @@ def test_torch_matches_xgrammar(vocab_size):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab_size", VOCAB_SIZES)
-def test_triton_kernel_matches_torch(vocab_size, dtype):
+@pytest.mark.parametrize("words_per_program", [32, 2])
+def test_triton_kernel_matches_torch(vocab_size, dtype, words_per_program):
     logits, bitmask = random_case(4, vocab_size, seed=vocab_size + 1, dtype=dtype)
+    config = KernelConfig(bitmask_words_per_program=words_per_program)
     for rows in (None, [3, 0], [2, -1, -1, 1]):
         ours, reference = logits.clone().to(KERNEL_DEVICE), logits.clone()
         row_tensor = None if rows is None else torch.tensor(rows, dtype=torch.int32)
-        apply_bitmask_triton(ours, bitmask.to(KERNEL_DEVICE), None if rows is None else row_tensor.to(KERNEL_DEVICE))
+        triton_apply_bitmask(ours, bitmask.to(KERNEL_DEVICE), None if rows is None else row_tensor.to(KERNEL_DEVICE),
+                             config=config)
         ref_apply_bitmask(reference, bitmask, row_tensor)
         assert torch.equal(ours.cpu(), reference), f"rows={rows}"
 
@@ -88,12 +92,19 @@ def test_triton_kernel_honours_row_strides():
     narrow_mask = bitmask[:, :bitmask_width(70)].contiguous()
     reference = logits.cpu().clone()
     ref_apply_bitmask(reference, narrow_mask)
-    apply_bitmask_triton(logits, narrow_mask.to(KERNEL_DEVICE))
+    triton_apply_bitmask(logits, narrow_mask.to(KERNEL_DEVICE))
     assert torch.equal(logits.cpu(), reference)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """The registry's ``apply_bitmask`` for the logits' device, as the sampler calls it."""
+    impl_for_device("apply_bitmask", logits.device).fn(logits, bitmask, rows)
 
 
 def test_apply_bitmask_dispatches_by_device():
     logits, bitmask = random_case(2, 100, seed=5)
+    assert impl_for_device("apply_bitmask", logits.device).fn is ref_apply_bitmask
+    assert impl_for_device("apply_bitmask", torch.device("cuda")).fn is triton_apply_bitmask
     ours, reference = logits.clone(), logits.clone()
     apply_bitmask(ours, bitmask, torch.tensor([1]))
     ref_apply_bitmask(reference, bitmask, torch.tensor([1]))

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from kiln.ir.types import DType, TensorType
-from kiln.kernels import get_impl, select_impl
-from kiln.kernels.gemv import (GEMV_BLOCK_K, GEMV_BLOCK_N, GEMV_MAX_ROWS, GEMV_PRODUCT_ELEMENTS, GEMV_PROGRAMS_PER_SM,
-                               gemv_config)
+from kiln.kernels import KernelConfig, get_impl, select_impl
+from kiln.kernels.config import DEFAULTS
+from kiln.kernels.gemv import GEMV_MAX_ROWS, gemv_config
 from kiln.kernels.linear_fused import (ref_linear_residual, ref_rmsnorm_linear, ref_silu_mul_linear_residual,
-                                       triton_linear_residual, triton_rmsnorm_linear, triton_silu_mul_linear_residual)
+                                       triton_linear_residual, triton_rmsnorm_linear, triton_silu_mul_linear_residual,
+                                       uses_gemv)
 
 from .conftest import TOLERANCES
 
@@ -95,39 +96,39 @@ def test_residual_ops_may_write_over_their_residual(tokens, k, n, op, backend, d
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_large_weights_take_the_composed_path(tokens, device, poisoned, monkeypatch):
-    import kiln.kernels.linear_fused as linear_fused
-
+def test_large_weights_take_the_composed_path(tokens, device, poisoned):
     x, norm_weight = torch.randn(tokens, 72, device=device), torch.randn(72, device=device)
     weight, residual = _weight(48, 72, torch.float32, device), torch.randn(tokens, 48, device=device)
-    assert linear_fused.uses_gemv(x, weight)
+    assert uses_gemv(x, weight)
     # One row has its own bound (the GEMV streams large weights well at one row, not at several).
-    bound = "GEMV_ONE_ROW_MAX_WEIGHT_BYTES" if tokens == 1 else "GEMV_MAX_WEIGHT_BYTES"
-    monkeypatch.setattr(linear_fused, bound, weight.numel() * 4 - 1)
-    assert not linear_fused.uses_gemv(x, weight)
+    bound = "gemv_one_row_max_weight_bytes" if tokens == 1 else "gemv_max_weight_bytes"
+    config = KernelConfig().with_settings({bound: weight.numel() * 4 - 1})
+    assert not uses_gemv(x, weight, config)
     out = poisoned((tokens, 48), torch.float32)
-    triton_rmsnorm_linear(x, norm_weight, weight, out=out, eps=EPS)
+    triton_rmsnorm_linear(x, norm_weight, weight, out=out, eps=EPS, config=config)
     _assert_close(out, ref_rmsnorm_linear(x, norm_weight, weight, None, EPS))
-    triton_linear_residual(x, weight, residual, out=out)
+    triton_linear_residual(x, weight, residual, out=out, config=config)
     _assert_close(out, ref_linear_residual(x, weight, residual))
     gate_up = torch.randn(tokens, 144, device=device)
-    triton_silu_mul_linear_residual(gate_up, weight, residual, out=out)
+    triton_silu_mul_linear_residual(gate_up, weight, residual, out=out, config=config)
     _assert_close(out, ref_silu_mul_linear_residual(gate_up, weight, residual))
 
 
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096),
                                  (960, 576), (576, 576), (1536, 576), (576, 1536), (49152, 576)])
-def test_gemv_tiles_fill_an_h200(n, k):
+@pytest.mark.parametrize("config", [DEFAULTS, KernelConfig(gemv_block_n=(4, 4), gemv_block_k=(64, 2048)),
+                                    KernelConfig(gemv_product_elements=8192, gemv_programs_per_sm=4)])
+def test_gemv_tiles_fill_an_h200(n, k, config):
     sms = 132
     for rows in range(1, GEMV_MAX_ROWS + 1):
-        cfg = gemv_config(rows, n, k, sms)
-        assert cfg.block_t >= rows and cfg.block_n >= min(rows, 16) and cfg.block_k >= GEMV_BLOCK_K[0]
+        cfg = gemv_config(rows, n, k, sms, config)
+        assert cfg.block_t >= rows and cfg.block_n >= min(rows, 16) and cfg.block_k >= config.gemv_block_k[0]
         assert cfg.use_dot == (rows > 1)
         # A one-row program's weight tile stays within the register budget.
-        assert cfg.use_dot or cfg.block_n * cfg.block_k <= GEMV_PRODUCT_ELEMENTS
+        assert cfg.use_dot or cfg.block_n * cfg.block_k <= config.gemv_product_elements
         # Enough programs for every SM, unless the tiles are already as narrow as they go.
-        narrowest = 16 if cfg.use_dot else GEMV_BLOCK_N[0]
-        assert -(-n // cfg.block_n) >= sms * GEMV_PROGRAMS_PER_SM or cfg.block_n == narrowest
+        narrowest = 16 if cfg.use_dot else config.gemv_block_n[0]
+        assert -(-n // cfg.block_n) >= sms * config.gemv_programs_per_sm or cfg.block_n == narrowest
 
 
 def test_rejects_bad_inputs(device):
@@ -173,21 +174,19 @@ def test_registration_and_checker(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 8, 16])
 @pytest.mark.parametrize("k,n", [(4096, 6144), (4096, 28672), (14336, 4096)])
-def test_llama_shapes_on_gpu(tokens, k, n, device, poisoned, monkeypatch):
-    import kiln.kernels.linear_fused as linear_fused
-
-    for bound in ("GEMV_MAX_WEIGHT_BYTES", "GEMV_ONE_ROW_MAX_WEIGHT_BYTES"):  # the GEMV, whatever the engine's bound
-        monkeypatch.setattr(linear_fused, bound, 1 << 62)
+def test_llama_shapes_on_gpu(tokens, k, n, device, poisoned):
+    # The GEMV, whatever the engine's bound.
+    config = KernelConfig(gemv_max_weight_bytes=1 << 62, gemv_one_row_max_weight_bytes=1 << 62)
     dtype = torch.bfloat16
     x = torch.randn(tokens, k, device=device, dtype=dtype)
     norm_weight = torch.randn(k, device=device, dtype=dtype)
     weight = _weight(n, k, dtype, device)
     out = poisoned((tokens, n), dtype)
-    triton_rmsnorm_linear(x, norm_weight, weight, out=out, eps=EPS)
+    triton_rmsnorm_linear(x, norm_weight, weight, out=out, eps=EPS, config=config)
     _assert_close(out, ref_rmsnorm_linear(x, norm_weight, weight, None, EPS))
     residual = torch.randn(tokens, n, device=device, dtype=dtype)
-    triton_linear_residual(x, weight, residual, out=out)
+    triton_linear_residual(x, weight, residual, out=out, config=config)
     _assert_close(out, ref_linear_residual(x, weight, residual))
     gate_up = torch.randn(tokens, 2 * k, device=device, dtype=dtype)
-    triton_silu_mul_linear_residual(gate_up, weight, residual, out=out)
+    triton_silu_mul_linear_residual(gate_up, weight, residual, out=out, config=config)
     _assert_close(out, ref_silu_mul_linear_residual(gate_up, weight, residual))

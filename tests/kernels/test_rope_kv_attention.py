@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.kernels import attention_decode, triton_support
+from kiln.kernels import KernelConfig, triton_support
 from kiln.kernels.attention_decode import NewTokens, launch_decode, preloads_first_block
 from kiln.kernels.registry import get_impl
 from kiln.kernels.rope_kv_attention import ref_rope_kv_attention, triton_rope_kv_attention
@@ -38,10 +38,10 @@ def new_tokens(batch: Batch, rot: int, page_size: int, max_pos: int | None = Non
 
 
 @pytest.fixture(params=[False, True], ids=["loaded_after_wait", "preloaded"])
-def first_block(request, monkeypatch):
-    """Runs a test with every decode program loading its first key block after the PDL wait, and with
-    every one loading it before (whatever the grid's size)."""
-    monkeypatch.setattr(attention_decode, "PRELOAD_MAX_PROGRAMS_PER_SM", 10**6 if request.param else 0)
+def first_block(request) -> KernelConfig:
+    """A config (16-key blocks) with every decode program loading its first key block after the PDL
+    wait, and one with every program loading it before (whatever the grid's size)."""
+    return KernelConfig(decode_block_n=16, decode_preload_max_programs_per_sm=10**6 if request.param else 0)
 
 
 def reference(batch: Batch, new: NewTokens, **kw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -79,7 +79,7 @@ def test_decode_rotates_and_stores(case, dtype, device, poisoned, assert_matches
     kw = attrs(head_dim, page_size, window, cap)
     want = reference(batch, new, **kw)
     out = poisoned(tuple(batch.q.shape), dtype)
-    launch_decode(*batch.inputs(), out, num_splits=splits, block_n=16, new_tokens=new, **kw)
+    launch_decode(*batch.inputs(), out, num_splits=splits, new_tokens=new, config=first_block, **kw)
     check(batch, new, out, want, assert_matches)
     assert all(not c.any() for c in triton_support._counters.values())
 
@@ -94,7 +94,7 @@ def test_padding_rows_store_nothing(device, poisoned, assert_matches, first_bloc
     want = reference(batch, new, **attrs(64, 4))
     before = batch.k_cache.clone()
     out = poisoned(tuple(batch.q.shape), torch.bfloat16)
-    launch_decode(*batch.inputs(), out, num_splits=2, block_n=16, new_tokens=new, **attrs(64, 4))
+    launch_decode(*batch.inputs(), out, num_splits=2, new_tokens=new, config=first_block, **attrs(64, 4))
     check(batch, new, out, want, assert_matches)
     changed = (batch.k_cache != before).any(dim=(1, 2)).nonzero().flatten().tolist()
     assert changed == [int(new.slots[0])]
@@ -103,6 +103,7 @@ def test_padding_rows_store_nothing(device, poisoned, assert_matches, first_bloc
 def test_preloads_only_a_grid_resident_at_once():
     assert preloads_first_block(264, sm_count=132)
     assert not preloads_first_block(265, sm_count=132)
+    assert not preloads_first_block(1, sm_count=132, config=KernelConfig(decode_preload_max_programs_per_sm=0))
 
 
 @pytest.mark.parametrize("sizes", [

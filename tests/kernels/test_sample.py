@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.kernels import sample, triton_support
-from kiln.kernels.sample import ref_sample_rows, sample_rows, triton_sample_rows
+from kiln.kernels import KernelConfig, impl_for_device, triton_support
+from kiln.kernels.config import DEFAULTS
+from kiln.kernels.sample import ref_sample_rows, triton_sample_rows
 
 # NumPy (the interpreter) warns where the kernel means it: log(min_p = 0) = -inf keeps every token,
 # and a row with every score -inf computes -inf - -inf in values it then never keeps.
@@ -37,8 +38,9 @@ def random_params(rows: int, vocab: int, device: str) -> dict[str, torch.Tensor]
     return {name: t.to(device) for name, t in params.items()}
 
 
-def check(scores: torch.Tensor, params: dict[str, torch.Tensor], flags: tuple[bool, bool, bool]) -> torch.Tensor:
-    got = triton_sample_rows(scores, *params.values(), *flags)
+def check(scores: torch.Tensor, params: dict[str, torch.Tensor], flags: tuple[bool, bool, bool],
+          config: KernelConfig = DEFAULTS) -> torch.Tensor:
+    got = triton_sample_rows(scores, *params.values(), *flags, config=config)
     want = ref_sample_rows(scores, *params.values(), *flags)
     assert got.dtype == torch.int64
     assert got.tolist() == want.tolist()
@@ -64,15 +66,15 @@ def test_many_draws_of_one_row(feature, device):
 
 
 @pytest.mark.parametrize("feature", ["top_k", "top_p", "all"])
-def test_ties_at_the_cuts(monkeypatch, feature, device):
+def test_ties_at_the_cuts(feature, device):
     # Small integers: the k-th score and the top-p cut sit in runs of equal scores, which the
     # reference's stable sort splits by id. Blocks of 16 make the runs span loop steps.
-    monkeypatch.setattr(sample, "SAMPLE_BLOCK", 16)
     rows, vocab = 12, 120
     params = random_params(rows, vocab, device)
     params["temperature"] = torch.ones(rows, device=device)
     params["top_k"] = torch.randint(1, 40, (rows,), device=device)
-    check(torch.randint(-4, 4, (rows, vocab), device=device).float(), params, FEATURES[feature])
+    check(torch.randint(-4, 4, (rows, vocab), device=device).float(), params, FEATURES[feature],
+          KernelConfig(sample_block=16))
 
 
 def test_masked_scores(device):
@@ -91,17 +93,15 @@ def test_masked_scores(device):
     check(scores, params, FEATURES["temperature"])
 
 
-def split_small(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chunks of 48 ids in steps of 16 and candidate lists of 24: rows of a few hundred ids take
-    many programs, and the cut search copies its list more than once."""
-    monkeypatch.setattr(sample, "SAMPLE_CHUNK", 48)
-    monkeypatch.setattr(sample, "SAMPLE_BLOCK", 16)
-    monkeypatch.setattr(sample, "SAMPLE_CANDIDATES", 24)
+# Chunks of 48 ids in steps of 16 and candidate lists of 24: rows of a few hundred ids take many
+# programs, and the cut search copies its list more than once.
+SPLIT_SMALL = KernelConfig(sample_chunk=48, sample_block=16, sample_candidates=24)
 
 
 def check_split(scores: torch.Tensor, params: dict[str, torch.Tensor], flags: tuple[bool, bool, bool]) -> torch.Tensor:
-    """``check``, and the semaphore counters both launches take tickets from are back at zero."""
-    tokens = check(scores, params, flags)
+    """``check`` in ``SPLIT_SMALL`` chunks, and the semaphore counters both launches take tickets from
+    are back at zero."""
+    tokens = check(scores, params, flags, SPLIT_SMALL)
     counters = triton_support._counters.get(scores.device)
     assert counters is None or not counters.any(), "sampling left semaphore counters non-zero"
     return tokens
@@ -109,17 +109,15 @@ def check_split(scores: torch.Tensor, params: dict[str, torch.Tensor], flags: tu
 
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("rows,vocab", [(1, 47), (4, 333), (2, 1001)])
-def test_rows_split_into_chunks(monkeypatch, rows, vocab, feature, device):
+def test_rows_split_into_chunks(rows, vocab, feature, device):
     # Vocabularies that end in a partial chunk and step (or fit in one), each row its own parameters.
-    split_small(monkeypatch)
     check_split(torch.randn(rows, vocab, device=device) * 3, random_params(rows, vocab, device), FEATURES[feature])
 
 
 @pytest.mark.parametrize("feature", ["top_k", "top_p", "all"])
-def test_ties_across_chunks(monkeypatch, feature, device):
+def test_ties_across_chunks(feature, device):
     # Six values over 250 ids: each run of equal scores spreads over all six chunks, so the cuts' kept
     # ties start in one chunk and end in another.
-    split_small(monkeypatch)
     rows, vocab = 8, 250
     params = random_params(rows, vocab, device)
     params["temperature"] = torch.ones(rows, device=device)
@@ -128,11 +126,10 @@ def test_ties_across_chunks(monkeypatch, feature, device):
 
 
 @pytest.mark.parametrize("feature,kept", [("top_k", range(40, 50)), ("top_p", range(40, 47)), ("all", range(40, 44))])
-def test_kept_ties_end_past_a_chunk_boundary(monkeypatch, feature, kept, device):
+def test_kept_ties_end_past_a_chunk_boundary(feature, kept, device):
     # Ids 40-59 tie far above the rest, across the boundary at 48. Top-k 10 keeps 40-49; top-p 0.3
     # alone keeps ties while the mass before them (rank * 0.0499) is below 0.3, 40-46; with top-k
     # each tie is 0.1 of Z and top-p 0.35 keeps 40-43. Every seed's draw must fall among those.
-    split_small(monkeypatch)
     rows, vocab = 16, 150
     scores = torch.zeros(rows, vocab, device=device)
     scores[:, 40:60] = 8.0
@@ -145,10 +142,9 @@ def test_kept_ties_end_past_a_chunk_boundary(monkeypatch, feature, kept, device)
 
 
 @pytest.mark.parametrize("feature", FEATURES)
-def test_one_live_chunk(monkeypatch, feature, device):
+def test_one_live_chunk(feature, device):
     # Grammar-like rows whose allowed ids all lie in one chunk (a different one each, the last one
     # partial) and a row allowing nothing, which gives token 0.
-    split_small(monkeypatch)
     rows, vocab = 5, 230
     scores = torch.full((rows, vocab), float("-inf"), device=device)
     starts = [0, 48, 96, 192]
@@ -188,6 +184,8 @@ def test_seed_and_step_select_the_stream(device):
 def test_dispatch_and_empty_batch(device):
     scores = torch.randn(2, 50, device=device)
     params = random_params(2, 50, device)
+    sample_rows = impl_for_device("sample_rows", scores.device).fn
+    assert sample_rows is (triton_sample_rows if scores.is_cuda else ref_sample_rows)
     assert sample_rows(scores, *params.values(), *FEATURES["all"]).tolist() == \
         ref_sample_rows(scores, *params.values(), *FEATURES["all"]).tolist()
     assert triton_sample_rows(scores[:0], *(t[:0] for t in params.values()), *FEATURES["all"]).shape == (0,)

@@ -3,7 +3,9 @@
 ``generated_kernel(node, types)`` returns ``(name, source)`` for a node the ``triton`` backend
 compiles into the artifact's ``kernels/`` directory, or None. The source is a complete module: a
 ``@triton.jit`` kernel with the node's head counts, dims and epsilon as constants, and a ``launch``
-function with the registry's calling convention that the program calls. It is written to be read:
+function with the registry's calling convention that the program calls (like a registry kernel
+with ``wants_config``, it takes the artifact's ``KernelConfig`` as ``config``, bound by the runtime;
+it reads ``pdl``). It is written to be read:
 each generated file says what it computes and why its arithmetic is ordered as it is.
 
 Generated now: ``rope_kv_store`` (optionally with q/k RMSNorm): one program per token reads q, k
@@ -129,7 +131,7 @@ def _kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, qn_p
         tl.store(vc_ptr + slot * cache_slot + h * cache_head + d, v, mask=mask)
 
 
-def launch(q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_norm=None, k_norm=None, *, out, eps):
+def launch(q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_norm=None, k_norm=None, *, out, eps, config):
     """Calling convention of kiln's kernel registry: writes rotated q into ``out``; k and v go to the pool."""
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
@@ -144,5 +146,5 @@ def launch(q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_norm=None, k_
                        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
                        # An fma would skip the rounding of a product to the dtype that the reference does.
-                       enable_fp_fusion=False, **pdl_launch(q))
+                       enable_fp_fusion=False, **pdl_launch(q, config.pdl))
 '''

@@ -1,7 +1,8 @@
 """The batched sampler: next tokens (and logprobs) from a step's logits ``[B, V]``.
 
 Per batch, ``SamplingBatch.pack(rows)`` turns each row's ``SamplingParams``, seed, step index and
-token history into tensors once; ``sample(logits, batch, allowed_mask)`` then runs on any device:
+token history into tensors once; ``sample(logits, batch, allowed_mask, kernels)`` then runs on any
+device:
 
 1. logprobs, when any row asks, are ``log_softmax`` of the logits as the model gave them: the raw
    model distribution, before penalties, bias, grammar, temperature and filtering (vLLM's default).
@@ -12,22 +13,38 @@ token history into tensors once; ``sample(logits, batch, allowed_mask)`` then ru
 4. sampled rows: divide by temperature, filter top-k, then top-p, then min-p, and take
    ``argmax(logits + gumbel)``, the Gumbel-max trick, with noise from ``rng`` keyed by
    (seed, step, vocab id): reproducible per request, independent of the rest of the batch.
+
+The kernels (masking, argmax, the draw) come from the kernel registry as ``SamplerKernels``: Triton's
+on a GPU, bound to the artifact's kernel config, the torch references elsewhere.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from kiln.kernels import rng
-from kiln.kernels.argmax import argmax_rows
-from kiln.kernels.bitmask import apply_bitmask
-from kiln.kernels.sample import sample_rows
+from kiln.kernels import impl_for_device, rng
+from kiln.kernels.config import DEFAULTS, KernelConfig
 
 from .params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplerKernels:
+    """The sampler's runtime ops for one device (see ``kiln.kernels.registry``), config bound."""
+
+    argmax_rows: Callable[..., torch.Tensor]  # (logits, bitmask=None) -> i64 [B]
+    apply_bitmask: Callable[..., None]  # (logits, bitmask, rows=None): in place
+    sample_rows: Callable[..., torch.Tensor]  # (scores, temperature, top_k, ..., use_min_p) -> i64 [B]
+
+    @classmethod
+    def for_device(cls, device: torch.device | str, config: KernelConfig = DEFAULTS) -> "SamplerKernels":
+        device = torch.device(device)
+        ops = ("argmax_rows", "apply_bitmask", "sample_rows")
+        return cls(*(impl_for_device(op, device).bound(config) for op in ops))
 
 
 @dataclass(frozen=True)
@@ -151,13 +168,14 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             - batch.presence_penalty[:, None] * (output_counts > 0).float())
 
 
-def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor, kernels: SamplerKernels) -> torch.Tensor:
     """Greedy tokens under a packed grammar bitmask: what ``sample`` gives rows that only ask for
     greedy and a grammar, in one kernel and with no host round trip (an overlapped step's tokens)."""
-    return argmax_rows(logits, bitmask)
+    return kernels.argmax_rows(logits, bitmask=bitmask)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, allowed_mask: torch.Tensor | None = None) -> SamplerOutput:
+def sample(logits: torch.Tensor, batch: SamplingBatch, allowed_mask: torch.Tensor | None,
+           kernels: SamplerKernels) -> SamplerOutput:
     """Choose each row's next token. ``allowed_mask`` (bool [B, V], or a packed int32 bitmask in the
     layout of ``bitmask.py``) limits the choice; rows without a constraint should allow every token.
     A row whose mask allows nothing gets token 0."""
@@ -170,12 +188,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, allowed_mask: torch.Tenso
         if allowed_mask.dtype == torch.bool:
             scores.masked_fill_(~allowed_mask, -math.inf)
         else:
-            apply_bitmask(scores, allowed_mask)
-    tokens = scores.argmax(dim=-1)
+            kernels.apply_bitmask(scores, allowed_mask)
+    tokens = kernels.argmax_rows(scores)
     if not batch.all_greedy:
         # One Triton kernel on a GPU (no sort of the vocabulary), the torch reference elsewhere.
-        sampled = sample_rows(scores, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds,
-                              batch.steps, batch.use_top_k, batch.use_top_p, batch.use_min_p)
+        sampled = kernels.sample_rows(scores, batch.temperature, batch.top_k, batch.top_p, batch.min_p,
+                                      batch.seeds, batch.steps, batch.use_top_k, batch.use_top_p, batch.use_min_p)
         tokens = torch.where(batch.greedy, tokens, sampled)
     if raw_logprobs is None:
         return SamplerOutput(tokens, None, None, None)

@@ -33,8 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.kernels.argmax import triton_argmax_rows
-
+from ..sampling import SamplerKernels
 from ..scheduler.batch import StepLists
 from .executor import Executor, StepInputs, StepResult
 from .step_buffers import StepLayout
@@ -190,6 +189,7 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.executor.device)
         empty = StepLists.empty(self.executor.schema)
+        argmax_rows = SamplerKernels.for_device(self.executor.device, self.executor.artifact.kernel_config).argmax_rows
         for bucket in reversed(self.buckets):
             graphs = []
             for turn in range(2):
@@ -204,14 +204,14 @@ class DecodeGraphs:
                     # Warm-up: Triton compiles and autotunes outside the capture, and the argmax's
                     # first launch sizes the semaphore counters, which must not be allocated inside it.
                     for _ in range(2):
-                        triton_argmax_rows(self.executor.run(inputs, self.kv_views)["logits"], ids, mirror=mirror)
+                        argmax_rows(self.executor.run(inputs, self.kv_views)["logits"], ids, mirror=mirror)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     outputs = self.executor.run(inputs, self.kv_views)
                     # torch's argmax reduces each row in one thread block (~28 us for a 128k
                     # vocabulary on an H200); the Triton kernel spreads every row over the SMs.
-                    triton_argmax_rows(outputs["logits"], ids, mirror=mirror)
+                    argmax_rows(outputs["logits"], ids, mirror=mirror)
                 graphs.append(graph)
                 # Both turns' outputs are views of the one arena, so either turn's views serve.
                 kept = self._outputs.setdefault(bucket, outputs)

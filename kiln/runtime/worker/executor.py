@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -55,22 +56,25 @@ class StepResult:
 
 def kernel_table(artifact: Artifact, device: torch.device) -> dict[str, Callable]:
     """Each kernel the program names, as a callable: registry kernels by name, generated ones from
-    the artifact's ``kernels/``. Triton kernels on a CPU without the interpreter fall back to their
+    the artifact's ``kernels/``, each bound to the artifact's ``KernelConfig`` when it reads one
+    (generated kernels always do). Triton kernels on a CPU without the interpreter fall back to their
     op's torch reference, so every artifact runs anywhere."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     triton_runs = device.type == "cuda" or interpreted
+    config = artifact.kernel_config
     generated: dict[str, str] = artifact.manifest.get("generated_kernels", {})
     table = {}
     for name in artifact.manifest["kernels"]:
         if name.startswith(GENERATED_KERNEL_PREFIX):
-            table[name] = load_generated(artifact.path / generated_kernel_file(name)) if triton_runs \
-                else get_impl(f"torch.{generated[name]}").fn
+            table[name] = partial(load_generated(artifact.path / generated_kernel_file(name)), config=config) \
+                if triton_runs else get_impl(f"torch.{generated[name]}").fn
             continue
         chosen = impl = get_impl(name)
         if chosen.backend == "triton" and not triton_runs:
             impl = get_impl(f"torch.{chosen.op}")
         # The program passes `sizes` only to kernels that asked for it at compile time.
-        table[name] = _drop_sizes(impl.fn) if chosen.wants_sizes and not impl.wants_sizes else impl.fn
+        fn = impl.bound(config)
+        table[name] = _drop_sizes(fn) if chosen.wants_sizes and not impl.wants_sizes else fn
     return table
 
 

@@ -11,7 +11,7 @@ import torch
 
 from ..artifact import Artifact
 from ..kvcache.pool import KVPool
-from ..sampling import SamplerOutput, SamplingBatch, sample
+from ..sampling import SamplerKernels, SamplerOutput, SamplingBatch, sample
 from ..scheduler.batch import StepLists
 from .decode_graphs import DecodeGraphs
 from .executor import Executor, StepInputs, StepResult
@@ -26,6 +26,7 @@ class ModelRunner:
         rt = artifact.runtime
         self.device = torch.device(device)
         self.executor = Executor(artifact, self.device)
+        self.sampler_kernels = SamplerKernels.for_device(self.device, artifact.kernel_config)
         self.page_size: int = rt["page_size"]
         self.vocab_size: int = rt["vocab_size"]
         self.pool = KVPool(rt["num_layers"], rt["num_kv_heads"], rt["head_dim"], _POOL_DTYPES[rt["dtype"]],
@@ -74,7 +75,7 @@ class ModelRunner:
         return StepResult(self.executor.run(inputs, self.kv_views), None)
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch, allowed: torch.Tensor | None = None) -> SamplerOutput:
-        return sample(logits, batch, allowed)
+        return sample(logits, batch, allowed, self.sampler_kernels)
 
     def _ints(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32).to(self.device, non_blocking=True)

@@ -2,7 +2,7 @@
 
 Run op by op, a prefill step is bound by the host: each of its ~14 kernels a layer costs ~50 µs of
 Python and driver time to launch, so SmolLM2-135M's 128-token prefill took 21.7 ms on an H200 whose
-GPU was busy for 1.0 ms of it (bench/prefill_breakdown.py). Replayed from a graph, it costs one
+GPU was busy for 1.0 ms of it (bench/experiments/prefill_breakdown.py). Replayed from a graph, it costs one
 launch. A step of ``t`` tokens over ``b`` sequences runs as the graph of the smallest token bucket
 ``T >= t``, sequence bucket ``B >= b`` and logits-row bucket ``N >= n`` (the sequence bucket
 unless the step wants more rows than sequences, as draft verification does): the step's index lists

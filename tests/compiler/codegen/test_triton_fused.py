@@ -11,6 +11,7 @@ import torch
 
 from kiln.compiler.codegen.triton_fused import generated_kernel
 from kiln.ir import DType, TensorType, make_node
+from kiln.kernels import KernelConfig
 from kiln.kernels.rope_kv_store import ref_rope_kv_store
 from kiln.tensors import ir_dtype
 
@@ -65,7 +66,7 @@ def test_generated_rope_kv_store_matches_reference(tmp_path, dtype, heads, kv_he
 
     out = torch.full_like(q, float("nan"))
     k_cache, v_cache = caches[0].clone(), caches[1].clone()
-    launch(q, k, v, positions, cos_sin, k_cache, v_cache, slots, *norms, out=out, eps=eps)
+    launch(q, k, v, positions, cos_sin, k_cache, v_cache, slots, *norms, out=out, eps=eps, config=KernelConfig())
     # The interpreter truncates f32 -> bf16 casts instead of rounding them: one bf16 ulp (~1/128
     # relative) per rounding step; f32 differs only by summation order in the norm.
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=5e-2, rtol=3e-2)

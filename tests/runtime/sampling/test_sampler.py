@@ -8,12 +8,14 @@ import math
 import pytest
 import torch
 
-from kiln.runtime.sampling import SamplingBatch, SamplingParams, SamplingRow, child_seed, new_seed, sample
+from kiln.runtime.sampling import (SamplerKernels, SamplingBatch, SamplingParams, SamplingRow, child_seed, new_seed,
+                                   sample)
 from kiln.kernels import rng
 from kiln.kernels.bitmask import unpack_bitmask
 from kiln.runtime.sampling.sampler import apply_penalties, token_counts
 
 V = 64
+CPU_KERNELS = SamplerKernels.for_device("cpu")
 
 
 def rows_for(params: list[SamplingParams], seeds: list[int] | None, step: int, **history) -> list[SamplingRow]:
@@ -24,7 +26,7 @@ def rows_for(params: list[SamplingParams], seeds: list[int] | None, step: int, *
 def run(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int] | None = None, step: int = 0,
         allowed_mask: torch.Tensor | None = None, **history):
     batch = SamplingBatch.pack(rows_for(params, seeds, step, **history), logits.shape[1])
-    return sample(logits, batch, allowed_mask)
+    return sample(logits, batch, allowed_mask, CPU_KERNELS)
 
 
 def random_logits(rows: int, vocab: int = V, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
@@ -143,7 +145,7 @@ def test_penalties_apply_per_row():
     logits = torch.tensor([[1.0, 2.0, 0.0], [1.0, 2.0, 0.0]])
     rows = [SamplingRow(SamplingParams(temperature=0, presence_penalty=2.0), 0, 1, [], [1]),
             SamplingRow(SamplingParams(temperature=0), 0, 1, [], [1])]
-    assert sample(logits, SamplingBatch.pack(rows, 3)).token_ids.tolist() == [0, 1]
+    assert sample(logits, SamplingBatch.pack(rows, 3), None, CPU_KERNELS).token_ids.tolist() == [0, 1]
 
 
 def test_token_counts_ignore_padding():

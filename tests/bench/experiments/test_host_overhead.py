@@ -1,4 +1,4 @@
-"""bench/host_overhead.py runs its engine on the CPU through the overlapped decode chain it measures."""
+"""bench/experiments/host_overhead.py runs its engine on the CPU through the overlapped decode chain it measures."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+BENCH = Path(__file__).resolve().parents[3] / "bench"
+sys.path[:0] = [str(BENCH / "experiments"), str(BENCH)]
 from host_overhead import host_ms_per_step  # noqa: E402
 from models import random_model  # noqa: E402
 

@@ -9,7 +9,7 @@ model's step program, both in this process's CPU time (on a shared machine, wall
 other processes' turns). (The CPU path's argmax runs outside the program, and on a GPU inside the
 graph: the small vocabulary keeps it out of the figure.)
 
-    python bench/host_overhead.py --batches 1 8 64 256
+    python bench/experiments/host_overhead.py --batches 1 8 64 256
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The experiments beside this file first, then the benchmarks' helpers in bench/.
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from models import random_model  # noqa: E402
 
 from kiln.compiler.compile import compile_model  # noqa: E402

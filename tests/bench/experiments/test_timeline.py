@@ -1,4 +1,4 @@
-"""bench/timeline.py: each kernel is charged what it adds to the end of the work before it, launch gaps
+"""bench/experiments/timeline.py: each kernel is charged what it adds to the end of the work before it, launch gaps
 apart, so the shares add up to the span whatever the overlap."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+BENCH = Path(__file__).resolve().parents[3] / "bench"
+sys.path[:0] = [str(BENCH / "experiments"), str(BENCH)]
 from timeline import Kernel, critical_path, critical_path_table  # noqa: E402
 
 

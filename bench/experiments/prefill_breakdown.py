@@ -1,12 +1,12 @@
 """Where a prefill's time goes: the whole engine call (requests in, first tokens out) against the GPU's
 busy time in it, the host functions that take the rest, and the prefill's kernels one by one.
 
-    python bench/prefill_breakdown.py --shape smollm2-135m --batch 1 --prompt-len 128 [--eager]
+    python bench/experiments/prefill_breakdown.py --shape smollm2-135m --batch 1 --prompt-len 128 [--eager]
 
 Run op by op (``--eager``), a small prefill's time is the host's: each kernel's launch costs Python
 and driver time, and the GPU idles between launches; by default the step replays a prefill graph
 (kiln/runtime/worker/prefill_graphs.py). The host table is cProfile's, sorted by own time, over the same
-prefills; ``--set``/``--skip-pass`` as in bench/step_breakdown.py.
+prefills; ``--kernel-config``/``--skip-pass`` as in bench/experiments/step_breakdown.py.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The experiments beside this file first, then the benchmarks' helpers in bench/.
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from models import add_model_arguments, random_engine  # noqa: E402
-from overrides import add_override_arguments, apply_overrides  # noqa: E402
 from step_breakdown import kernel_table, trace  # noqa: E402
 
 from kiln.runtime.sampling import SamplingParams  # noqa: E402
@@ -35,9 +35,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--eager", action="store_true", help="without prefill graphs (op by op)")
-    add_override_arguments(parser)
     args = parser.parse_args()
-    apply_overrides(args.set, args.skip_pass)
     core = random_engine(args, args.prompt_len + 16, decode_buckets=(), prefill_graphs=not args.eager)
     params = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
     counter = iter(range(1 << 30))

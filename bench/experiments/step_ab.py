@@ -1,14 +1,14 @@
-"""A/B of decode steps in one GPU call: ``bench/step_breakdown.py`` for each variant and case, the
+"""A/B of decode steps in one GPU call: ``bench/experiments/step_breakdown.py`` for each variant and case, the
 variants interleaved round by round (A B A B ...), since the same code measures a few percent apart
 from one device call to the next and only runs of one call compare.
 
-    python bench/step_ab.py --case llama3-8b:8:1 --case smollm2-135m::64 --repeat 2 \\
+    python bench/experiments/step_ab.py --case llama3-8b:8:1 --case smollm2-135m::64 --repeat 2 \\
         --variant main=@. --variant before=@old \\
-        --variant 'stages3=@. --set kiln.kernels.attention_decode.DECODE_NUM_STAGES=3'
+        --variant 'stages3=@. --kernel-config decode_num_stages=3'
 
 A variant is ``LABEL=SPEC``: ``@DIR`` in SPEC runs the kiln tree under DIR (put first on PYTHONPATH;
 make one with ``git archive REV kiln | tar x -C DIR``), everything else goes to step_breakdown.py
-(``--set``, ``--skip-pass``). A case is ``SHAPE:LAYERS:BATCH`` (LAYERS empty for the whole model).
+(``--kernel-config``, ``--skip-pass``). A case is ``SHAPE:LAYERS:BATCH`` (LAYERS empty for the whole model).
 Prints one markdown row a case: each variant's median engine step and graph replay, in ms.
 """
 

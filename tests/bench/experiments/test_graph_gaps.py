@@ -1,4 +1,4 @@
-"""bench/graph_gaps.py: replays are found by their kernels' names in order, and the time between one
+"""bench/experiments/graph_gaps.py: replays are found by their kernels' names in order, and the time between one
 replay's end and the next one's start is charged to the operations queued there."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+BENCH = Path(__file__).resolve().parents[3] / "bench"
+sys.path[:0] = [str(BENCH / "experiments"), str(BENCH)]
 from graph_gaps import NEXT, between_graphs, between_graphs_table, find_replays  # noqa: E402
 from timeline import Kernel  # noqa: E402
 

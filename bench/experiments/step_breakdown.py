@@ -1,12 +1,11 @@
 """Where a decode step's time goes: the captured graph's replay alone against the whole engine step
 (scheduling, staging inputs, replay, reading tokens back), and the replay's kernels one by one.
 
-    python bench/step_breakdown.py --shape smollm2-135m --batch 1 [--timeline]
+    python bench/experiments/step_breakdown.py --shape smollm2-135m --batch 1 [--timeline]
 
-Tuning experiments: ``--set MODULE.NAME=VALUE`` overrides a module constant read at launch time
-(e.g. ``kiln.kernels.attention_decode.MIN_SPLIT_TOKENS=64``) and ``--skip-pass NAME`` compiles
-without one pass of the pipeline (e.g. ``fuse_rope_attention``), so one GPU session can compare
-variants of the same step.
+Tuning experiments: ``--kernel-config NAME=VALUE`` compiles with a ``KernelConfig`` field changed
+(e.g. ``decode_min_split_tokens=64``) and ``--skip-pass NAME`` without one pass of the pipeline
+(e.g. ``fuse_rope_attention``), so one GPU session can compare variants of the same step.
 """
 
 from __future__ import annotations
@@ -21,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The experiments beside this file first, then the benchmarks' helpers in bench/.
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from models import add_model_arguments, random_engine  # noqa: E402
-from overrides import add_override_arguments, apply_overrides  # noqa: E402
 from graph_gaps import between_graphs_table  # noqa: E402
 from timeline import Kernel, critical_path_table  # noqa: E402
 
@@ -61,14 +60,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--timeline", action="store_true",
-                        help="also each kernel's share of the replay's critical path (bench/timeline.py)")
+                        help="also each kernel's share of the replay's critical path (bench/experiments/timeline.py)")
     parser.add_argument("--between", action="store_true",
-                        help="also what engine steps run on the GPU between graph replays (bench/graph_gaps.py)")
+                        help="also what engine steps run on the GPU between graph replays (bench/experiments/graph_gaps.py)")
     parser.add_argument("--dump-trace", type=Path, default=None,
                         help="write the traced replays' kernels (name, start and end in us) to this JSON file")
-    add_override_arguments(parser)
     args = parser.parse_args()
-    apply_overrides(args.set, args.skip_pass)
     core = random_engine(args, args.prompt_len + args.steps + 128, decode_buckets=(args.batch,))
     params = SamplingParams(temperature=0, max_new_tokens=args.steps + 100, ignore_eos=True)
     for i in range(args.batch):
@@ -87,7 +84,8 @@ def main() -> None:
         graph.replay()
     torch.cuda.synchronize()
     replay_ms = 1e3 * (time.perf_counter() - start) / args.steps
-    variant = " ".join([*args.set, *(f"skip {p}" for p in args.skip_pass)])
+    variant = " ".join([*(f"{name}={value}" for name, value in args.kernel_config),
+                        *(f"skip {p}" for p in args.skip_pass)])
     label = f"{args.shape} batch {args.batch}" + (f" [{variant}]" if variant else "")
     print(f"{label}: engine step {step_ms:.3f} ms, graph replay alone {replay_ms:.3f} ms, "
           f"host share {step_ms - replay_ms:.3f} ms")

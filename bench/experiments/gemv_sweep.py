@@ -1,16 +1,16 @@
 """Decode GEMV tuning on the GPU: the fused Triton GEMV (``kiln/kernels/gemv.py``) against the cuBLAS
 composition, per op and chained as decode runs a Llama-3-8B layer, under tiling variants.
 
-    python bench/gemv_sweep.py --tokens 1 8 --variant "" --variant "GEMV_BLOCK_K=(64,1024)"
+    python bench/experiments/gemv_sweep.py --tokens 1 8 --variant "" --variant "gemv_block_k=(64,2048) gemv_num_warps=8"
 
 A layer's GEMMs, each on its own weights (``--layers`` copies, so nothing is served from L2):
 norm + qkv, o + residual, norm + gate/up + SiLU gate, down + residual. Each op is timed as a CUDA
 graph of that op over every layer's weights; the chain as a graph of whole layers, where the output
 of one op feeds the next (so programmatic dependent launch overlaps each GEMV with the one before).
-A variant sets module constants of ``kiln.kernels.gemv`` (``NAME=VALUE`` pairs separated by spaces,
-values as Python literals; ``MODULE.NAME=VALUE`` for another ``kiln.kernels`` module, e.g.
-``linear_fused.GEMV_MAX_WEIGHT_BYTES=16777216``) for its rows only. Each row's max abs error is
-against the composition.
+A variant sets ``KernelConfig`` fields (``NAME=VALUE`` pairs separated by spaces, values as Python
+literals without spaces, e.g. ``gemv_block_n=(4,4) gemv_product_elements=8192``) for its rows only;
+a name that is no field is an error listing the fields. Each row's max abs error is against the
+composition.
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The experiments beside this file first, then the benchmarks' helpers in bench/.
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from kernel_bench import copy_bandwidth  # noqa: E402
-from overrides import set_constant  # noqa: E402
 
 from kiln.kernels import linear_fused as lf  # noqa: E402
+from kiln.kernels.config import DEFAULTS, KernelConfig, KernelConfigError, parse_settings  # noqa: E402
 
 HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 6144  # Llama-3-8B
 DTYPE = torch.bfloat16
@@ -70,20 +70,22 @@ class Activations:
         self.h, self.h2, self.qkv, self.gate_up = buf(HIDDEN), buf(HIDDEN), buf(QKV), buf(2 * INTERMEDIATE)
 
 
-def op_runner(op: str, layer: Layer, act: Activations, fused: bool) -> Callable[[], None]:
-    """One op of one layer, on the fused GEMV (``fused``) or the cuBLAS composition. The attention
-    output is stood in for by the first HIDDEN columns of qkv, so the chain keeps its dependencies."""
+def op_runner(op: str, layer: Layer, act: Activations, fused: bool, config: KernelConfig) -> Callable[[], None]:
+    """One op of one layer, on the fused GEMV (``fused``) or the cuBLAS composition, its Triton
+    kernels under ``config``. The attention output is stood in for by the first HIDDEN columns of
+    qkv, so the chain keeps its dependencies."""
     if op == "qkv":
         fn = lf.triton_rmsnorm_linear if fused else lf.composed_rmsnorm_linear
-        return lambda: fn(act.h, layer.norm1, layer.qkv, out=act.qkv, eps=EPS)
+        return lambda: fn(act.h, layer.norm1, layer.qkv, out=act.qkv, eps=EPS, config=config)
     if op == "o":
-        fn = lf.triton_linear_residual if fused else lf.composed_linear_residual
-        return lambda: fn(act.qkv[:, :HIDDEN], layer.o, act.h, out=act.h2)
+        if fused:
+            return lambda: lf.triton_linear_residual(act.qkv[:, :HIDDEN], layer.o, act.h, out=act.h2, config=config)
+        return lambda: lf.composed_linear_residual(act.qkv[:, :HIDDEN], layer.o, act.h, out=act.h2)
     if op == "gate_up":
         fn = lf.triton_rmsnorm_linear if fused else lf.composed_rmsnorm_linear
-        return lambda: fn(act.h2, layer.norm2, layer.gate_up, out=act.gate_up, eps=EPS)
+        return lambda: fn(act.h2, layer.norm2, layer.gate_up, out=act.gate_up, eps=EPS, config=config)
     fn = lf.triton_silu_mul_linear_residual if fused else lf.composed_silu_mul_linear_residual
-    return lambda: fn(act.gate_up, layer.down, act.h2, out=act.h)
+    return lambda: fn(act.gate_up, layer.down, act.h2, out=act.h, config=config)
 
 
 def graph_us(calls: list[Callable[[], None]], replays: int = 20) -> float:
@@ -110,30 +112,33 @@ def graph_us(calls: list[Callable[[], None]], replays: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def max_error(op: str, layer: Layer, tokens: int) -> float:
+def max_error(op: str, layer: Layer, tokens: int, config: KernelConfig) -> float:
     """The fused op's largest deviation from the composition on the same inputs."""
     outputs = []
     for fused in (True, False):
         torch.manual_seed(0)
         act = Activations(tokens)
-        op_runner(op, layer, act, fused)()
+        op_runner(op, layer, act, fused, config)()
         outputs.append({"qkv": act.qkv, "o": act.h2, "gate_up": act.gate_up, "down": act.h}[op].float())
     return (outputs[0] - outputs[1]).abs().max().item()
 
 
-def apply_variant(variant: str) -> list[tuple[ModuleType, str, object]]:
-    """Sets the constants named in ``variant`` (``NAME`` of kiln.kernels.gemv, or ``MODULE.NAME`` of
-    another kiln.kernels module); returns (module, name, old value) of each."""
-    settings = [s if "." in s.split("=", 1)[0] else f"gemv.{s}" for s in variant.split()]
-    return [set_constant(f"kiln.kernels.{s}", "--variant") for s in settings]
+# The fused ops take the GEMV for every weight size here, whatever the engine's bound.
+ALWAYS_GEMV = {"gemv_max_weight_bytes": 1 << 62, "gemv_one_row_max_weight_bytes": 1 << 62}
 
 
-def measure(label: str, fused: bool, layers: list[Layer], tokens: int, ceiling: float) -> str:
+def parse_variant(text: str) -> KernelConfig:
+    """A ``--variant``: space-separated ``NAME=VALUE`` fields of ``KernelConfig`` ('' the defaults),
+    with the GEMV taking every weight size."""
+    return DEFAULTS.with_settings({**ALWAYS_GEMV, **parse_settings(text.split())})
+
+
+def measure(label: str, fused: bool, layers: list[Layer], tokens: int, ceiling: float, config: KernelConfig) -> str:
     act = Activations(tokens)
-    per_op = [graph_us([op_runner(op, layer, act, fused) for layer in layers]) / len(layers) for op in OPS]
-    chain = graph_us([op_runner(op, layer, act, fused) for layer in layers for op in OPS]) / len(layers)
+    per_op = [graph_us([op_runner(op, layer, act, fused, config) for layer in layers]) / len(layers) for op in OPS]
+    chain = graph_us([op_runner(op, layer, act, fused, config) for layer in layers for op in OPS]) / len(layers)
     roofline_us = layers[0].weight_bytes() / ceiling * 1e6
-    error = max(max_error(op, layers[0], tokens) for op in OPS) if fused else 0.0
+    error = max(max_error(op, layers[0], tokens, config) for op in OPS) if fused else 0.0
     cells = " | ".join(f"{us:.1f}" for us in per_op)
     return (f"| {label} | {tokens} | {cells} | {chain:.1f} | {100 * roofline_us / chain:.0f}% | {error:.3g} |")
 
@@ -143,29 +148,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--variant", action="append", default=None,
-                        help="NAME=VALUE settings of kiln.kernels.gemv (MODULE.NAME=VALUE: of kiln.kernels.MODULE), "
-                             "space-separated ('' = the defaults)")
+                        help="KernelConfig NAME=VALUE settings, space-separated ('' = the defaults)")
     args = parser.parse_args(argv)
+    try:
+        variants = {text: parse_variant(text) for text in args.variant or [""]}
+    except KernelConfigError as exc:
+        parser.error(f"--variant: {exc}")
     if not torch.cuda.is_available():
-        print("bench/gemv_sweep.py needs a CUDA GPU.", file=sys.stderr)
+        print("bench/experiments/gemv_sweep.py needs a CUDA GPU.", file=sys.stderr)
         return 2
     ceiling = copy_bandwidth()
     layers = random_layers(args.layers)
-    # The fused ops take the GEMV for every weight size here, whatever the engine's bound.
-    lf.GEMV_MAX_WEIGHT_BYTES = lf.GEMV_ONE_ROW_MAX_WEIGHT_BYTES = 1 << 62
     print(f"GPU: {torch.cuda.get_device_name()}; copy ceiling {ceiling / 1e9:.0f} GB/s; Llama-3-8B layer "
           f"{layers[0].weight_bytes() / 1e6:.0f} MB = {layers[0].weight_bytes() / ceiling * 1e6:.1f} us at the ceiling")
     print("\n| variant | T | qkv us | o us | gate_up us | down us | layer chain us | % of copy | max abs err |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for tokens in args.tokens:
-        print(measure("cuBLAS composition", False, layers, tokens, ceiling), flush=True)
-        for variant in args.variant or [""]:
-            old = apply_variant(variant)
-            try:
-                print(measure(variant or "gemv defaults", True, layers, tokens, ceiling), flush=True)
-            finally:
-                for module, name, value in old:
-                    setattr(module, name, value)
+        print(measure("cuBLAS composition", False, layers, tokens, ceiling, DEFAULTS), flush=True)
+        for text, config in variants.items():
+            print(measure(text or "gemv defaults", True, layers, tokens, ceiling, config), flush=True)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""bench/step_ab.py: variants and cases parse from the command line, step_breakdown.py's result line is
+"""bench/experiments/step_ab.py: variants and cases parse from the command line, step_breakdown.py's result line is
 read back, and the table gives each variant's medians (or the failures) a case."""
 
 from __future__ import annotations
@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+BENCH = Path(__file__).resolve().parents[3] / "bench"
+sys.path[:0] = [str(BENCH / "experiments"), str(BENCH)]
 from step_ab import Case, Runs, Variant, parse_case, parse_step_line, parse_variant, run_once, table  # noqa: E402
 
 
 def test_variants_take_a_tree_and_step_breakdown_arguments():
     assert parse_variant("main=@.") == Variant("main", Path("."), ())
-    assert parse_variant("st3=@old --set a.b.C=3 --skip-pass dce") == Variant(
-        "st3", Path("old"), ("--set", "a.b.C=3", "--skip-pass", "dce"))
+    assert parse_variant("st3=@old --kernel-config decode_num_stages=3 --skip-pass dce") == Variant(
+        "st3", Path("old"), ("--kernel-config", "decode_num_stages=3", "--skip-pass", "dce"))
     assert parse_variant("plain=") == Variant("plain", None, ())
     for bad in ("no-equals", "=@."):
         with pytest.raises(argparse.ArgumentTypeError, match="LABEL=SPEC"):

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # One device session, in stages, logs under $OUT (or ./out). Run on the GPU machine from the repository root:
-#   bench/gpu_session.sh tests kernels breakdown structured     # ~4 min
-#   bench/gpu_session.sh decode                                 # ~5 min: bench/decode.py, both shapes, HF in the same run
-# Stages: tests (GPU tests), kernels (bench/kernel_bench.py), breakdown (bench/step_breakdown.py with --timeline, SmolLM2 batch 1 and
+#   bench/experiments/gpu_session.sh tests kernels breakdown structured     # ~4 min
+#   bench/experiments/gpu_session.sh decode                                 # ~5 min: bench/decode.py, both shapes, HF in the same run
+# Stages: tests (GPU tests), kernels (bench/kernel_bench.py), breakdown (bench/experiments/step_breakdown.py with --timeline, SmolLM2 batch 1 and
 # Llama-3-8B shape with 8 layers), structured (bench/structured.py on random SmolLM2 weights; needs the real
 # tokenizer files in $TOKENIZER_DIR, default .bench-tokenizer), structured-profile (the same at batch 1 with the
 # engine steps' host profile, into structured_profile.log), sweep (SmolLM2 batch 1 step time under tuning variants:
-# bench/step_breakdown.py --set/--skip-pass), gemv-sweep (bench/gemv_sweep.py: the decode GEMV against cuBLAS at
+# bench/experiments/step_breakdown.py --kernel-config/--skip-pass), gemv-sweep (bench/experiments/gemv_sweep.py: the decode GEMV against cuBLAS at
 # Llama-3-8B shapes under tiling variants), gemv-policy (Llama-3-8B step under each one-row GEMV weight bound),
-# prefill (bench/prefill_breakdown.py: host and GPU time of a prefill, graphs and eager), decode (bench/decode.py; extra arguments in $DECODE_ARGS, e.g. "--batches 1 --set MODULE.NAME=VALUE").
+# prefill (bench/experiments/prefill_breakdown.py: host and GPU time of a prefill, graphs and eager), decode (bench/decode.py; extra arguments in $DECODE_ARGS, e.g. "--batches 1 --kernel-config NAME=VALUE").
 set -uo pipefail
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -22,31 +22,31 @@ for stage in "$@"; do
     kernels) python3 bench/kernel_bench.py 2>&1 | tee "$out/kernels.log" | grep -v Warning ;;
     breakdown) for args in "--shape smollm2-135m --batch 1 --timeline" "--shape smollm2-135m --batch 64 --top 8" \
                            "--shape llama3-8b --layers 8 --batch 1 --top 8 --timeline"; do
-                 python3 bench/step_breakdown.py $args 2>&1 | grep -v Warning
+                 python3 bench/experiments/step_breakdown.py $args 2>&1 | grep -v Warning
                  # The same without programmatic dependent launch, to measure what it gives.
-                 KILN_PDL=0 python3 bench/step_breakdown.py ${args/ --timeline/} --top 0 2>&1 | grep -v Warning | head -1 | sed 's/^/KILN_PDL=0 /'
+                 python3 bench/experiments/step_breakdown.py ${args/ --timeline/} --top 0 --kernel-config pdl=false 2>&1 \
+                   | grep -v Warning | head -1
                done | tee "$out/breakdown.log" ;;
-    sweep) ad=kiln.kernels.attention_decode lf=kiln.kernels.linear_fused
-           for variant in "" "--skip-pass fuse_rope_attention" "--set $ad.MIN_SPLIT_TOKENS=64" \
-                          "--set $ad.MIN_SPLIT_TOKENS=32" "--set $ad.MIN_SPLIT_TOKENS=4096" \
-                          "--set $lf.GEMV_PROGRAMS_PER_SM=4" "--set $lf.GEMV_NUM_WARPS=2" ""; do
-             python3 bench/step_breakdown.py --shape smollm2-135m --batch 1 --top 0 $variant 2>&1 | grep "engine step"
+    sweep) for variant in "" "--skip-pass fuse_rope_attention" "--kernel-config decode_min_split_tokens=64" \
+                          "--kernel-config decode_min_split_tokens=32" "--kernel-config decode_min_split_tokens=4096" \
+                          "--kernel-config gemv_programs_per_sm=4" "--kernel-config gemv_num_warps=2" ""; do
+             python3 bench/experiments/step_breakdown.py --shape smollm2-135m --batch 1 --top 0 $variant 2>&1 | grep "engine step"
            done | tee "$out/sweep.log" ;;
-    gemv-sweep) python3 bench/gemv_sweep.py --tokens 1 --variant "" --variant "GEMV_NUM_WARPS=8" \
-                  --variant "GEMV_BLOCK_N=(4,4) GEMV_BLOCK_K=(64,2048)" --variant "GEMV_PRODUCT_ELEMENTS=8192" 2>&1 \
+    gemv-sweep) python3 bench/experiments/gemv_sweep.py --tokens 1 --variant "" --variant "gemv_num_warps=8" \
+                  --variant "gemv_block_n=(4,4) gemv_block_k=(64,2048)" --variant "gemv_product_elements=8192" 2>&1 \
                   | tee "$out/gemv_sweep.log" | grep "|"
-                python3 bench/gemv_sweep.py --tokens 8 --variant "" 2>&1 | tee -a "$out/gemv_sweep.log" | grep "|" ;;
+                python3 bench/experiments/gemv_sweep.py --tokens 8 --variant "" 2>&1 | tee -a "$out/gemv_sweep.log" | grep "|" ;;
     gemv-policy) # Llama-3-8B (8 layers) batch-1 step under each one-row GEMV weight bound: 16 MiB (cuBLAS for all
                  # of Llama's GEMMs), 128 MiB (GEMV for qkv, o and down), unbounded (also gate/up and lm_head).
                  for bound in 16777216 134217728 4611686018427387904; do
-                   python3 bench/step_breakdown.py --shape llama3-8b --layers 8 --batch 1 --top 4 \
-                     --set kiln.kernels.linear_fused.GEMV_ONE_ROW_MAX_WEIGHT_BYTES=$bound 2>&1 | grep -v Warning
+                   python3 bench/experiments/step_breakdown.py --shape llama3-8b --layers 8 --batch 1 --top 4 \
+                     --kernel-config gemv_one_row_max_weight_bytes=$bound 2>&1 | grep -v Warning
                  done | tee "$out/gemv_policy.log" ;;
     prefill) for args in "--shape smollm2-135m --batch 1" "--shape smollm2-135m --batch 1 --eager --top 0" \
                          "--shape smollm2-135m --batch 8 --top 8" "--shape smollm2-135m --batch 8 --eager --top 0" \
                          "--shape llama3-8b --layers 8 --batch 1 --top 8" \
                          "--shape llama3-8b --layers 8 --batch 1 --eager --top 0"; do
-               python3 bench/prefill_breakdown.py $args 2>&1 | grep -v Warning
+               python3 bench/experiments/prefill_breakdown.py $args 2>&1 | grep -v Warning
              done | tee "$out/prefill.log" ;;
     structured) python3 bench/structured.py --random-shape smollm2-135m --tokenizer-dir "${TOKENIZER_DIR:-.bench-tokenizer}" \
                   --batches 1 16 2>&1 | tee "$out/structured.log" | tail -6 ;;

@@ -1,0 +1,211 @@
+"""``KernelConfig``: every tunable the Triton launchers read, as one frozen, validated object.
+
+A config is compile-time data: ``CompileOptions.kernel_config`` carries it, the artifact's manifest
+records it, and the runtime binds it to every kernel that asks for it (``register_impl(...,
+wants_config=True)``), so an artifact runs with the tuning it was compiled with and says which.
+Benchmarks change it with ``--kernel-config NAME=VALUE`` (``parse_settings``); a name that is no
+field is an error that lists the fields.
+
+Each field's docstring says what it tunes and why it has its default. "Measured" figures come from
+an H200; ``bench/HISTORY.md`` holds the runs.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Mapping, Sequence
+
+
+class KernelConfigError(ValueError):
+    """A setting that names no field, or whose value has the wrong type or range."""
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    pdl: bool = True
+    """Programmatic dependent launch (Hopper and later; ignored elsewhere and under the interpreter):
+    a kernel may start while the one before it in the stream finishes, and waits for it in
+    ``await_previous_kernel``. Decode steps of small models are chains of ~200 kernels of a few
+    microseconds, where the gap between two kernels is a large share of the step. Off only to
+    measure what it gives or to rule it out."""
+
+    # --- decode attention (attention_decode.py, attention_split_merge.py) ---
+    decode_min_split_tokens: int = 64
+    """Fewest context tokens per split of decode attention: below it the fixed cost of a program
+    (loading q, the partials, the merge) outweighs the extra parallelism. SmolLM2-135M batch 1: 64
+    gave 0.524 ms a step, 32 0.525, 128 0.543, one split 0.606."""
+    decode_max_splits: int = 64
+    """Most splits of one context (and most partials merged in one step of the merge)."""
+    decode_split_programs_per_sm: int = 2
+    """Splits are added until the grid has this many programs per SM. Engine step at 2 / 4 / 8:
+    Llama-3-8B (8 layers) batch 64 1.627 / 1.692 / 1.724 ms, SmolLM2-135M batch 64 1.172 / 1.187 /
+    1.260; more splits only cost."""
+    decode_block_n: int = 64
+    """Keys per loop step of decode attention. At batch 64 and 8 with 4096-token contexts 64 keys at
+    4 warps and 2 stages read 4.4 TB/s; 32 keys, 8 warps or 3 stages were slower."""
+    decode_num_warps: int = 4
+    """Warps per decode-attention program. 8 made SmolLM2-135M's batch-1 step 0.499 ms against 0.485
+    and Llama-3-8B's (8 layers) 1.266 against 1.259."""
+    decode_num_stages: int = 2
+    """Pipeline stages of the decode-attention key loop: one shared K and V buffer. 3-4 stages made
+    Llama-3-8B batch 64 slower (1.663-1.676 ms against 1.599)."""
+    decode_preload_max_programs_per_sm: int = 2
+    """Decode attention loads its first key block before the PDL wait only while the grid has at most
+    this many programs per SM (all resident at once: 4 warps at 255 registers fill half an SM).
+    Preloading took Llama-3-8B batch 1 from 14.5 to 11.6 us a layer but slowed larger grids
+    (batch 8: 12.9 -> 14.5). 0 turns the preload off."""
+    decode_merge_tile: int = 8192
+    """Elements of one [heads, splits, head_dim] tile of partials in the split merge: 64 f32 registers
+    a thread at 4 warps, no more than the attention loop before it needs."""
+
+    # --- decode GEMV (gemv.py, linear_fused.py) ---
+    gemv_max_weight_bytes: int = 16 << 20
+    """Largest weight the fused GEMV takes at 2-16 rows; larger ones go to cuBLAS with the norm and
+    activation kernels around it. At 8-16 rows the GEMV's tl.dot path is slower than cuBLAS on
+    weights of tens of MB; small weights are latency-bound, where one launch wins."""
+    gemv_one_row_max_weight_bytes: int = 128 << 20
+    """Largest weight the fused GEMV takes at one row: it streams Llama-3-8B's qkv, o and down
+    weights faster than cuBLAS, but not the 235 MB gate/up (1.314 ms a step against 1.295)."""
+    gemv_programs_per_sm: int = 2
+    """The GEMV narrows its column tiles until there are at least this many per SM, so every SM
+    streams weights."""
+    gemv_block_n: tuple[int, int] = (4, 8)
+    """Least and most weight rows (output columns) per GEMV tile."""
+    gemv_block_k: tuple[int, int] = (64, 1024)
+    """Least and most of K per GEMV tile: contiguous runs that load as wide vectors."""
+    gemv_product_elements: int = 16384
+    """Weights one one-row GEMV tile holds (128 a thread at 4 warps, twice that with the next tile in
+    flight). At Llama-3-8B's shapes tiles of 8192 streamed at 2.4-3.4 TB/s, of 16384 at 3.2-3.9."""
+    gemv_dot_block_k: int = 128
+    """K per step of the GEMV's tl.dot path (2-16 rows). All of K in one step ran 3-10x slower."""
+    gemv_one_step_max_k: int = 2048
+    """Up to this K a one-row GEMV program takes all of K in one tile, all its loads in flight at
+    once. At SmolLM2's shapes: 1.5-2.8 us a GEMV against 2.5-4.7 us stepping through K."""
+    gemv_num_warps: int = 4
+    """Warps per GEMV program."""
+    gemv_num_stages: int = 1
+    """Pipeline stages of the GEMV: 1, since its loop keeps the next weight tile in flight in
+    registers itself."""
+    gemv_norm_pass_elements: int = 4096
+    """Elements the GEMV's RMSNorm prologue reads at a time (all rows together) in its first pass
+    over x."""
+
+    # --- elementwise kernels (norm.py, rope.py, kv_store.py, elementwise.py) ---
+    rmsnorm_elements_per_program: int = 4096
+    """Elements one RMSNorm program holds: short rows (q/k norm's head_dim) are packed several to a
+    program so that each still moves a useful amount of memory."""
+    rope_elements_per_program: int = 4096
+    """Elements one rotary-embedding program holds (heads packed per program as for the norm)."""
+    kv_store_block: int = 4096
+    """Most elements of one token's K (or V) row one KV-store program copies."""
+    silu_mul_block: int = 1024
+    """Most elements of a row one silu·mul program computes."""
+
+    # --- the sampler's kernels (argmax.py, sample.py, bitmask.py) ---
+    argmax_block: int = 2048
+    """Elements per loop step of the row argmax: 16 f32 a thread at 4 warps, several vector loads in
+    flight per step (the loop is not software-pipelined)."""
+    argmax_programs_per_sm: int = 4
+    """Programs per SM the argmax aims for when it cuts rows into chunks: with one step's loads in
+    flight each, several resident programs per SM hide the memory latency. Not yet tuned on a GPU."""
+    argmax_merge_block: int = 256
+    """Chunk partials the argmax's last program reduces per step (chunks are at most 4 per SM)."""
+    sample_chunk: int = 4096
+    """Vocabulary ids per sampler program: 32 programs a row for a 128k vocabulary. Not yet tuned."""
+    sample_block: int = 2048
+    """Elements per loop step of the sampler's chunks and of its cut search."""
+    sample_candidates: int = 16384
+    """Capacity of each of a row's two candidate lists in the sampler's cut search (256 KiB a row)."""
+    sample_merge_block: int = 128
+    """Chunk results the sampler's last program of a row reduces per step."""
+    bitmask_words_per_program: int = 32
+    """Grammar-bitmask words (32 tokens each) one masking program applies. At 256 x 151936 logits
+    this store-only kernel took ~66 us on a mask allowing almost nothing and ~28 us on one allowing
+    almost everything; wider programs were slower on the first."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_value(f.name, f.type, getattr(self, f.name))
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def with_settings(self, settings: Mapping[str, Any]) -> KernelConfig:
+        """This config with the named fields changed; names that are no field are refused."""
+        unknown = sorted(set(settings) - set(self.field_names()))
+        if unknown:
+            raise KernelConfigError(f"kernel config has no field {', '.join(map(repr, unknown))}; "
+                                    f"fields: {', '.join(self.field_names())}")
+        return replace(self, **settings)
+
+    def changes(self) -> dict[str, Any]:
+        """The fields that differ from the defaults: what a benchmark prints to label a variant."""
+        return {name: value for name, value in vars(self).items() if value != getattr(DEFAULTS, name)}
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: list(value) if isinstance(value, tuple) else value for name, value in asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> KernelConfig:
+        """The config a manifest recorded; fields it lacks keep their defaults."""
+        return cls().with_settings({name: tuple(value) if isinstance(value, list) else value
+                                    for name, value in data.items()})
+
+
+def parse_settings(texts: Sequence[str]) -> dict[str, Any]:
+    """``NAME=VALUE`` strings (VALUE a Python literal, or true/false) as a dict for ``with_settings``."""
+    settings = {}
+    for text in texts:
+        name, sep, value = text.partition("=")
+        if not sep or not name.strip():
+            raise KernelConfigError(f"kernel config setting {text!r} is not NAME=VALUE")
+        settings[name.strip()] = _literal(name.strip(), value.strip())
+    return settings
+
+
+def _literal(name: str, text: str) -> Any:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise KernelConfigError(f"kernel config {name}={text!r}: the value is not a Python literal") from None
+
+
+# Fields that become Triton block shapes (tl.arange sizes, num_warps) or are divided into them, so
+# they must be powers of two; and fields where 0 means "never" (no preload, no fused GEMV).
+_POWERS_OF_TWO = frozenset({
+    "decode_max_splits", "decode_block_n", "decode_num_warps", "decode_merge_tile", "gemv_block_n", "gemv_block_k",
+    "gemv_product_elements", "gemv_dot_block_k", "gemv_num_warps", "gemv_norm_pass_elements",
+    "rmsnorm_elements_per_program", "rope_elements_per_program", "kv_store_block", "silu_mul_block", "argmax_block",
+    "argmax_merge_block", "sample_block", "sample_merge_block", "bitmask_words_per_program",
+})
+_ZERO_ALLOWED = frozenset({"decode_preload_max_programs_per_sm", "gemv_max_weight_bytes",
+                           "gemv_one_row_max_weight_bytes"})
+
+
+def _check_value(name: str, annotation: str, value: Any) -> None:
+    least = 0 if name in _ZERO_ALLOWED else 1
+    number = "a power of two" if name in _POWERS_OF_TWO else f"an int >= {least}"
+
+    def fail(wanted: str) -> None:
+        raise KernelConfigError(f"kernel config {name} must be {wanted}, got {value!r}")
+
+    def number_ok(item: Any) -> bool:
+        return (isinstance(item, int) and not isinstance(item, bool) and item >= least
+                and (name not in _POWERS_OF_TWO or item & (item - 1) == 0))
+
+    if annotation == "bool":
+        if not isinstance(value, bool):
+            fail("a bool")
+    elif annotation == "tuple[int, int]":
+        if not (isinstance(value, tuple) and len(value) == 2 and all(map(number_ok, value)) and value[0] <= value[1]):
+            fail(f"a pair (least, most), each {number}")
+    elif not number_ok(value):
+        fail(number)
+
+
+# The defaults, for launchers called without a config (tests, benchmarks of a single kernel).
+DEFAULTS = KernelConfig()
