@@ -141,14 +141,17 @@ class WorkerGroup:
             raise self.failure from exc
 
     def _await_ready(self) -> None:
-        """Waits until every worker has loaded its model; raises ``WorkerDied`` for one that ends first."""
+        """Waits until every worker has loaded its model; raises ``WorkerDied`` for one that fails first."""
         pending = {reader: rank for rank, reader in enumerate(self._reports, start=1)}
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
         while pending:
             for ready in wait([*pending, *sentinels]):
                 if ready in sentinels:
                     raise self._death(sentinels[ready])
-                if ready in pending and ready.recv_bytes() == READY:
+                if ready in pending:
+                    message = _read(ready)
+                    if message != READY:
+                        raise self._death(pending[ready], message.decode(errors="replace"))
                     del pending[ready]
 
     def _watch(self) -> None:
@@ -159,14 +162,16 @@ class WorkerGroup:
         self.failure = self._death(sentinels[ready[0]])
         self._stop_workers(terminate=True)
 
-    def _death(self, rank: int) -> WorkerDied:
+    def _death(self, rank: int, error: str | None = None) -> WorkerDied:
+        """The error for a worker that ended (or is ending, having reported ``error``)."""
         process = self.processes[rank - 1]
         with self._lock:
-            process.join(KILL_TIMEOUT_S)  # its sentinel is ready, or its report says it is ending
+            process.join(KILL_TIMEOUT_S)
         code = process.exitcode
         how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 \
             else f"exited with code {code}"
-        error = _last_error(self._reports[rank - 1])
+        if error is None:
+            error = _last_error(self._reports[rank - 1])
         return WorkerDied(f"worker rank {rank} (pid {process.pid}) {how}" + (f": {error}" if error else ""))
 
     def _stop_workers(self, terminate: bool) -> None:
@@ -186,12 +191,16 @@ class WorkerGroup:
 
 def _last_error(report: Connection) -> str:
     """The error a worker wrote to its report pipe before ending, if any."""
-    error = ""
+    error = b""
+    while report.poll() and (message := _read(report)):
+        if message != READY:
+            error = message
+    return error.decode(errors="replace")
+
+
+def _read(report: Connection) -> bytes:
+    """The next message on a report pipe; empty once the worker's end is closed."""
     try:
-        while report.poll():
-            message = report.recv_bytes()
-            if message != READY:
-                error = message.decode(errors="replace")
+        return report.recv_bytes()
     except (EOFError, OSError):
-        pass  # the pipe is closed: everything it held has been read
-    return error
+        return b""
