@@ -59,6 +59,10 @@ def run_rank(rank: int, port: int, config: RankConfig, report: Connection) -> No
         report.send_bytes(READY)
         join_group(rank, dist.TCPStore(HOST, port, config.world_size, False, timeout=RENDEZVOUS_TIMEOUT), config)
         while (lists := receive_step()) is not None:
+            if device.type == "cuda":
+                # The step buffers assume what rank 0 does: it reads each step's tokens before it
+                # stages the next, so no staging overwrites inputs an unfinished step still reads.
+                torch.cuda.current_stream().synchronize()
             runner.forward(lists)
     except BaseException as exc:
         traceback.print_exc()
