@@ -6,10 +6,11 @@ replicated model's result on this rank is not used: rank 0's is the step's (tens
 artifacts will run their collectives inside the same forward).
 
 It ends with the core in every case: on the stop message (exit 0); on an error, which it writes to
-its report pipe for the core's message before exiting 1; and when the core's process is gone, seen
-through multiprocessing's parent sentinel (not PR_SET_PDEATHSIG, which fires when the *thread* that
-started the process ends, and an engine may be built on a short-lived thread). SIGINT is ignored: a
-Ctrl-C in a terminal reaches every process of the group, and the core decides what it means.
+its report pipe for the core's message before exiting 1 (``EXIT_ERROR``); and when the core's
+process is gone, seen through multiprocessing's parent sentinel (not PR_SET_PDEATHSIG, which fires
+when the *thread* that started the process ends, and an engine may be built on a short-lived
+thread). SIGINT is ignored: a Ctrl-C in a terminal reaches every process of the group, and the core
+decides what it means.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import traceback
 from datetime import timedelta
@@ -37,6 +39,7 @@ RENDEZVOUS_TIMEOUT = timedelta(seconds=60)
 # is found by other means, at once: the core watches its workers' exits, gloo fails a transfer whose
 # peer's connection closed, and a worker leaves when the core's process is gone.
 COLLECTIVE_TIMEOUT = timedelta(days=3650)
+EXIT_ERROR = 1
 EXIT_PARENT_GONE = 70
 
 
@@ -66,8 +69,13 @@ def run_rank(rank: int, port: int, config: RankConfig, report: Connection) -> No
             runner.forward(lists)
     except BaseException as exc:
         traceback.print_exc()
-        report.send_bytes(f"{type(exc).__name__}: {exc}".encode())
-        raise SystemExit(1) from None
+        try:
+            report.send_bytes(f"{type(exc).__name__}: {exc}".encode())
+        finally:
+            sys.stderr.flush()
+            # Not SystemExit: tearing the interpreter down while the group's threads run can abort
+            # (SIGABRT), and the exit code is what the core reports.
+            os._exit(EXIT_ERROR)
     dist.destroy_process_group()
 
 
