@@ -1,7 +1,8 @@
 """Several ranks, as real worker processes over gloo on loopback, running a tiny compiled Llama: two
-ranks give one rank's tokens; a worker that raises or is killed fails the engine within 5 s with an
-error naming the rank, leaving no worker process behind; closing stops the workers with the stop
-message; and workers end when the core's process is killed."""
+ranks give one rank's tokens (and one rank is the model runner itself, no wrapper); a worker that
+raises or is killed fails the engine within 5 s with an error naming the rank, leaving no worker
+process behind; closing stops the workers with the stop message; and workers end when the core's
+process is killed."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-import psutil
 import pytest
 
 from kiln.compiler.compile import compile_model
@@ -22,6 +23,7 @@ from kiln.runtime.engine_options import EngineOptions
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.scheduler.batch import StepLists
 from kiln.runtime.worker.worker import WorkerDied
+from tests.server.harness import alive, children_of, wait_gone
 from tests.support.hf_models import make_hf_model
 
 PAGE = 4
@@ -53,14 +55,14 @@ def generate(core: EngineCore, requests: dict[str, tuple[list[int], SamplingPara
     return outputs
 
 
-def live_workers() -> list[psutil.Process]:
-    """This process's descendants that multiprocessing's spawn started and that still run."""
+def live_workers() -> list[int]:
+    """The pids of this process's children that multiprocessing's spawn started and that still run."""
     found = []
-    for child in psutil.Process().children(recursive=True):
+    for pid in children_of(os.getpid()):
         try:
-            if "spawn_main" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
-                found.append(child)
-        except psutil.NoSuchProcess:
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes() and alive(pid):
+                found.append(pid)
+        except OSError:
             continue  # exited while we looked
     return found
 
@@ -70,7 +72,9 @@ def test_two_ranks_give_the_tokens_of_one_rank(artifact):
     requests = {f"r{i}": (prompt, GREEDY) for i, prompt in enumerate(PROMPTS)}
     requests["sampled"] = ([9, 8, 7, 6], SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_new_tokens=8,
                                                          ignore_eos=True))
-    expected = generate(make_core(artifact, 1, max_batch_tokens=8), requests)
+    one = make_core(artifact, 1, max_batch_tokens=8)
+    assert one.worker.forward == one.runner.forward  # one rank: the core calls the runner itself
+    expected = generate(one, requests)
     core = make_core(artifact, 2, max_batch_tokens=8)
     try:
         assert len(live_workers()) == 1
@@ -145,18 +149,8 @@ def test_workers_end_when_the_core_process_is_killed(artifact):
     core = subprocess.Popen([sys.executable, "-c", CORE_SCRIPT, str(artifact)], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(pid) for pid in core.stdout.readline().split()]
-        assert len(pids) == 2 and all(psutil.pid_exists(pid) for pid in pids)
+        assert len(pids) == 2 and all(alive(pid) for pid in pids)
     finally:
         core.kill()
         core.wait()
-    deadline = time.monotonic() + FAILURE_BOUND_S
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert [pid for pid in pids if _alive(pid)] == []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+    assert wait_gone(pids, FAILURE_BOUND_S) == []
