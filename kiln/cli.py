@@ -147,6 +147,8 @@ def _add_serve(commands) -> None:
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
     p.add_argument("--mem-fraction", type=float, default=0.85, help="GPU memory for weights + KV (default 0.85)")
     p.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"])
+    p.add_argument("--world-size", type=int, default=1,
+                   help="ranks to run the model on, each in its own process after the first (default 1)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(run=_run_serve)
 
@@ -159,7 +161,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         args.backend = "torch"  # Triton kernels need a GPU
     artifact = ensure_artifact(args.model, compile_options_from(args))
     engine = {"device": args.device, "kv_cache_tokens": args.kv_cache_tokens, "mem_fraction": args.mem_fraction,
-              "max_batch_tokens": args.max_batch_tokens, "schedule_policy": args.schedule_policy}
+              "max_batch_tokens": args.max_batch_tokens, "schedule_policy": args.schedule_policy,
+              "world_size": args.world_size}
     return serve(str(artifact), ServeConfig(
         host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name or args.model,
         max_body_bytes=args.max_body_bytes, max_n=args.max_n, drain_timeout=args.drain_timeout,

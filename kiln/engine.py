@@ -35,7 +35,8 @@ class Engine:
     def __init__(self, model: str | Path, *, dtype: str = "bf16", backend: str | None = None,
                  max_batch_tokens: int = 2048, max_batch_size: int = 256, max_seq_len: int | None = None,
                  page_size: int = 16, device: str | None = None, kv_cache_tokens: int | None = None,
-                 mem_fraction: float = 0.85, schedule_policy: str = "lpm", enable_prefix_cache: bool = True) -> None:
+                 mem_fraction: float = 0.85, schedule_policy: str = "lpm", enable_prefix_cache: bool = True,
+                 world_size: int = 1) -> None:
         import torch
 
         on_gpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
@@ -45,7 +46,7 @@ class Engine:
         self.artifact_path = ensure_artifact(model, compile_options)
         self.core = EngineCore(str(self.artifact_path), EngineOptions(
             device=device, kv_cache_tokens=kv_cache_tokens, mem_fraction=mem_fraction,
-            schedule_policy=schedule_policy, enable_prefix_cache=enable_prefix_cache))
+            schedule_policy=schedule_policy, enable_prefix_cache=enable_prefix_cache, world_size=world_size))
         self.tokenizer = self.core.tokenizer
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -131,6 +132,8 @@ class Engine:
         self._closed = True
         self._wake.set()
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():  # else a step still runs; worker processes end with this one
+            self.core.close()
 
     def __enter__(self) -> "Engine":
         return self

@@ -1,4 +1,5 @@
-"""The engine core: scheduler + model runner + sampling, one ``step()`` at a time, no threads.
+"""The engine core: scheduler + worker (the model on one rank or several) + sampling, one ``step()``
+at a time, no threads.
 
 ``add_request`` validates and queues a request (n samples become n scheduler requests; the first
 leads, the others share its cached prompt); ``step`` schedules a batch, runs it, samples, applies
@@ -35,8 +36,9 @@ from .scheduler.scheduler import Scheduler, SchedulerConfig
 from .text.stop_rules import STOP_RULES, StopRules, finish_reason, sampled_on_device
 from .text.tokenizer import Tokenizer
 from .worker.executor import graph_blockers
-from .worker.model_runner import ModelRunner
+from .worker.ranks import start_worker
 from .worker.token_readback import InflightStep, TokenReadback
+from .worker.worker import RankConfig
 
 
 class EngineCore:
@@ -51,12 +53,16 @@ class EngineCore:
         self.page_size: int = rt["page_size"]
         self.tokenizer = Tokenizer.from_dir(self.artifact.tokenizer_dir) if self.artifact.tokenizer_dir else None
         buckets, prefill_graphs = graph_settings(self.options, device, graph_blockers(self.artifact))
-        self.runner = ModelRunner(self.artifact, device, self._num_pages(device, rt), buckets, prefill_graphs)
+        num_pages = self._num_pages(device, rt)
         # Even with one request the pool must hold a full context, or that request could never run.
-        if (self.runner.pool.num_pages - 1) * self.page_size < self.max_seq_len:
-            raise ValueError(f"the KV pool holds {(self.runner.pool.num_pages - 1) * self.page_size} tokens, less than "
+        if (num_pages - 1) * self.page_size < self.max_seq_len:
+            raise ValueError(f"the KV pool holds {(num_pages - 1) * self.page_size} tokens, less than "
                              f"the context length {self.max_seq_len}; raise kv_cache_tokens or mem_fraction")
-        self.allocator = PageAllocator(self.runner.pool.num_pages)
+        # What the core drives (every rank), and rank 0's model runner, for tools that look inside it.
+        self.worker = start_worker(self.artifact, RankConfig(
+            str(self.artifact.path), str(device), num_pages, buckets, prefill_graphs, self.options.world_size))
+        self.runner = self.worker.runner
+        self.allocator = PageAllocator(self.worker.num_pages)
         self.cache = RadixCache(self.allocator, self.page_size)
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch_tokens=min(self.options.max_batch_tokens or bounds["T"], bounds["T"]),
@@ -69,6 +75,7 @@ class EngineCore:
         self._requests: dict[str, list[Request]] = {}
         overlap = self.options.overlap_schedule
         self.overlap = bool(buckets) if overlap is None else overlap and bool(buckets)
+        self.overlap = self.overlap and self.worker.tokens_from_device  # not with several ranks (WorkerGroup)
         self._inflight: InflightStep | None = None
         # Whether the in-flight step's tokens are the decode graph's argmax of every row (see
         # _graph_argmax_serves): then so are its follow-ups', which run the same requests.
@@ -132,6 +139,10 @@ class EngineCore:
                 events.append(self._event(request, (), (), "abort", error))
         return events
 
+    def close(self) -> None:
+        """Stops the worker processes, if any (see ``worker.ranks``); the core is unusable after."""
+        self.worker.close()
+
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.constraints.has_pending() or self._inflight is not None
 
@@ -170,7 +181,7 @@ class EngineCore:
                 time.sleep(0.001)  # only grammars compiling: wait for them without spinning
             return events
         lists = build_step_lists(batch, self.page_size)
-        result = self.runner.forward(lists)
+        result = self.worker.forward(lists)
         logits, greedy = result.logits, result.greedy
         self.scheduler.complete_step(batch)
         if not lists.requests:
@@ -188,7 +199,7 @@ class EngineCore:
         else:
             rows = [SamplingRow(r.params, r.seed, len(r.output_ids), r.prompt_ids, r.output_ids) for r in requests]
             mask = Constraints.mask(requests, logits.shape[1], logits.device)
-            out = self.runner.sample(logits, SamplingBatch.pack(rows, self.vocab_size, logits.device), mask)
+            out = self.worker.sample(logits, SamplingBatch.pack(rows, self.vocab_size, logits.device), mask)
         return events + self._apply(lists, out)
 
     def _continue_overlapped(self) -> list[SampleEvent]:
@@ -201,7 +212,7 @@ class EngineCore:
         if follow_up is not None:
             lists, batch, rows = follow_up
             tokens = inflight.tokens if rows is None else inflight.tokens.index_select(0, rows)
-            result = self.runner.forward(lists, tokens_from=tokens)
+            result = self.worker.forward(lists, tokens_from=tokens)
             logits, greedy = result.logits, result.greedy
             self.scheduler.complete_step(batch)
             requests = lists.requests
@@ -221,7 +232,7 @@ class EngineCore:
     def _launch_readback(self, lists: StepLists, tokens: torch.Tensor) -> InflightStep:
         """Starts bringing a launched step's tokens to the host (nothing to copy when the step's
         graph wrote them there itself)."""
-        return self._readback.launch(lists, tokens, self.runner.host_mirror(tokens))
+        return self._readback.launch(lists, tokens, self.worker.host_mirror(tokens))
 
     def _device_tokens(self, requests: list[Request], logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
         """The step's tokens, left on the device, for requests that pass ``sampled_on_device`` but
@@ -231,7 +242,7 @@ class EngineCore:
         if all(_argmax_row(r) for r in requests):
             return greedy if mask is None else masked_argmax(logits, mask, self.runner.sampler_kernels)
         rows = [SamplingRow(r.params, r.seed, len(r.output_ids)) for r in requests]
-        return self.runner.sample(logits, SamplingBatch.pack(rows, self.vocab_size, logits.device), mask).token_ids
+        return self.worker.sample(logits, SamplingBatch.pack(rows, self.vocab_size, logits.device), mask).token_ids
 
     def _follow_up_lists(self, inflight: InflightStep):
         """The next decode step of exactly the in-flight requests, or None when it must wait for the

@@ -7,8 +7,9 @@ ADD/ABORT, run one step while there is work, send the step's events to the detok
 the core's stats (every ``STATS_INTERVAL_S`` while they change). A request the core refuses is
 answered with REJECT and the loop goes on; an error inside a step is fatal (the core's state is no
 longer trustworthy): it reports FATAL and exits non-zero, and the HTTP process fails what is in
-flight and stops. It exits on SHUTDOWN or when its parent is gone; SIGINT/SIGTERM are left to the
-parent, which drains before stopping its children.
+flight and stops; so does a worker rank's death (``EngineOptions.world_size`` > 1), idle or not. It
+exits on SHUTDOWN or when its parent is gone, closing the core (its worker processes) on the way out;
+SIGINT/SIGTERM are left to the parent, which drains before stopping its children.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class SchedulerLoop:
 
     def run(self) -> None:
         while self.parent.alive():
+            self.core.worker.check()  # a dead worker rank ends the server, also while it is idle
             busy = self.core.has_work()
             for message in ipc.recv_ready(self.inbox, 0 if busy else self._idle_wait_ms()):
                 if not self._handle(message):
@@ -113,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             log.exception("a step failed")
             outbox.send(ipc.pack([ipc.FATAL, f"the scheduler failed: {type(exc).__name__}: {exc}"]))
             return 1
+        finally:
+            core.close()
         return 0
 
 

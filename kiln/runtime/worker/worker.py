@@ -1,0 +1,97 @@
+"""The worker interface: what the engine core drives a model through, one rank or several.
+
+A worker takes a step's lists and returns rank 0's ``StepResult`` (the step's outputs by name:
+logits rows, hidden states where the schema declares them; greedy tokens for decode graph steps),
+samples over the logits rows, and says what the core must know about it: the KV pool's
+size and the device its tokens live on. Two implementations:
+
+- ``LocalWorker``: one rank, the model runner in the core's process. Its methods are the runner's
+  own, bound once, so the core calls the runner exactly as directly as without this interface.
+- ``ranks.WorkerGroup``: rank 0 in the core's process, ranks 1..N-1 in worker processes that get
+  every step by broadcast before rank 0 runs it.
+
+``ranks.start_worker`` picks one from ``RankConfig.world_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..artifact import Artifact
+from ..sampling import SamplerOutput, SamplingBatch
+from ..scheduler.batch import StepLists
+from .executor import StepResult
+from .model_runner import ModelRunner
+
+
+class WorkerDied(RuntimeError):
+    """A worker process ended while the engine needed it; the message names the rank and how it ended."""
+
+
+class Worker(Protocol):
+    runner: ModelRunner           # rank 0's, in this process (tests and benchmarks look inside it)
+    device: torch.device          # where forward's outputs and sample's inputs live
+    num_pages: int                # pages of every rank's KV pool (page 0 reserved), the allocator's size
+    tokens_from_device: bool      # whether forward takes tokens_from (overlapped decode)
+
+    def forward(self, lists: StepLists, tokens_from: torch.Tensor | None = None) -> StepResult:
+        """Runs the step on every rank; rank 0's outputs (see ModelRunner.forward)."""
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch, allowed: torch.Tensor | None = None
+               ) -> SamplerOutput:
+        """Draws each row's token from rank 0's logits."""
+
+    def host_mirror(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Host memory the step that made ``tokens`` also wrote them to, if any."""
+
+    def check(self) -> None:
+        """Raises ``WorkerDied`` if a rank has ended; cheap enough for an idle loop."""
+
+    def close(self) -> None:
+        """Stops the ranks; idempotent."""
+
+
+@dataclass(frozen=True)
+class RankConfig:
+    """What every rank needs to build its model runner: plain values, which the worker processes
+    receive once, when they start."""
+
+    artifact_path: str
+    device: str                       # rank 0's; rank i runs on the i-th device after it (rank_device)
+    num_pages: int
+    decode_buckets: tuple[int, ...]
+    prefill_graphs: bool
+    world_size: int = 1
+
+    def rank_device(self, rank: int) -> torch.device:
+        device = torch.device(self.device)
+        if device.type != "cuda":
+            return device  # CPU ranks share the host
+        return torch.device("cuda", (device.index or 0) + rank)
+
+    def build_runner(self, artifact: Artifact, rank: int) -> ModelRunner:
+        return ModelRunner(artifact, self.rank_device(rank), self.num_pages, self.decode_buckets, self.prefill_graphs)
+
+
+class LocalWorker:
+    """One rank, in this process: the model runner's methods themselves."""
+
+    tokens_from_device = True
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.device = runner.device
+        self.num_pages = runner.pool.num_pages
+        # Bound once: the core's call is then the runner's call, with no wrapper between.
+        self.forward = runner.forward
+        self.sample = runner.sample
+        self.host_mirror = runner.host_mirror
+
+    def check(self) -> None:
+        pass  # nothing outside this process to lose
+
+    def close(self) -> None:
+        pass  # the runner's memory goes with the last reference to it
