@@ -1,10 +1,10 @@
 """GEMMs reading a quantized weight: the ``ref_`` torch versions of every linear-family op, one
 implementation per weight scheme (``torch.linear.int8_channel``, ...), picked by the weight's format.
 
-The weight is dequantized (``quantize.dequantize``: per output channel, or per MX block of 32) into
-the activation dtype; an op whose ``act_quant`` is set first rounds the GEMM's input per token
-(``quantize.quantize_rows``), as a W8A8 kernel that quantizes its activations at run time sees them;
-then the plain op's reference runs. They run everywhere and are what faster kernels are tested against.
+The weight is dequantized (``quantize.dequantize``: per output channel, or per MX block of 32); an
+op whose ``act_quant`` is set first rounds the GEMM's input per token (``quantize.quantize_rows``), as
+a W8A8 kernel that quantizes its activations at run time sees them; the GEMM runs in f32 and its
+result is rounded to the activation dtype, where the plain op's reference would round it. They run everywhere and are what faster kernels are tested against.
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ Scales = tuple[torch.Tensor, ...]
 
 def ref_quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scales: Scales,
                          scheme: QuantScheme, act_quant: str | None = None) -> torch.Tensor:
-    if act_quant is not None:
-        x = quantize_rows(x, act_quant).to(x.dtype)
-    return ref_linear(x, dequantize(weight, scales, scheme).to(x.dtype), bias)
+    """In f32, rounded to x's dtype once at the end: a quantized GEMM multiplies the 8-bit values
+    exactly (integer or f32 accumulation) and applies the scales in f32, never in bf16."""
+    x32 = x.float() if act_quant is None else quantize_rows(x, act_quant)
+    bias32 = None if bias is None else bias.float()
+    return ref_linear(x32, dequantize(weight, scales, scheme), bias32).to(x.dtype)
 
 
 def _linear(x, weight, bias=None, *, out, weight_scales, scheme, act_quant=None):
