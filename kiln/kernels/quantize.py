@@ -73,8 +73,13 @@ def _mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, Scales]:
 
 
 def _mxfp4_decode(stored: torch.Tensor, scales: Scales) -> torch.Tensor:
+    """E2M1 read from its bits (exponent ``code >> 1 & 3``, mantissa ``code & 1``; exponent 0 is
+    subnormal) rather than by indexing ``E2M1``: no host tensor, so it runs on any device and in a
+    CUDA graph."""
     codes = torch.stack((stored & 15, stored >> 4), dim=-1).reshape(*stored.shape[:-1], -1).long()
-    values = E2M1[codes & 7] * (1 - 2 * (codes >> 3))
+    exponent, mantissa = ((codes >> 1) & 3).float(), (codes & 1).float()
+    magnitude = torch.where(exponent == 0, 0.5 * mantissa, torch.exp2(exponent - 1) * (1 + 0.5 * mantissa))
+    values = magnitude * (1 - 2 * (codes >> 3))
     blocks = values.reshape(*values.shape[:-1], -1, MX_BLOCK) * torch.exp2(scales[0].float() - 127)[..., None]
     return blocks.reshape(values.shape)
 

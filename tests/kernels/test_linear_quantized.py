@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from kiln.ir.types import DType, TensorType
 from kiln.ir.weights import SCHEMES, QuantizedType, WeightFormat
 from kiln.kernels import get_impl, select_impl
-from kiln.kernels.quantize import E2M1, quantize
+from kiln.kernels.quantize import E2M1, dequantize, quantize
 
 T, K, N = 5, 96, 7  # odd rows and outputs; K a whole number of MX blocks
 EPS = 1e-5
@@ -99,3 +99,12 @@ def test_bf16_activations_read_the_weight_in_bf16():
     expected = F.linear(_activations(x.float(), "int8_per_token"), w)
     # bf16 rounds the dequantized weight, the activations and the output: a few ulps of the outputs' scale.
     torch.testing.assert_close(out.float(), expected, rtol=0, atol=2e-2 * expected.abs().max().item())
+
+
+def test_mxfp4_decodes_every_byte_to_its_e2m1_pair():
+    # Bytes 0-255 hold every (low, high) pair of codes; scale exponent 127 is 2^0.
+    stored = torch.arange(256, dtype=torch.uint8).reshape(1, 256)
+    values = dequantize(stored, (torch.full((1, 16), 127, dtype=torch.uint8),), SCHEMES["mxfp4"])
+    low, high = stored.long() & 15, stored.long() >> 4
+    expected = torch.stack([E2M1[c & 7] * (1 - 2 * (c >> 3)) for c in (low, high)], dim=-1).reshape(1, 512)
+    assert torch.equal(values, expected)
