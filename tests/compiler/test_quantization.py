@@ -67,3 +67,13 @@ def test_each_method_runs_near_the_unquantized_logits(source, tmp_path, method):
     error = (quantized - reference).norm() / reference.norm()
     assert error < BOUNDS[method], f"{method}: relative logit error {error:.4f}"
     assert error > 0  # the weights really were quantized
+
+
+def test_the_engine_compiles_with_a_quantization(source, tmp_path, monkeypatch):
+    from kiln import Engine, SamplingParams
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
+    with Engine(str(source), device="cpu", max_seq_len=64, kv_cache_tokens=256, quantization="mxfp4") as engine:
+        manifest = json.loads((engine.artifact_path / "manifest.json").read_text())
+        assert len(engine.generate([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=4)).token_ids) == 4
+    assert manifest["options"]["quantization"] == "mxfp4"
