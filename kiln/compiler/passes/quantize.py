@@ -19,9 +19,8 @@ quantized kernels by the weight's format.
 
 from __future__ import annotations
 
-from kiln.ir import Graph, Node, Param, get_op, make_node
+from kiln.ir import Graph, Param, get_op, make_node
 
-from ..quantization import QuantizationMethod
 from .base import PassContext
 from .patterns import Match, Replacement, Rule, op, rewrite
 

@@ -61,8 +61,8 @@ EXPECTED_W8A8 = dedent("""
 def test_w8a8_quantizes_every_gemm_but_the_lm_head():
     ctx = PassContext(quantization=get_method("w8a8_int8"))
     assert run(quantize, BEFORE, ctx) == EXPECTED_W8A8
-    fmt = lambda name: WeightFormat(SCHEMES["int8_channel"], (f"{name}.q.scale",))  # noqa: E731
-    assert ctx.recipes == [Quantize(f"{n}.q", n, fmt(n)) for n in ("wqkv", "wo", "wgu", "wd")]
+    assert ctx.recipes == [Quantize(f"{n}.q", n, WeightFormat(SCHEMES["int8_channel"], (f"{n}.q.scale",)))
+                           for n in ("wqkv", "wo", "wgu", "wd")]
 
 
 def test_a_weight_two_gemms_read_is_quantized_once():
