@@ -50,8 +50,9 @@ def test_quantized_artifacts_store_fewer_bytes(source, tmp_path):
     manifest = json.loads((int8 / "manifest.json").read_text())
     assert manifest["options"]["quantization"] == "w8a16_int8"
     assert "torch.rmsnorm_linear.int8_channel" in manifest["kernels"]
-    assert "format=int8_channel(@model.layers.0.self_attn.q_k_v_proj.weight.q.scale)" in \
-        (int8 / "graph.txt").read_text()
+    graph = (int8 / "graph.txt").read_text()
+    assert "format=int8_channel(@model.layers.0.self_attn.q_k_v_proj.weight.q.scale)" in graph
+    assert "param @lm_head.weight: bf16[32, 128]" in graph  # the untied lm_head stays plain
 
 
 def _logits(artifact: Path) -> torch.Tensor:

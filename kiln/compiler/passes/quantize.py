@@ -8,9 +8,9 @@ Before:  %y = linear_residual(%x, @l.o.weight, %r)
 After:   %y = linear_residual(%x, @l.o.weight.q, %r) {act_quant="int8_per_token"}
          param @l.o.weight.q: i8[8, 16] format=int8_channel(@l.o.weight.q.scale)
 
-Left plain: the embedding (not a GEMM), the lm_head (the GEMM that makes a graph output: the logits
-decide every sampled token, and at 135M-8B parameters it is a small share of the bytes only where
-it is also the tied embedding, which stays plain anyway), any weight something other than the
+Left plain: the embedding (not a GEMM), the lm_head (the GEMM the step's ``logits`` output comes
+from, through a cast: the logits decide every sampled token, and a tied lm_head is the embedding
+table, which stays plain anyway), any weight something other than the
 method's ops reads (a tied embedding) and weights whose shape the scheme cannot hold (an MXFP4 row
 that is no whole number of blocks of 32). Runs after the fusions, which join plain weights by
 ``Concat`` recipes the ``Quantize`` recipe then reads, and before kernel selection, which picks the
@@ -19,7 +19,8 @@ quantized kernels by the weight's format.
 
 from __future__ import annotations
 
-from kiln.ir import Graph, Param, get_op, make_node
+from kiln.ir import Graph, Node, Param, get_op, make_node
+from kiln.step_schema import LOGITS
 
 from .base import PassContext
 from .patterns import Match, Replacement, Rule, op, rewrite
@@ -30,14 +31,14 @@ def quantize(graph: Graph, ctx: PassContext) -> Graph:
     if method is None:
         return graph
     users = graph.users()
+    head = _lm_head(graph, method.ops)
     done: dict[str, Param] = {}  # a weight several GEMMs read is quantized once
 
     def build(m: Match) -> Replacement | None:
         node = m.root
         index = get_op(node.op).inputs.index("weight")
         weight = graph.params.get(node.inputs[index])
-        if (weight is None or weight.format.quantized or weight.type.rank != 2
-                or any(out in graph.outputs for out in node.outputs)
+        if (weight is None or weight.format.quantized or weight.type.rank != 2 or node is head
                 or any(user.op not in method.ops for user in users[weight.name])):
             return None
         params: tuple[Param, ...] = ()
@@ -59,3 +60,15 @@ def quantize(graph: Graph, ctx: PassContext) -> Graph:
     read = {value for node in result.nodes for value in node.inputs}
     return result.replace(params={name: p for name, p in result.params.items()
                                   if name not in done or name in read})
+
+
+def _lm_head(graph: Graph, gemms: tuple[str, ...]) -> Node | None:
+    """The GEMM the ``logits`` output comes from: followed back from that output through the first
+    input of the ops between (the cast to f32); None when the graph has no logits or no GEMM makes them."""
+    if LOGITS.name not in graph.outputs:
+        return None
+    producers = graph.producers()
+    node = producers.get(LOGITS.name)
+    while node is not None and node.op not in gemms:
+        node = producers.get(node.inputs[0]) if node.inputs else None
+    return node

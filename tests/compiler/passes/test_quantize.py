@@ -84,10 +84,12 @@ def test_weight_only_methods_set_no_act_quant_and_mxfp4_packs_two_values_a_byte(
 
 
 def test_an_untied_lm_head_stays_plain_and_rows_mxfp4_cannot_hold_too():
-    untied = BEFORE.replace("param @ln1: f32[32]", "param @ln1: f32[32]\n  param @head: f32[40, 32]") \
-        .replace("linear(%r2, @emb)", "linear(%r2, @head)")
-    assert "%logits = linear(%r2, @head) : f32[T, 40]" in run(quantize, untied,
-                                                              PassContext(quantization=get_method("fp8")))
+    # As the models build it: the final norm joined to the head, then a cast of its output to f32.
+    untied = BEFORE.replace("param @ln1: f32[32]", "param @ln1: f32[32]\n  param @head: f32[40, 32]").replace(
+        "%logits = linear(%r2, @emb) : f32[T, 40]",
+        "%lm = rmsnorm_linear(%r2, @ln1, @head) {eps=1e-05} : f32[T, 40]\n  %logits = cast(%lm) {dtype=\"f32\"} : f32[T, 40]")
+    after = run(quantize, untied, PassContext(quantization=get_method("fp8")))
+    assert "%lm = rmsnorm_linear(%r2, @ln1, @head) {eps=1e-05} : f32[T, 40]" in after
     # 48 in-features are no whole number of MX blocks of 32: @wd stays plain, the rest is quantized.
     odd = BEFORE.replace("@wd: f32[32, 64]", "@wd: f32[32, 48]").replace("@wgu: f32[128, 32]", "@wgu: f32[96, 32]") \
         .replace("%gu = linear(%r1, @wgu) : f32[T, 128]", "%gu = linear(%r1, @wgu) : f32[T, 96]")
