@@ -52,6 +52,8 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=256, help="sequences in one step (default 256)")
     p.add_argument("--max-seq-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens (default 16)")
+    p.add_argument("--quantization", default=None, type=_quantization, metavar="SCHEME",
+                   help="quantize the GEMMs' weights: fp8, w8a8_int8, w8a16_int8 or mxfp4 (default: none)")
 
 
 def add_tuning_options(p: argparse.ArgumentParser, skip_pass: bool = True) -> None:
@@ -85,6 +87,16 @@ def _kernel_setting(text: str) -> tuple[str, Any]:
     return name, value
 
 
+def _quantization(name: str) -> str:
+    from kiln.compiler.quantization import get_method
+
+    try:
+        get_method(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name
+
+
 def _pass_name(name: str) -> str:
     from kiln.compiler.pipeline import selected_passes
 
@@ -104,7 +116,8 @@ def compile_options_from(args: argparse.Namespace):
 
         backend = "triton" if torch.cuda.is_available() else "torch"
     return CompileOptions(dtype=args.dtype, backend=backend, max_batch_tokens=args.max_batch_tokens,
-                          max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, page_size=args.page_size)
+                          max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, page_size=args.page_size,
+                          quantization=args.quantization)
 
 
 def _run_compile(args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ from .codegen.program import generate_program
 from .options import CompileOptions
 from .passes.base import PassContext
 from .pipeline import run_pipeline
+from .quantization import get_method
 from .sources.hf import ModelSource, load_hf_dir
 from .weights import WeightStore
 
@@ -59,7 +60,8 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
         "N": options.max_logit_rows or options.max_batch_size,
         "P": -(-max_seq_len // options.page_size),
     }
-    ctx = PassContext(backend=options.backend, symbol_bounds=bounds)
+    quantization = None if options.quantization is None else get_method(options.quantization)
+    ctx = PassContext(backend=options.backend, symbol_bounds=bounds, quantization=quantization)
     graph, pass_log = run_pipeline(built.graph, ctx, dump_dir=dump_ir, skip=options.skip_passes)
 
     store = WeightStore(source.tensors, built.computed, ctx.recipes, str(source.path))

@@ -9,6 +9,7 @@ from kiln.kernels.registry import BACKENDS
 from kiln.step_schema import OPTIONAL_OUTPUTS, STEP_SCHEMA, StepField, StepSchema
 
 from .pipeline import selected_passes
+from .quantization import get_method
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class CompileOptions:
     step_outputs: tuple[str, ...] = ()
     kernel_config: KernelConfig = DEFAULTS  # the kernels' tunables, recorded in the manifest
     skip_passes: tuple[str, ...] = ()  # pipeline passes left out, for experiments (pipeline.run_pipeline)
+    quantization: str | None = None  # a method of kiln.compiler.quantization.METHODS (fp8, w8a8_int8, ...)
 
     def validate(self) -> None:
         for name in ("max_batch_tokens", "max_batch_size", "page_size"):
@@ -41,6 +43,8 @@ class CompileOptions:
         if not isinstance(self.kernel_config, KernelConfig):
             raise ValueError(f"kernel_config must be a KernelConfig, got {type(self.kernel_config).__name__}")
         selected_passes(self.skip_passes)
+        if self.quantization is not None:
+            get_method(self.quantization)
 
     def step_schema(self) -> StepSchema:
         unknown = [name for name in self.step_outputs if name not in OPTIONAL_OUTPUTS]

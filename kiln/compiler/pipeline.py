@@ -4,7 +4,10 @@ Transforms rewrite the graph; analyses (kernel selection, memory planning) leave
 the context for codegen. The order matters: the linear fusions must see the unfused projections,
 silu·mul must see the split the gate/up fusion made, the residual adds must join their GEMMs
 before silu·mul joins the down GEMM and the norms join theirs, rope+KV store must see the q/k norms before
-anything else touches them (and joins the attention after that), and planning runs last on the final graph.
+anything else touches them (and joins the attention after that), quantization sees the GEMMs as they will
+run (fused weights are quantized once, whole) and comes before dead-code elimination (which drops the
+plain weights it leaves unread) and kernel selection (which picks kernels by the weight's format), and
+planning runs last on the final graph.
 
 Experiments leave passes out by name (``CompileOptions.skip_passes``, ``kiln compile --skip-pass``);
 the list itself never changes, and the passes the artifact needs (``REQUIRED``) cannot be skipped.
@@ -29,6 +32,7 @@ from .passes.fuse_rope_kv_store import fuse_rope_kv_store
 from .passes.fuse_silu_mul import fuse_silu_mul
 from .passes.fuse_silu_mul_linear import fuse_silu_mul_linear
 from .passes.plan_memory import plan_memory
+from .passes.quantize import quantize
 from .passes.select_kernels import select_kernels
 
 
@@ -47,6 +51,7 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("fuse_add_rmsnorm", fuse_add_rmsnorm),
     ("fuse_rope_kv_store", fuse_rope_kv_store),
     ("fuse_rope_attention", fuse_rope_attention),
+    ("quantize", quantize),
     ("dce", eliminate_dead_code),
     ("select_kernels", select_kernels),
     ("plan_memory", plan_memory),

@@ -17,7 +17,7 @@ import torch
 
 from kiln.ir.weights import WeightFormat
 
-from .quantize import quantize
+from kiln.kernels.quantize import quantize
 
 
 @dataclass(frozen=True)

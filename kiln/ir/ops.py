@@ -85,7 +85,8 @@ class OpDef:
         return sum(1 for name in self.inputs if not name.endswith("?"))
 
     def normalize_attrs(self, attrs: Mapping[str, Any]) -> dict[str, Any]:
-        """Checks ``attrs`` against the schema and fills in defaults; lists become tuples."""
+        """Checks ``attrs`` against the schema and fills in defaults (but a None default: then the
+        attribute is left out); lists become tuples."""
         unknown = set(attrs) - set(self.attrs)
         if unknown:
             raise IRTypeError(f"{self.name}: unknown attribute(s) {sorted(unknown)}; expected {sorted(self.attrs)}")
@@ -97,6 +98,8 @@ class OpDef:
                 raise IRTypeError(f"{self.name}: attribute {key!r} is required")
             else:
                 value = spec.default
+            if value is None and spec.default is None:
+                continue  # an optional attribute left unset is absent: not printed, not passed to kernels
             if value is not None and not _ATTR_CHECKS[spec.kind](value):
                 raise IRTypeError(f"{self.name}: attribute {key}={value!r} is not of kind {spec.kind}")
             if isinstance(value, list):

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 
 from .ops import AttrSpec, OpDef, expect, expect_int, expect_rank, expect_same, register_op
 from .types import DType, TensorType, same_dim
-from .weights import QuantizedType
+from .weights import ACT_QUANT, QuantizedType
 
 Types = Sequence[TensorType]
 Attrs = Mapping[str, Any]
@@ -47,7 +47,8 @@ def _unary(t: Types, a: Attrs) -> tuple[TensorType, ...]:
 
 def infer_linear(t: Types, a: Attrs) -> tuple[TensorType, ...]:
     """A quantized weight is read as the weight its format encodes (its logical shape, in x's dtype);
-    a plain one must have x's dtype."""
+    a plain one must have x's dtype. ``act_quant`` (per-token activation quantization) goes with a
+    quantized weight only."""
     x, w = t[0], t[1]
     expect_rank("linear", "x", x, 2)
     expect_rank("linear", "weight", w, 2)
@@ -55,6 +56,9 @@ def infer_linear(t: Types, a: Attrs) -> tuple[TensorType, ...]:
     expect(same_dim(x.shape[1], in_features), f"linear: x {x} and weight {w} disagree on in-features")
     expect(isinstance(w, QuantizedType) or x.dtype == w.dtype,
            f"linear: x {x} and weight {w} differ in dtype (a weight stored in another dtype needs a quantized format)")
+    act_quant = a.get("act_quant")
+    expect(act_quant is None or (act_quant in ACT_QUANT and isinstance(w, QuantizedType)),
+           f"linear: act_quant={act_quant!r} needs a quantized weight and one of {', '.join(ACT_QUANT)}")
     if len(t) == 3:
         bias = t[2]
         expect(bias.rank == 1 and same_dim(bias.shape[0], out_features),
@@ -150,7 +154,9 @@ register_op(OpDef("rmsnorm", ("x", "weight"), {"eps": AttrSpec("float")}, infer_
 register_op(OpDef("add", ("a", "b"), {}, _elementwise_binary("add")))
 register_op(OpDef("mul", ("a", "b"), {}, _elementwise_binary("mul")))
 register_op(OpDef("silu", ("x",), {}, _unary))
-register_op(OpDef("linear", ("x", "weight", "bias?"), {}, infer_linear, quantized=("weight",),
+# The linear family's attribute: how it treats activations beside a quantized weight (unset: as they are).
+LINEAR_ATTRS = {"act_quant": AttrSpec("str", None)}
+register_op(OpDef("linear", ("x", "weight", "bias?"), LINEAR_ATTRS, infer_linear, quantized=("weight",),
                   doc="x @ weight.T (+ bias)"))
 register_op(OpDef("reshape", ("x",), {"shape": AttrSpec("dims")}, _reshape, aliases=(0,), doc="a view with another shape"))
 register_op(OpDef("split", ("x",), {"sizes": AttrSpec("ints")}, _split, num_outputs=None, aliases=(0,),

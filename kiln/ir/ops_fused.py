@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from .ops import AttrSpec, OpDef, expect, expect_rank, expect_same, register_op
-from .ops_core import infer_kv_store, infer_linear, infer_paged_attention, infer_rmsnorm, infer_rope
+from .ops_core import LINEAR_ATTRS, infer_kv_store, infer_linear, infer_paged_attention, infer_rmsnorm, infer_rope
 from .types import TensorType
 
 
@@ -81,12 +81,12 @@ register_op(OpDef(
 def _rmsnorm_linear(t: Sequence[TensorType], a: Mapping[str, Any]) -> tuple[TensorType, ...]:
     x, norm_weight, weight = t[:3]
     (normed,) = infer_rmsnorm((x, norm_weight), a)
-    return infer_linear((normed,) + tuple(t[2:]), {})
+    return infer_linear((normed,) + tuple(t[2:]), a)
 
 
 def _linear_residual(t: Sequence[TensorType], a: Mapping[str, Any]) -> tuple[TensorType, ...]:
     x, weight, residual = t
-    (y,) = infer_linear((x, weight), {})
+    (y,) = infer_linear((x, weight), a)
     expect_same("linear_residual", y, residual)
     return (y,)
 
@@ -101,17 +101,17 @@ def _silu_mul_linear_residual(t: Sequence[TensorType], a: Mapping[str, Any]) -> 
 
 
 register_op(OpDef(
-    "rmsnorm_linear", ("x", "norm_weight", "weight", "bias?"), {"eps": AttrSpec("float")},
+    "rmsnorm_linear", ("x", "norm_weight", "weight", "bias?"), {"eps": AttrSpec("float"), **LINEAR_ATTRS},
     _rmsnorm_linear, quantized=("weight",), doc="linear(rmsnorm(x, norm_weight), weight, bias)",
 ))
 # Their output may take over the residual's storage (the residual stream is read last here): then no
 # copy of the residual into a fresh output precedes cuBLAS's beta=1 GEMM.
 register_op(OpDef(
-    "linear_residual", ("x", "weight", "residual"), {}, _linear_residual, reuses=(2,), quantized=("weight",),
+    "linear_residual", ("x", "weight", "residual"), LINEAR_ATTRS, _linear_residual, reuses=(2,), quantized=("weight",),
     doc="add(linear(x, weight), residual)",
 ))
 register_op(OpDef(
-    "silu_mul_linear_residual", ("gate_up", "weight", "residual"), {}, _silu_mul_linear_residual, reuses=(2,),
+    "silu_mul_linear_residual", ("gate_up", "weight", "residual"), LINEAR_ATTRS, _silu_mul_linear_residual, reuses=(2,),
     quantized=("weight",),
     doc="gate, up = split(gate_up, 2 halves); add(linear(silu_mul(gate, up), weight), residual)",
 ))

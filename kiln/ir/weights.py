@@ -27,7 +27,7 @@ class QuantScheme:
     """A quantization scheme. ``storage`` is the dtype of the stored values, ``pack`` how many values
     one stored element holds along the last axis (two 4-bit values a byte). Each row has one scale
     of ``scale_dtype`` per ``block`` values along the last axis, or one per row (per output channel)
-    when ``block`` is None. ``kiln/compiler/quantize.py`` holds each scheme's reference encoding."""
+    when ``block`` is None. ``kiln/kernels/quantize.py`` holds each scheme's reference encoding."""
 
     name: str
     storage: DType
@@ -65,6 +65,11 @@ SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (
     QuantScheme("fp8_channel", DType.f8e4m3, DType.f32),
     QuantScheme("mxfp4", DType.u8, DType.u8, block=32, pack=2),
 )}
+
+
+# How a linear-family op treats its activations beside a quantized weight (its ``act_quant``
+# attribute; unset: as they are): quantized per token (row) at run time, each by its own scale.
+ACT_QUANT = ("int8_per_token", "fp8_per_token")
 
 
 def get_scheme(name: str) -> QuantScheme:

@@ -5,7 +5,7 @@ quantized parameter through its recipe."""
 import pytest
 import torch
 
-from kiln.compiler.quantize import dequantize, quantize
+from kiln.kernels.quantize import dequantize, quantize
 from kiln.compiler.recipes import Concat, Quantize, Slice, apply_recipes, source_names
 from kiln.compiler.sources.hf import MemoryTensors, SourceError
 from kiln.compiler.weights import WeightStore

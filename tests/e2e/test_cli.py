@@ -50,6 +50,17 @@ def test_compile_takes_a_kernel_config_and_skipped_passes(tmp_path):
     assert unknown.returncode == 2 and "no such pass; passes: verify, fuse_linears" in unknown.stderr
 
 
+def test_compile_takes_a_quantization(tmp_path):
+    source = make_hf_model("llama3", tmp_path / "src")
+    out = tmp_path / "m.kiln"
+    result = kiln("compile", str(source), "-o", str(out), "--backend", "torch", "--quantization", "w8a8_int8")
+    assert result.returncode == 0, result.stderr
+    assert json.loads((out / "manifest.json").read_text())["options"]["quantization"] == "w8a8_int8"
+    unknown = kiln("compile", str(source), "-o", str(tmp_path / "q4.kiln"), "--quantization", "q4_k")
+    assert unknown.returncode == 2 and "Traceback" not in unknown.stderr
+    assert "unknown quantization 'q4_k'; supported: fp8, w8a8_int8, w8a16_int8, mxfp4" in unknown.stderr
+
+
 def test_chat_one_shot(artifact):
     result = kiln("chat", str(artifact), "--prompt", "What is the capital of France?", "--max-new-tokens", "30",
                   "--kv-cache-tokens", "4096")

@@ -118,3 +118,19 @@ def test_linear_refuses_a_plain_dtype_mismatch():
     w = b.param("w", TensorType((16, 64), DType.i8))
     with pytest.raises(IRTypeError, match="differ in dtype .a weight stored in another dtype needs a quantized format"):
         b.op("linear", x, w)
+
+
+def test_act_quant_goes_with_a_quantized_weight_and_is_absent_when_unset():
+    b = GraphBuilder("g")
+    x = b.input("x", TensorType(("T", 64), DType.bf16))
+    b.param("w.s", TensorType((16,), DType.f32))
+    w = b.param("w", TensorType((16, 64), DType.i8), WeightFormat(SCHEMES["int8_channel"], ("w.s",)))
+    plain = b.param("p", TensorType((16, 64), DType.bf16))
+    b.output(b.op("linear", x, w, name="y", act_quant="int8_per_token"), b.op("linear", x, plain, name="z"))
+    text = print_graph(b.build())
+    assert '%y = linear(%x, @w) {act_quant="int8_per_token"} : bf16[T, 16]' in text
+    assert "%z = linear(%x, @p) : bf16[T, 16]" in text  # unset: not printed, not passed to kernels
+    assert print_graph(parse_graph(text)) == text and print_graph(loads(dumps(parse_graph(text)))) == text
+    for act_quant, weight in (("int8_per_token", plain), ("int4_per_group", w)):
+        with pytest.raises(IRTypeError, match="needs a quantized weight and one of int8_per_token, fp8_per_token"):
+            b.op("linear", x, weight, act_quant=act_quant)

@@ -47,9 +47,11 @@ def generate_program(graph: Graph, kernel_choice: list[str], plan: MemoryPlan) -
     lines += ["", "    def step(W, X, A, S):"]
     if symbols:
         lines.append(f"        {', '.join(symbols)} = {', '.join(f'S[{s!r}]' for s in symbols)}")
+    scales = {name: p.format.scales for name, p in graph.params.items() if p.format.quantized}
     for index, (node, impl_name) in enumerate(zip(graph.nodes, kernel_choice)):
         lines.append(f"        # {node.op} -> {', '.join(f'{o}: {t}' for o, t in zip(node.outputs, node.types))}")
-        lines.extend("        " + line for line in _node_lines(node, impl_name, kernel_locals[impl_name], idents, plan))
+        lines.extend("        " + line
+                     for line in _node_lines(node, impl_name, kernel_locals[impl_name], idents, plan, scales))
     outputs = ", ".join(f"{name!r}: {idents.ref(name)}" for name in graph.outputs)
     lines += [f"        return {{{outputs}}}", "", "    return step", ""]
     return "\n".join(lines)
@@ -60,13 +62,17 @@ def _aliases_only(node) -> bool:
     return all(opdef.output_alias(i) is not None for i in range(len(node.outputs)))
 
 
-def _node_lines(node, impl_name: str, kernel: str, idents: "_Identifiers", plan: MemoryPlan) -> list[str]:
+def _node_lines(node, impl_name: str, kernel: str, idents: "_Identifiers", plan: MemoryPlan,
+                scales: dict[str, tuple[str, ...]]) -> list[str]:
     """The lines of one node. Three kinds of outputs: fresh ones get their planned arena view passed
     as ``out=``; in-place updates (an op with an effect returning an input) are that input, so they
-    are bound to it; views of an input (reshape, split) are what the kernel returns."""
+    are bound to it; views of an input (reshape, split) are what the kernel returns. A quantized
+    weight's scales (``scales``: by weight) go along as ``{input}_scales=(...)``."""
     opdef = get_op(node.op)
     args = [idents.ref(i) for i in node.inputs]
     kwargs = [f"{k}={v!r}" for k, v in node.attrs.items()]
+    kwargs += [f"{name.rstrip('?')}_scales=({''.join(idents.ref(s) + ', ' for s in scales[value])})"
+               for name, value in zip(opdef.inputs, node.inputs) if value in scales]
     if not impl_name.startswith(GENERATED_KERNEL_PREFIX) and get_impl(impl_name).wants_sizes:
         kwargs.append("sizes=S")
     if _aliases_only(node) and not opdef.has_effect:

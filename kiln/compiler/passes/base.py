@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from kiln.ir import Graph
 
+from ..quantization import QuantizationMethod
 from ..recipes import Recipe
 
 
@@ -20,6 +21,7 @@ class PassContext:
     backend: str = "torch"
     symbol_bounds: dict[str, int] = field(default_factory=dict)
     recipes: list[Recipe] = field(default_factory=list)
+    quantization: QuantizationMethod | None = None  # what the quantize pass applies (None: nothing)
     # Results of the analysis passes, read by codegen and the manifest.
     kernel_choice: list[str] = field(default_factory=list)
     generated_kernels: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (op, source)

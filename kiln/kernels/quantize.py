@@ -1,9 +1,13 @@
-"""Reference quantizers: each scheme of ``kiln.ir.weights.SCHEMES`` encoded and decoded once, in torch.
+"""Reference quantizers: each scheme of ``kiln.ir.weights.SCHEMES`` encoded and decoded once, in torch,
+and the per-token activation quantization of ``kiln.ir.weights.ACT_QUANT``.
 
 ``quantize(weight, scheme)`` gives the stored values and the scale tensors the scheme's format names
-(the ``Quantize`` weight recipe calls it at compile time); ``dequantize`` reads them back, which is
-what a kernel reading a quantized weight must compute. Rows are every axis but the last; the 8-bit
-schemes scale each row by its largest magnitude, mxfp4 each block of 32 values of a row.
+(the compiler's ``Quantize`` weight recipe calls it at compile time); ``dequantize`` reads them back,
+which is what a kernel reading a quantized weight must compute. Rows are every axis but the last; the
+8-bit schemes scale each row by its largest magnitude, mxfp4 each block of 32 values of a row.
+``quantize_rows`` rounds activations the way a W8A8 GEMM sees them (each token scaled by its own
+largest magnitude at run time). They live with the kernels because the runtime, which never imports
+the compiler, runs the ``ref_`` kernels built on them.
 """
 
 from __future__ import annotations
@@ -28,6 +32,14 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, S
 def dequantize(stored: torch.Tensor, scales: Scales, scheme: QuantScheme) -> torch.Tensor:
     """The f32 weight ``stored`` and ``scales`` encode."""
     return _SCHEMES[scheme.name][1](stored, scales)
+
+
+def quantize_rows(x: torch.Tensor, act_quant: str) -> torch.Tensor:
+    """``x`` quantized per row (token) to ``act_quant``'s 8-bit type and read back, in f32: what a GEMM
+    that quantizes its activations dynamically computes with."""
+    scheme = _ACTIVATIONS[act_quant]
+    stored, scales = _SCHEMES[scheme][0](x.float())
+    return _per_channel_decode(stored, scales)
 
 
 def _per_channel(limit: float, dtype: torch.dtype) -> Callable[[torch.Tensor], tuple[torch.Tensor, Scales]]:
@@ -61,8 +73,13 @@ def _mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, Scales]:
 
 
 def _mxfp4_decode(stored: torch.Tensor, scales: Scales) -> torch.Tensor:
+    """E2M1 read from its bits (exponent ``code >> 1 & 3``, mantissa ``code & 1``; exponent 0 is
+    subnormal) rather than by indexing ``E2M1``: no host tensor, so it runs on any device and in a
+    CUDA graph."""
     codes = torch.stack((stored & 15, stored >> 4), dim=-1).reshape(*stored.shape[:-1], -1).long()
-    values = E2M1[codes & 7] * (1 - 2 * (codes >> 3))
+    exponent, mantissa = ((codes >> 1) & 3).float(), (codes & 1).float()
+    magnitude = torch.where(exponent == 0, 0.5 * mantissa, torch.exp2(exponent - 1) * (1 + 0.5 * mantissa))
+    values = magnitude * (1 - 2 * (codes >> 3))
     blocks = values.reshape(*values.shape[:-1], -1, MX_BLOCK) * torch.exp2(scales[0].float() - 127)[..., None]
     return blocks.reshape(values.shape)
 
@@ -72,3 +89,5 @@ _SCHEMES = {
     "fp8_channel": (_per_channel(torch.finfo(torch.float8_e4m3fn).max, torch.float8_e4m3fn), _per_channel_decode),
     "mxfp4": (_mxfp4, _mxfp4_decode),
 }
+# Per-token activations use the per-channel weight encoders: a token is a row of x as a channel is a row of w.
+_ACTIVATIONS = {"int8_per_token": "int8_channel", "fp8_per_token": "fp8_channel"}
