@@ -34,7 +34,6 @@ class StepLayout:
     def __init__(self, schema: StepSchema, capacity: dict[str, int], width: int) -> None:
         """``capacity``: the most entries along each axis; ``width``: each table row's columns."""
         self.schema = schema
-        self.capacity = capacity
         self.width = width
         self.offset: dict[str, int] = {}
         position = 0
