@@ -19,10 +19,14 @@ Attrs = Mapping[str, Any]
 
 
 def _embedding(t: Types, a: Attrs) -> tuple[TensorType, ...]:
-    ids, table = t
+    ids, table = t[:2]
     expect_int("embedding", "ids", ids)
     expect_rank("embedding", "ids", ids, 1)
     expect_rank("embedding", "table", table, 2)
+    if len(t) == 3:
+        row_start = t[2]
+        expect_int("embedding", "row_start", row_start)
+        expect(row_start.shape == (1,), f"embedding: row_start must be one index ([1]), got {row_start}")
     return (TensorType((ids.shape[0], table.shape[1]), table.dtype),)
 
 
@@ -148,7 +152,9 @@ def _cast(t: Types, a: Attrs) -> tuple[TensorType, ...]:
     return (t[0].with_dtype(DType(a["dtype"])),)
 
 
-register_op(OpDef("embedding", ("ids", "table"), {}, _embedding, doc="rows of table picked by ids"))
+register_op(OpDef("embedding", ("ids", "table", "row_start?"), {}, _embedding,
+                  doc="rows of table picked by ids; with row_start, the table holds the vocabulary's rows from "
+                      "row_start on (one rank's shard) and ids outside it give zero rows"))
 register_op(OpDef("rmsnorm", ("x", "weight"), {"eps": AttrSpec("float")}, infer_rmsnorm,
                   doc="weight * (x / rms(x)) over the last dim; the normalization in f32, the scaling in x's dtype"))
 register_op(OpDef("add", ("a", "b"), {}, _elementwise_binary("add")))
