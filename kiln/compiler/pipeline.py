@@ -1,7 +1,9 @@
 """The ordered pass list, and the loop that runs it, timing and optionally dumping the IR after each.
 
 Transforms rewrite the graph; analyses (kernel selection, memory planning) leave their results in
-the context for codegen. The order matters: the linear fusions must see the unfused projections,
+the context for codegen. The order matters: tensor-parallel sharding comes first, on the graph as
+the model wrote it (its patterns are the model's primitive ops), so the fusions see the sharded
+GEMMs and the collectives between them; the linear fusions must see the unfused projections,
 silu·mul must see the split the gate/up fusion made, the residual adds must join their GEMMs
 before silu·mul joins the down GEMM and the norms join theirs, rope+KV store must see the q/k norms before
 anything else touches them (and joins the attention after that), quantization sees the GEMMs as they will
@@ -34,6 +36,7 @@ from .passes.fuse_silu_mul_linear import fuse_silu_mul_linear
 from .passes.plan_memory import plan_memory
 from .passes.quantize import quantize
 from .passes.select_kernels import select_kernels
+from .passes.shard_tp import shard_tp
 
 
 def _verify(graph: Graph, ctx: PassContext) -> Graph:
@@ -43,6 +46,7 @@ def _verify(graph: Graph, ctx: PassContext) -> Graph:
 
 PIPELINE: list[tuple[str, Pass]] = [
     ("verify", _verify),
+    ("shard_tp", shard_tp),
     ("fuse_linears", fuse_linears),
     ("fuse_silu_mul", fuse_silu_mul),
     ("fuse_linear_residual", fuse_linear_residual),
@@ -56,8 +60,9 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("select_kernels", select_kernels),
     ("plan_memory", plan_memory),
 ]
-# Without these there is no checked graph, no kernel table or no memory plan to write.
-REQUIRED = frozenset({"verify", "select_kernels", "plan_memory"})
+# Without these there is no checked graph, no kernel table or no memory plan to write, or no rank's
+# shard of a tensor-parallel model.
+REQUIRED = frozenset({"verify", "shard_tp", "select_kernels", "plan_memory"})
 
 
 def selected_passes(skip: Sequence[str] = ()) -> list[tuple[int, str, Pass]]:

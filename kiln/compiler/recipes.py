@@ -2,8 +2,10 @@
 
 Passes never touch tensors. A pass that changes what a parameter holds records a recipe for it in
 ``PassContext.recipes``: fusing q/k/v a ``Concat`` of the three weights, a tensor-parallel shard a
-``Slice``, quantization a ``Quantize`` (which also makes the scales its format names). A recipe's
-inputs are checkpoint or computed tensors, or other recipes' outputs. The artifact writer asks
+``Shard`` (each rank's ``Slice``), quantization a ``Quantize`` (which also makes the scales its
+format names). A recipe's inputs are checkpoint or computed tensors, or other recipes' outputs.
+Every rank's weights come from the same recipes: ``for_rank`` turns each ``Shard`` into that
+rank's ``Slice`` before they are applied. The artifact writer asks
 ``apply_recipes`` for the final graph's parameters; it reads each source when first needed and
 yields the weights one at a time, so a compile holds a few tensors at once, not the model twice.
 """
@@ -65,6 +67,55 @@ class Slice:
 
 
 @dataclass(frozen=True)
+class Shard:
+    """``output``: one rank's part of ``source`` along ``axis``, cut into ``parts`` equal parts over
+    ``ranks`` ranks. Rank r holds part ``r * parts // ranks``: with as many parts as ranks each holds
+    its own; with fewer, each part is held by ``ranks // parts`` neighbouring ranks (KV heads
+    replicated when there are more ranks than heads)."""
+
+    output: str
+    source: str
+    axis: int
+    parts: int
+    ranks: int
+
+    def __post_init__(self) -> None:
+        if self.parts < 1 or self.ranks % self.parts:
+            raise ValueError(f"{self.output}: {self.parts} parts cannot be spread evenly over {self.ranks} ranks")
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return (self.source,)
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return (self.output,)
+
+    def for_rank(self, rank: int) -> Slice:
+        return Slice(self.output, self.source, self.axis, rank * self.parts // self.ranks, self.parts)
+
+
+@dataclass(frozen=True)
+class Constant:
+    """``output``: the int32 vector ``values`` (a value the passes compute, such as where each rank's
+    shard of the vocabulary starts)."""
+
+    output: str
+    values: tuple[int, ...]
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return ()
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return (self.output,)
+
+    def make(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return (torch.tensor(self.values, dtype=torch.int32),)
+
+
+@dataclass(frozen=True)
 class Quantize:
     """``output`` and the scales its ``format`` names: ``source`` quantized to ``format``."""
 
@@ -89,7 +140,12 @@ class Quantize:
         return (values, *scales)
 
 
-Recipe = Concat | Slice | Quantize
+Recipe = Concat | Slice | Shard | Constant | Quantize
+
+
+def for_rank(recipes: Sequence[Recipe], rank: int) -> list[Recipe]:
+    """The recipes that make rank ``rank``'s weights: each ``Shard`` as that rank's ``Slice``."""
+    return [recipe.for_rank(rank) if isinstance(recipe, Shard) else recipe for recipe in recipes]
 
 
 def apply_recipes(recipes: Sequence[Recipe], names: Iterable[str],

@@ -1,7 +1,7 @@
 """The weight store: makes each final-graph parameter's tensor from the checkpoint and the model's
-computed tensors through the passes' recipes (``recipes.apply_recipes``), checking each against its
-parameter's shape and casting a plain one to its dtype (a quantized one must come in its storage
-dtype: a cast would not quantize it)."""
+computed tensors through the passes' recipes (``recipes.apply_recipes``), one rank's at a time,
+checking each against its parameter's shape and casting a plain one to its dtype (a quantized one
+must come in its storage dtype: a cast would not quantize it)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from kiln.ir import Graph
 from kiln.tensors import torch_dtype
 
-from .recipes import Recipe, apply_recipes, source_names
+from .recipes import Recipe, apply_recipes, for_rank, source_names
 from .sources.hf import CheckpointTensors, SourceError
 
 
@@ -32,9 +32,9 @@ class WeightStore:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise SourceError(f"{self._source_name}: checkpoint lacks tensor(s) the model needs: {shown}")
 
-    def materialize(self, graph: Graph) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yields (name, tensor) for each parameter of ``graph``, one at a time."""
-        for name, tensor in apply_recipes(self._recipes, graph.params, self._read):
+    def materialize(self, graph: Graph, rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yields (name, tensor) for each parameter of ``graph`` as rank ``rank`` holds it, one at a time."""
+        for name, tensor in apply_recipes(for_rank(self._recipes, rank), graph.params, self._read):
             param = graph.params[name]
             expected = param.type.concrete_shape({})
             if tuple(tensor.shape) != expected:

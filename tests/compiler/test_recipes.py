@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kiln.kernels.quantize import dequantize, quantize
-from kiln.compiler.recipes import Concat, Quantize, Slice, apply_recipes, source_names
+from kiln.compiler.recipes import Concat, Constant, Quantize, Shard, Slice, apply_recipes, for_rank, source_names
 from kiln.compiler.sources.hf import MemoryTensors, SourceError
 from kiln.compiler.weights import WeightStore
 from kiln.ir import DType, GraphBuilder, TensorType
@@ -96,3 +96,20 @@ def test_the_weight_store_quantizes_through_a_recipe_and_never_by_a_cast():
     assert torch.equal(made["w.scale"], torch.tensor([2 / 127, 4 / 127]))
     with pytest.raises(SourceError, match="int8_channel weight 'w' comes as torch.float32"):
         dict(WeightStore(MemoryTensors({"w": source, "w.scale": torch.ones(2)}), {}, [], "src").materialize(graph))
+
+
+def test_shard_gives_each_rank_its_part_and_replicates_fewer_parts():
+    source = torch.arange(12.0).reshape(4, 3)
+    split = Shard("w.shard", "w", 0, 4, 4)
+    assert [split.for_rank(r) for r in range(2)] == [Slice("w.shard", "w", 0, 0, 4), Slice("w.shard", "w", 0, 1, 4)]
+    replicated = Shard("w.shard", "w", 0, 2, 4)  # 2 parts over 4 ranks: ranks 0-1 hold part 0, ranks 2-3 part 1
+    made = [dict(apply_recipes(for_rank([replicated], r), ["w.shard"], {"w": source}.get))["w.shard"]
+            for r in range(4)]
+    assert torch.equal(made[0], source[:2]) and torch.equal(made[1], source[:2]) and torch.equal(made[3], source[2:])
+    with pytest.raises(ValueError, match="3 parts cannot be spread evenly over 4 ranks"):
+        Shard("w.shard", "w", 0, 3, 4)
+
+
+def test_constant_makes_its_int32_values():
+    ((name, tensor),) = apply_recipes([Constant("starts", (0, 8))], ["starts"], {}.get)
+    assert name == "starts" and tensor.dtype == torch.int32 and tensor.tolist() == [0, 8]

@@ -22,6 +22,7 @@ class PassContext:
     symbol_bounds: dict[str, int] = field(default_factory=dict)
     recipes: list[Recipe] = field(default_factory=list)
     quantization: QuantizationMethod | None = None  # what the quantize pass applies (None: nothing)
+    tp: int = 1  # tensor-parallel ranks the shard_tp pass shards for
     # Results of the analysis passes, read by codegen and the manifest.
     kernel_choice: list[str] = field(default_factory=list)
     generated_kernels: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (op, source)

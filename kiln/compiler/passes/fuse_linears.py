@@ -2,10 +2,12 @@
 
 Matched by structure, not by weight names: an attention layer's q/k/v projections and an MLP's
 gate/up projections are such siblings, and so is any group a new model makes. Linears join when
-their weights are replicated parameters no other node reads, of one dtype and format (plain, or one
-quantization scheme, whose scales then join too), and all or none have a bias. The fused weight is
+their weights are parameters no other node reads, of one dtype, format (plain, or one quantization
+scheme, whose scales then join too) and placement, and all or none have a bias. The fused weight is
 the row-wise concatenation of the members' (a ``Concat`` recipe); its name joins theirs; the split's
-outputs keep the members' value names, so nothing downstream changes.
+outputs keep the members' value names, so nothing downstream changes. Column-parallel shards
+(``shard_tp``) join the same way: each rank's fused weight is the concatenation of its shards, and
+so its own column shard of the fused GEMM.
 
 Before:  %q = linear(%x, @a.q_proj.weight); %k = linear(%x, @a.k_proj.weight); %v = linear(%x, @a.v_proj.weight)
 After:   %q_k_v = linear(%x, @a.q_k_v_proj.weight); %q, %k, %v = split(%q_k_v) {sizes=[…]}
@@ -17,7 +19,6 @@ import re
 from typing import Hashable, Sequence
 
 from kiln.ir import Graph, Param, WeightFormat, make_node
-from kiln.ir.weights import REPLICATED
 
 from ..recipes import Concat
 from .base import PassContext
@@ -33,10 +34,10 @@ def fuse_linears(graph: Graph, ctx: PassContext) -> Graph:
     def key(m: Match) -> Hashable | None:
         names = [m[role] for role in ("weight", "bias") if m[role] is not None]
         params = [graph.params.get(name) for name in names]
-        if any(p is None or p.placement != REPLICATED or len(users[p.name]) != 1 for p in params):
+        if any(p is None or p.placement != params[0].placement or len(users[p.name]) != 1 for p in params):
             return None
         weight = params[0]
-        return m["x"], len(params), weight.type.dtype, weight.format.scheme
+        return m["x"], len(params), weight.type.dtype, weight.format.scheme, weight.placement
 
     def concat(parts: list[Param]) -> tuple[list[Param], list[Concat]]:
         """``parts`` joined row-wise: the new parameter, then its scales, and the recipes making them."""
@@ -50,7 +51,7 @@ def fuse_linears(graph: Graph, ctx: PassContext) -> Graph:
         name = joined_name([p.name for p in parts], taken)
         rows = sum(p.type.shape[0] for p in parts)
         fused = Param(name, first.type.with_shape((rows, *first.type.shape[1:])),
-                      WeightFormat(first.format.scheme, tuple(s.name for s in scales)))
+                      WeightFormat(first.format.scheme, tuple(s.name for s in scales)), first.placement)
         return [fused, *scales], [Concat(name, tuple(p.name for p in parts)), *recipes]
 
     def build(members: list[Match]) -> Replacement:
