@@ -5,7 +5,9 @@ Neither side imports the other; both import this. ``docs/artifact.md`` describes
 
 from __future__ import annotations
 
-FORMAT_VERSION = 2
+# 3: the runtime section records ``tp`` and each rank's ``num_kv_heads``; a tensor-parallel artifact
+# holds a weights file per rank, and a reader that ignored that would run one rank's shard alone.
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 GRAPH_TEXT = "graph.txt"
 GRAPH_JSON = "graph.json"

@@ -54,6 +54,9 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens (default 16)")
     p.add_argument("--quantization", default=None, type=_quantization, metavar="SCHEME",
                    help="quantize the GEMMs' weights: fp8, w8a8_int8, w8a16_int8 or mxfp4 (default: none)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks: the artifact holds one weights shard per rank, and serving it "
+                        "starts every rank (default 1)")
 
 
 def add_tuning_options(p: argparse.ArgumentParser, skip_pass: bool = True) -> None:
@@ -117,7 +120,7 @@ def compile_options_from(args: argparse.Namespace):
         backend = "triton" if torch.cuda.is_available() else "torch"
     return CompileOptions(dtype=args.dtype, backend=backend, max_batch_tokens=args.max_batch_tokens,
                           max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, page_size=args.page_size,
-                          quantization=args.quantization)
+                          quantization=args.quantization, tp=args.tp)
 
 
 def _run_compile(args: argparse.Namespace) -> int:
@@ -161,7 +164,8 @@ def _add_serve(commands) -> None:
     p.add_argument("--mem-fraction", type=float, default=0.85, help="GPU memory for weights + KV (default 0.85)")
     p.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"])
     p.add_argument("--world-size", type=int, default=1,
-                   help="ranks to run the model on, each in its own process after the first (default 1)")
+                   help="ranks to run a one-rank artifact on, each a full copy in its own process after the first "
+                        "(default 1; a tensor-parallel artifact runs on its --tp ranks)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(run=_run_serve)
 

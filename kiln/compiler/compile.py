@@ -61,7 +61,7 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
         "P": -(-max_seq_len // options.page_size),
     }
     quantization = None if options.quantization is None else get_method(options.quantization)
-    ctx = PassContext(backend=options.backend, symbol_bounds=bounds, quantization=quantization)
+    ctx = PassContext(backend=options.backend, symbol_bounds=bounds, quantization=quantization, tp=options.tp)
     graph, pass_log = run_pipeline(built.graph, ctx, dump_dir=dump_ir, skip=options.skip_passes)
 
     store = WeightStore(source.tensors, built.computed, ctx.recipes, str(source.path))
@@ -74,9 +74,9 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         (staging / KERNELS_DIR).mkdir()
-        weights_path = staging / weights_file(0)
-        weights_path.parent.mkdir()
-        save_file(dict(store.materialize(graph)), str(weights_path))
+        (staging / weights_file(0)).parent.mkdir()
+        for rank in range(options.tp):
+            save_file(dict(store.materialize(graph, rank)), str(staging / weights_file(rank)))
         (staging / GRAPH_TEXT).write_text(print_graph(graph))
         (staging / GRAPH_JSON).write_text(dumps(graph))
         (staging / PROGRAM).write_text(generate_program(graph, ctx.kernel_choice, ctx.memory_plan))
@@ -95,7 +95,8 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
             "options": options.to_json(),
             "runtime": {
                 "num_layers": built.num_layers,
-                "num_kv_heads": built.num_kv_heads,
+                "tp": options.tp,
+                "num_kv_heads": graph.inputs["k_cache.0"].shape[1],  # each rank's (shard_tp splits them)
                 "head_dim": built.head_dim,
                 "vocab_size": built.vocab_size,
                 "max_seq_len": max_seq_len,
@@ -108,7 +109,7 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
             "kernels": sorted(set(ctx.kernel_choice)),
             "generated_kernels": {name: op for name, (op, _) in ctx.generated_kernels.items()},
             "passes": pass_log,
-            "weights": [weights_file(0)],
+            "weights": [weights_file(rank) for rank in range(options.tp)],
             "tokenizer": TOKENIZER_DIR if tokenizer else None,
             "compile_seconds": round(time.perf_counter() - started, 3),
         }

@@ -28,6 +28,7 @@ class CompileOptions:
     kernel_config: KernelConfig = DEFAULTS  # the kernels' tunables, recorded in the manifest
     skip_passes: tuple[str, ...] = ()  # pipeline passes left out, for experiments (pipeline.run_pipeline)
     quantization: str | None = None  # a method of kiln.compiler.quantization.METHODS (fp8, w8a8_int8, ...)
+    tp: int = 1  # tensor-parallel ranks: the artifact holds one weights file per rank (passes/shard_tp.py)
 
     def validate(self) -> None:
         for name in ("max_batch_tokens", "max_batch_size", "page_size"):
@@ -35,6 +36,8 @@ class CompileOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise ValueError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
         if self.max_logit_rows is not None and self.max_logit_rows < 1:
             raise ValueError(f"max_logit_rows must be >= 1, got {self.max_logit_rows}")
         self.step_schema()

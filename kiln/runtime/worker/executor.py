@@ -1,7 +1,7 @@
 """The executor: runs an artifact's step program over static buffers.
 
 It owns the arena the compiler planned (one byte buffer; every intermediate value is a view at a
-fixed offset), the weights on the device, and the kernel table the program is bound to. Step
+fixed offset), its rank's weights on the device, and the kernel table the program is bound to. Step
 outputs are views into the arena: read or copy them before the next step overwrites them.
 """
 
@@ -101,10 +101,10 @@ def _drop_sizes(fn: Callable) -> Callable:
 
 
 class Executor:
-    def __init__(self, artifact: Artifact, device: torch.device | str) -> None:
+    def __init__(self, artifact: Artifact, device: torch.device | str, rank: int = 0) -> None:
         self.device = torch.device(device)
         self.artifact = artifact
-        self.weights = artifact.load_weights(self.device)
+        self.weights = artifact.load_weights(self.device, rank)
         plan = artifact.manifest["memory_plan"]
         self.bounds: dict[str, int] = plan["bounds"]
         self.page_size: int = artifact.runtime["page_size"]

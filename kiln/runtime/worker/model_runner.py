@@ -1,6 +1,6 @@
 """The model runner: one scheduled batch in, logits and sampled tokens out.
 
-It owns the executor (program, weights, arena), the KV pool and the step graphs, turns the
+It owns the executor (program, its rank's weights, arena), the KV pool (its rank's KV heads) and the step graphs, turns the
 scheduler's index lists into step tensors on the device (decode steps go through the decode graphs,
 other steps through the prefill graphs when they fit), and runs the sampler on the logits rows.
 """
@@ -22,10 +22,10 @@ _POOL_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float
 
 class ModelRunner:
     def __init__(self, artifact: Artifact, device: torch.device | str, num_pages: int,
-                 decode_buckets: tuple[int, ...] = (), prefill_graphs: bool = False) -> None:
+                 decode_buckets: tuple[int, ...] = (), prefill_graphs: bool = False, rank: int = 0) -> None:
         rt = artifact.runtime
         self.device = torch.device(device)
-        self.executor = Executor(artifact, self.device)
+        self.executor = Executor(artifact, self.device, rank)
         self.sampler_kernels = SamplerKernels.for_device(self.device, artifact.kernel_config)
         self.page_size: int = rt["page_size"]
         self.vocab_size: int = rt["vocab_size"]

@@ -1,9 +1,10 @@
 """A worker process: rank r > 0 of a multi-rank engine (started by ``ranks.WorkerGroup``).
 
 It builds its own model runner on its device, reports READY to the core through its report pipe,
-joins the process group, then runs every step rank 0 broadcasts until the stop message. The
-replicated model's result on this rank is not used: rank 0's is the step's (tensor-parallel
-artifacts will run their collectives inside the same forward).
+joins the process group, then runs every step rank 0 broadcasts until the stop message. Its result
+is not used: rank 0's is the step's. A tensor-parallel artifact's program runs its collectives
+inside the forward, so every rank's forward is needed for rank 0's to finish; a replicated one's
+ranks each run the whole model.
 
 It ends with the core in every case: on the stop message (exit 0); on an error, which it writes to
 its report pipe for the core's message before exiting 1 (``EXIT_ERROR``); and when the core's

@@ -65,6 +65,9 @@ class RankConfig:
     decode_buckets: tuple[int, ...]
     prefill_graphs: bool
     world_size: int = 1
+    # Whether the artifact is tensor-parallel (each rank loads its own weights shard and runs the
+    # collectives in its program) rather than replicated (every rank loads rank 0's weights).
+    tensor_parallel: bool = False
 
     def rank_device(self, rank: int) -> torch.device:
         device = torch.device(self.device)
@@ -73,7 +76,8 @@ class RankConfig:
         return torch.device("cuda", (device.index or 0) + rank)
 
     def build_runner(self, artifact: Artifact, rank: int) -> ModelRunner:
-        return ModelRunner(artifact, self.rank_device(rank), self.num_pages, self.decode_buckets, self.prefill_graphs)
+        return ModelRunner(artifact, self.rank_device(rank), self.num_pages, self.decode_buckets, self.prefill_graphs,
+                           rank if self.tensor_parallel else 0)
 
 
 class LocalWorker:
