@@ -47,7 +47,7 @@ def test_compile_takes_a_kernel_config_and_skipped_passes(tmp_path):
     assert typo.returncode == 2 and "Traceback" not in typo.stderr
     assert "no field 'decode_blok_n'; fields: pdl, decode_min_split_tokens" in typo.stderr
     unknown = kiln("compile", str(source), "-o", str(tmp_path / "unknown.kiln"), "--skip-pass", "fuse_everything")
-    assert unknown.returncode == 2 and "no such pass; passes: verify, fuse_linears" in unknown.stderr
+    assert unknown.returncode == 2 and "no such pass; passes: verify, shard_tp, fuse_linears" in unknown.stderr
 
 
 def test_compile_takes_a_quantization(tmp_path):
@@ -59,6 +59,21 @@ def test_compile_takes_a_quantization(tmp_path):
     unknown = kiln("compile", str(source), "-o", str(tmp_path / "q4.kiln"), "--quantization", "q4_k")
     assert unknown.returncode == 2 and "Traceback" not in unknown.stderr
     assert "unknown quantization 'q4_k'; supported: fp8, w8a8_int8, w8a16_int8, mxfp4" in unknown.stderr
+
+
+def test_compile_takes_a_tp(tmp_path):
+    source = make_hf_model("llama3", tmp_path / "src")
+    out = tmp_path / "m.kiln"
+    result = kiln("compile", str(source), "-o", str(out), "--backend", "torch", "--tp", "2")
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["options"]["tp"] == manifest["runtime"]["tp"] == 2
+    assert manifest["weights"] == ["weights/rank0.safetensors", "weights/rank1.safetensors"]
+    assert all((out / name).is_file() for name in manifest["weights"])
+    assert "placement=column(0)" in (out / "graph.txt").read_text()
+    uneven = kiln("compile", str(source), "-o", str(tmp_path / "tp3.kiln"), "--tp", "3")
+    assert uneven.returncode == 2 and "Traceback" not in uneven.stderr
+    assert "tp=3 must divide the attention heads (4 in l0.attn); possible: 1, 2, 4" in uneven.stderr
 
 
 def test_chat_one_shot(artifact):
