@@ -31,7 +31,8 @@ class EngineOptions:
     # Ranks to run the artifact on: rank 0 in this process, ranks 1..N-1 in worker processes that
     # get every step by broadcast (runtime/worker/ranks.py), on the CPU or on GPUs device..device+N-1.
     # A replicated artifact runs one full copy per rank (rank 0's result is the step's); a
-    # tensor-parallel artifact (compiled with tp > 1) sets it to its tp itself. With N > 1, overlap_schedule is off (see WorkerGroup).
+    # tensor-parallel artifact (compiled with tp > 1) sets it to its tp itself. With N > 1,
+    # overlap_schedule is off (see WorkerGroup).
     # The worker processes are started with multiprocessing's spawn, which imports the main module:
     # a script that builds an engine with N > 1 needs an `if __name__ == "__main__":` guard.
     world_size: int = 1

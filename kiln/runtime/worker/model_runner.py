@@ -1,8 +1,9 @@
 """The model runner: one scheduled batch in, logits and sampled tokens out.
 
-It owns the executor (program, its rank's weights, arena), the KV pool (its rank's KV heads) and the step graphs, turns the
-scheduler's index lists into step tensors on the device (decode steps go through the decode graphs,
-other steps through the prefill graphs when they fit), and runs the sampler on the logits rows.
+It owns the executor (program, its rank's weights, arena), the KV pool (its rank's KV heads) and the
+step graphs, turns the scheduler's index lists into step tensors on the device (decode steps go
+through the decode graphs, other steps through the prefill graphs when they fit), and runs the
+sampler on the logits rows.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """A worker process: rank r > 0 of a multi-rank engine (started by ``ranks.WorkerGroup``).
 
-It builds its own model runner on its device, reports READY to the core through its report pipe,
-joins the process group, then runs every step rank 0 broadcasts until the stop message. Its result
-is not used: rank 0's is the step's. A tensor-parallel artifact's program runs its collectives
-inside the forward, so every rank's forward is needed for rank 0's to finish; a replicated one's
-ranks each run the whole model.
+It builds its own model runner on its device, reports READY to the core through its report pipe
+and joins the process group (in the order ``load_and_join`` gives), then runs every step rank 0
+broadcasts until the stop message. Its result is not used: rank 0's is the step's. A
+tensor-parallel artifact's program runs its collectives inside the forward, so every rank's forward
+is needed for rank 0's to finish; a replicated one's ranks each run the whole model.
 
 It ends with the core in every case: on the stop message (exit 0); on an error, which it writes to
 its report pipe for the core's message before exiting 1 (``EXIT_ERROR``); and when the core's
@@ -24,11 +24,13 @@ import threading
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from ..artifact import load_artifact
+from .model_runner import ModelRunner
 from .step_wire import receive_step
 from .worker import RankConfig
 
@@ -51,6 +53,21 @@ def join_group(rank: int, store: dist.Store, config: RankConfig) -> None:
                             timeout=COLLECTIVE_TIMEOUT)
 
 
+def load_and_join(rank: int, store: dist.Store, config: RankConfig, load: Callable[[], ModelRunner],
+                  ready: Callable[[], None]) -> ModelRunner:
+    """Loads this rank's model runner (``load``), says so (``ready``) and joins the group, in the order
+    the artifact needs. A tensor-parallel runner's warm-up and CUDA-graph capture run the program's
+    collectives, so its ranks join the group first; a replicated one's ranks load first, so that a
+    rank failing to load is reported at once rather than after the rendezvous times out."""
+    if config.tensor_parallel:
+        join_group(rank, store, config)
+    runner = load()
+    ready()
+    if not config.tensor_parallel:
+        join_group(rank, store, config)
+    return runner
+
+
 def run_rank(rank: int, port: int, config: RankConfig, report: Connection) -> None:
     """The worker process's main (a ``multiprocessing`` spawn target)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -59,9 +76,10 @@ def run_rank(rank: int, port: int, config: RankConfig, report: Connection) -> No
         device = config.rank_device(rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        runner = config.build_runner(load_artifact(config.artifact_path), rank)
-        report.send_bytes(READY)
-        join_group(rank, dist.TCPStore(HOST, port, config.world_size, False, timeout=RENDEZVOUS_TIMEOUT), config)
+        store = dist.TCPStore(HOST, port, config.world_size, False, timeout=RENDEZVOUS_TIMEOUT)
+        runner = load_and_join(rank, store, config,
+                               lambda: config.build_runner(load_artifact(config.artifact_path), rank),
+                               lambda: report.send_bytes(READY))
         while (lists := receive_step()) is not None:
             if device.type == "cuda":
                 # The step buffers assume what rank 0 does: it reads each step's tokens before it

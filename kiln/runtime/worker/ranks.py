@@ -3,8 +3,9 @@
 A group keeps rank 0 in the core's process and starts ranks 1..N-1 as worker processes
 (``rank_process``; multiprocessing's spawn context, so no state is forked). Each loads its own model
 runner while rank 0 loads its own, reports READY, and all join one torch.distributed group over
-loopback (gloo on the CPU; NCCL for device tensors on a GPU). Each step rank 0 broadcasts the step's
-lists (``step_wire``), then runs the step itself.
+loopback (gloo on the CPU; NCCL for device tensors on a GPU); for a tensor-parallel artifact they
+join first, since loading captures graphs that run the collectives (``load_and_join``). Each step
+rank 0 broadcasts the step's lists (``step_wire``), then runs the step itself.
 
 Failure ends the engine, quickly and completely: a watcher thread waits on the workers' process
 sentinels; when one ends it records a ``WorkerDied`` naming the rank, its exit code and its last
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from ..artifact import Artifact
 from ..scheduler.batch import StepLists
-from .rank_process import HOST, READY, RENDEZVOUS_TIMEOUT, join_group, run_rank
+from .rank_process import HOST, READY, RENDEZVOUS_TIMEOUT, load_and_join, run_rank
 from .executor import StepResult
 from .step_wire import send_step
 from .worker import LocalWorker, RankConfig, Worker, WorkerDied
@@ -85,9 +86,8 @@ class WorkerGroup:
                 writer.close()
                 self.processes.append(process)
                 self._reports.append(reader)
-            self.runner = config.build_runner(artifact, 0)  # while the workers load theirs
-            self._await_ready()
-            join_group(0, store, config)
+            # While the workers load theirs.
+            self.runner = load_and_join(0, store, config, lambda: config.build_runner(artifact, 0), self._await_ready)
         except BaseException:
             self._stop_workers(terminate=True)
             raise
