@@ -3,8 +3,8 @@
 An op's type-inference function takes the input types and the attributes and returns the output
 types, raising ``IRTypeError`` when the inputs do not fit. ``aliases`` says which outputs are not
 new storage but views of (or in-place updates to) an input: the memory planner and the executor
-rely on it. Op families live in ``ops_core`` (primitive ops the models use) and ``ops_fused``
-(ops the passes introduce); both register themselves here on import.
+rely on it. Op families live in ``ops_core`` (primitive ops the models use), ``ops_moe`` (the
+mixture-of-experts ops) and ``ops_fused`` (ops the passes introduce); each registers itself here on import.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def get_op(name: str) -> OpDef:
 
 def _load_families() -> None:
     # Imported lazily so the op families can import this module's helpers.
-    from . import ops_core, ops_fused  # noqa: F401
+    from . import ops_core, ops_fused, ops_moe  # noqa: F401
 
 
 # ---- helpers the op families share ----------------------------------------------------------
