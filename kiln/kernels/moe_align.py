@@ -32,8 +32,8 @@ def ref_moe_align(ids: torch.Tensor, experts: int, block_m: int,
     flat = ids.reshape(-1).long() - expert_offset
     pairs = flat.numel()
     capacity = aligned_capacity(pairs, experts, block_m)
-    sorted_pairs = torch.full((capacity,), pairs, dtype=torch.int32)
-    block_experts = torch.full((triton.cdiv(capacity, block_m),), -1, dtype=torch.int32)
+    sorted_pairs = torch.full((capacity,), pairs, dtype=torch.int32, device=ids.device)
+    block_experts = torch.full((triton.cdiv(capacity, block_m),), -1, dtype=torch.int32, device=ids.device)
     start = 0
     for expert in range(experts):
         chosen = torch.nonzero(flat == expert).flatten()

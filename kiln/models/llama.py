@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from kiln.compiler.recipes import Recipe
 from kiln.ir import DType, Graph, GraphBuilder, TensorType
 
 from .base import BuildOptions, BuiltModel, step_outputs
@@ -95,15 +94,13 @@ def build(config: Mapping[str, Any], options: BuildOptions) -> BuiltModel:
     return build_decoder(cfg, options, dense)
 
 
-def build_decoder(cfg: LlamaConfig, options: BuildOptions, feed_forward: FeedForward,
-                  recipes: tuple[Recipe, ...] = ()) -> BuiltModel:
-    """The Llama-style decoder (attention as ``cfg`` says, ``feed_forward`` in each layer) as a
-    BuiltModel; ``recipes`` make the parameters the feed-forward blocks name but the checkpoint lacks."""
+def build_decoder(cfg: LlamaConfig, options: BuildOptions, feed_forward: FeedForward) -> BuiltModel:
+    """The Llama-style decoder (attention as ``cfg`` says, ``feed_forward`` in each layer) as a BuiltModel."""
     max_positions = min(options.max_seq_len, cfg.max_position_embeddings) if options.max_seq_len else \
         cfg.max_position_embeddings
     graph = _build_graph(cfg, options, max_positions, feed_forward)
     return BuiltModel(graph, {ROPE_TABLE: cos_sin_table(cfg.rope, max_positions)}, max_positions, cfg.num_layers,
-                      cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, recipes)
+                      cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)
 
 
 def linear(b: GraphBuilder, dtype: DType, x: str, prefix: str, out_features: int, in_features: int, bias: bool,

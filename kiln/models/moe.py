@@ -14,11 +14,11 @@ scoring, expert groups, a scaling factor, a correction bias: DeepSeek's) is refu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from kiln.compiler.recipes import Concat, Recipe, Stack
-from kiln.ir import GraphBuilder, TensorType
+from kiln.ir import DType, GraphBuilder, TensorType
 
 from .base import BuildOptions, BuiltModel
 from .llama import LlamaConfig, build_decoder, gated_mlp, linear
@@ -100,12 +100,10 @@ def build(config: Mapping[str, Any], options: BuildOptions) -> BuiltModel:
                     name=f"{name}.moe_out")
 
     # build_decoder calls feed_forward for every layer before it returns, so recipes is complete then.
-    built = build_decoder(base, options, feed_forward)
-    return BuiltModel(built.graph, built.computed, built.max_seq_len, built.num_layers, built.num_kv_heads,
-                      built.head_dim, built.vocab_size, tuple(recipes))
+    return replace(build_decoder(base, options, feed_forward), recipes=tuple(recipes))
 
 
-def _routed_experts(b: GraphBuilder, cfg: MoEConfig, dt, x: str, prefix: str, name: str,
+def _routed_experts(b: GraphBuilder, cfg: MoEConfig, dt: DType, x: str, prefix: str, name: str,
                     recipes: list[Recipe]) -> str:
     H, I, E = cfg.base.hidden_size, cfg.expert_intermediate, cfg.num_experts
     logits = linear(b, dt, x, f"{prefix}.gate", E, H, False, f"{name}.router")

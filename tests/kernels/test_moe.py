@@ -55,8 +55,8 @@ def test_align_matches_ref(device, tokens, top_k, experts, expert_offset):
     expected_pairs, expected_blocks, expected_total = ref_moe_align(ids, experts, 16, expert_offset)
     pairs, blocks, total = triton_moe_align(ids.to(device), experts, 16, expert_offset)
     assert int(total) == expected_total
-    assert torch.equal(pairs.cpu(), expected_pairs)
-    assert torch.equal(blocks.cpu(), expected_blocks)
+    assert torch.equal(pairs.cpu(), expected_pairs.cpu())
+    assert torch.equal(blocks.cpu(), expected_blocks.cpu())
 
 
 def test_align_ref_layout():
