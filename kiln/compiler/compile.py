@@ -61,7 +61,8 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
         "P": -(-max_seq_len // options.page_size),
     }
     quantization = None if options.quantization is None else get_method(options.quantization)
-    ctx = PassContext(backend=options.backend, symbol_bounds=bounds, quantization=quantization, tp=options.tp)
+    ctx = PassContext(backend=options.backend, symbol_bounds=bounds, recipes=list(built.recipes),
+                      quantization=quantization, tp=options.tp)
     graph, pass_log = run_pipeline(built.graph, ctx, dump_dir=dump_ir, skip=options.skip_passes)
 
     store = WeightStore(source.tensors, built.computed, ctx.recipes, str(source.path))

@@ -3,7 +3,8 @@
 Passes never touch tensors. A pass that changes what a parameter holds records a recipe for it in
 ``PassContext.recipes``: fusing q/k/v a ``Concat`` of the three weights, a tensor-parallel shard a
 ``Shard`` (each rank's ``Slice``), quantization a ``Quantize`` (which also makes the scales its
-format names). A recipe's inputs are checkpoint or computed tensors, or other recipes' outputs.
+format names). A model may start the list (``BuiltModel.recipes``): an MoE layer's experts ``Stack``ed
+into one weight. A recipe's inputs are checkpoint or computed tensors, or other recipes' outputs.
 Every rank's weights come from the same recipes: ``for_rank`` turns each ``Shard`` into that
 rank's ``Slice`` before they are applied. The artifact writer asks
 ``apply_recipes`` for the final graph's parameters; it reads each source when first needed and
@@ -36,6 +37,24 @@ class Concat:
 
     def make(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return (torch.cat(tensors, dim=self.axis),)
+
+
+@dataclass(frozen=True)
+class Stack:
+    """``output``: the ``inputs`` (of one shape) stacked along a new first axis (an MoE layer's experts)."""
+
+    output: str
+    inputs: tuple[str, ...]
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return (self.output,)
+
+    def make(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        shapes = {tuple(t.shape) for t in tensors}
+        if len(shapes) != 1:
+            raise ValueError(f"{self.output}: cannot stack tensors of shapes {sorted(shapes)}")
+        return (torch.stack(tensors),)
 
 
 @dataclass(frozen=True)
@@ -140,7 +159,7 @@ class Quantize:
         return (values, *scales)
 
 
-Recipe = Concat | Slice | Shard | Constant | Quantize
+Recipe = Concat | Stack | Slice | Shard | Constant | Quantize
 
 
 def for_rank(recipes: Sequence[Recipe], rank: int) -> list[Recipe]:

@@ -3,9 +3,9 @@
 An op's type-inference function takes the input types and the attributes and returns the output
 types, raising ``IRTypeError`` when the inputs do not fit. ``aliases`` says which outputs are not
 new storage but views of (or in-place updates to) an input: the memory planner and the executor
-rely on it. Op families live in ``ops_core`` (primitive ops the models use), ``ops_fused``
-(ops the fusion passes introduce) and ``ops_collective`` (the ranks' exchanges the sharding passes
-introduce); each registers itself here on import.
+rely on it. Op families live in ``ops_core`` (primitive ops the models use), ``ops_moe`` (the
+mixture-of-experts ops), ``ops_fused`` (ops the fusion passes introduce) and ``ops_collective`` (the
+ranks' exchanges the sharding passes introduce); each registers itself here on import.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def get_op(name: str) -> OpDef:
 
 def _load_families() -> None:
     # Imported lazily so the op families can import this module's helpers.
-    from . import ops_collective, ops_core, ops_fused  # noqa: F401
+    from . import ops_collective, ops_core, ops_fused, ops_moe  # noqa: F401
 
 
 # ---- helpers the op families share ----------------------------------------------------------

@@ -102,6 +102,22 @@ class KernelConfig:
     silu_mul_block: int = 1024
     """Most elements of a row one silu·mul program computes."""
 
+    # --- mixture of experts (moe_align.py, moe_gemm.py) ---
+    moe_block_m: int = 16
+    """(token, choice) pairs per block of the grouped MoE GEMMs; each expert's run of pairs is padded
+    to a multiple of it. vLLM's default for few tokens per expert; not yet tuned here."""
+    moe_block_n: int = 64
+    """Output columns per tile of the grouped MoE GEMMs. Not yet tuned."""
+    moe_block_k: int = 64
+    """K per step of the grouped MoE GEMMs. Not yet tuned."""
+    moe_decode_max_pairs: int = 16
+    """Up to this many (token, choice) pairs a step takes the per-pair GEMV path (no sorting): at
+    batch 1-2 with top-8 the sort and the padded blocks cost more than they save. Not yet tuned."""
+    moe_gemv_block_n: int = 32
+    """Weight rows per program of the per-pair MoE GEMV."""
+    moe_gemv_block_k: int = 128
+    """K per step of the per-pair MoE GEMV."""
+
     # --- the sampler's kernels (argmax.py, sample.py, bitmask.py) ---
     argmax_block: int = 2048
     """Elements per loop step of the row argmax: 16 f32 a thread at 4 warps, several vector loads in
@@ -180,7 +196,8 @@ _POWERS_OF_TWO = frozenset({
     "decode_max_splits", "decode_block_n", "decode_num_warps", "decode_merge_tile", "gemv_block_n", "gemv_block_k",
     "gemv_product_elements", "gemv_dot_block_k", "gemv_num_warps", "gemv_norm_pass_elements",
     "rmsnorm_elements_per_program", "rope_elements_per_program", "kv_store_block", "silu_mul_block", "argmax_block",
-    "argmax_merge_block", "sample_block", "sample_merge_block", "bitmask_words_per_program",
+    "argmax_merge_block", "sample_block", "sample_merge_block", "bitmask_words_per_program", "moe_block_m", "moe_block_n",
+    "moe_block_k", "moe_gemv_block_n", "moe_gemv_block_k",
 })
 _ZERO_ALLOWED = frozenset({"decode_preload_max_programs_per_sm", "gemv_max_weight_bytes",
                            "gemv_one_row_max_weight_bytes"})

@@ -1,7 +1,8 @@
 """What every model file gives the compiler: ``build(hf_config, BuildOptions) -> BuiltModel``.
 
 Contract: graph parameters carry the names the HF checkpoint uses, so the compiler loads each one
-by its own name; parameters the model computes (rope tables) come in ``BuiltModel.computed``.
+by its own name; parameters the model computes (rope tables) come in ``BuiltModel.computed``, and
+those it assembles from checkpoint tensors (stacked experts) as ``BuiltModel.recipes``.
 The graph's inputs are the step schema's fields (``kiln.step_schema``) and the KV caches.
 """
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.compiler.recipes import Recipe
 from kiln.ir import DType, Graph
 from kiln.step_schema import STEP_SCHEMA, StepSchema
 
@@ -35,6 +37,9 @@ class BuiltModel:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    # How parameters the graph names but the checkpoint lacks are made (MoE experts stacked from
+    # per-expert tensors); the passes' recipes build on them.
+    recipes: tuple[Recipe, ...] = ()
 
 
 def step_outputs(options: BuildOptions, values: dict[str, str]) -> list[str]:

@@ -3,13 +3,14 @@
 ``LlamaConfig.from_hf`` reads an HF ``config.json``; ``build`` writes the model as primitive ops
 (no fusion, no sharding: passes do that) with parameters named exactly as in HF checkpoints, so
 the weight-name map is the identity except for the tied ``lm_head``. The one computed parameter is
-the rope table, returned beside the graph.
+the rope table, returned beside the graph. ``build_decoder`` is the decoder with the feed-forward
+block left to the caller: the MoE families (``moe.py``) reuse it with their experts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from kiln.ir import DType, Graph, GraphBuilder, TensorType
 
@@ -18,6 +19,8 @@ from .rope import RopeConfig, cos_sin_table
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ROPE_TABLE = "rope.cos_sin"
+# Qwen configs carry a sliding_window that applies only when use_sliding_window says so.
+_WINDOW_SWITCHED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -49,9 +52,11 @@ class LlamaConfig:
         heads = int(config["num_attention_heads"])
         head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
         attention_bias = bool(config.get("attention_bias", False))
-        is_qwen2 = arch == "Qwen2ForCausalLM"
+        # Qwen2 (dense and MoE) has q/k/v biases and no o bias; Qwen2-MoE's config may say so itself.
+        is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+        qwen2_qkv_bias = bool(config.get("qkv_bias", True))
         window = config.get("sliding_window") or 0
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not config.get("use_sliding_window", False):
+        if arch in _WINDOW_SWITCHED and not config.get("use_sliding_window", False):
             window = 0
         return LlamaConfig(
             architecture=arch,
@@ -66,24 +71,57 @@ class LlamaConfig:
             rope=RopeConfig.from_hf(config, head_dim),
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=True if is_qwen2 else attention_bias,
+            qkv_bias=qwen2_qkv_bias if is_qwen2 else attention_bias,
             o_bias=False if is_qwen2 else attention_bias,
             mlp_bias=bool(config.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=int(window),
         )
 
 
+# A decoder layer's feed-forward block: (builder, its normed input, layer index) -> its output, the
+# summand the residual stream adds. Dense models give a gated MLP; MoE models (moe.py) their experts.
+FeedForward = Callable[[GraphBuilder, str, int], str]
+
+
 def build(config: Mapping[str, Any], options: BuildOptions) -> BuiltModel:
     cfg = LlamaConfig.from_hf(config)
+
+    def dense(b: GraphBuilder, x: str, layer: int) -> str:
+        return gated_mlp(b, options.dtype, x, f"model.layers.{layer}.mlp", cfg.hidden_size, cfg.intermediate_size,
+                         cfg.mlp_bias, f"l{layer}")
+
+    return build_decoder(cfg, options, dense)
+
+
+def build_decoder(cfg: LlamaConfig, options: BuildOptions, feed_forward: FeedForward) -> BuiltModel:
+    """The Llama-style decoder (attention as ``cfg`` says, ``feed_forward`` in each layer) as a BuiltModel."""
     max_positions = min(options.max_seq_len, cfg.max_position_embeddings) if options.max_seq_len else \
         cfg.max_position_embeddings
-    graph = _build_graph(cfg, options, max_positions)
+    graph = _build_graph(cfg, options, max_positions, feed_forward)
     return BuiltModel(graph, {ROPE_TABLE: cos_sin_table(cfg.rope, max_positions)}, max_positions, cfg.num_layers,
                       cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)
 
 
-def _build_graph(cfg: LlamaConfig, options: BuildOptions, max_positions: int) -> Graph:
+def linear(b: GraphBuilder, dtype: DType, x: str, prefix: str, out_features: int, in_features: int, bias: bool,
+           name: str) -> str:
+    """``x @ {prefix}.weight.T`` (+ ``{prefix}.bias``), the parameters declared as the checkpoint names them."""
+    w = b.param(f"{prefix}.weight", TensorType((out_features, in_features), dtype))
+    if bias:
+        return b.op("linear", x, w, b.param(f"{prefix}.bias", TensorType((out_features,), dtype)), name=name)
+    return b.op("linear", x, w, name=name)
+
+
+def gated_mlp(b: GraphBuilder, dtype: DType, x: str, prefix: str, hidden: int, intermediate: int, bias: bool,
+              name: str) -> str:
+    """down(silu(gate(x)) * up(x)) with HF's ``gate_proj``/``up_proj``/``down_proj`` under ``prefix``."""
+    gate = linear(b, dtype, x, f"{prefix}.gate_proj", intermediate, hidden, bias, f"{name}.gate")
+    up = linear(b, dtype, x, f"{prefix}.up_proj", intermediate, hidden, bias, f"{name}.up")
+    act = b.op("mul", b.op("silu", gate, name=f"{name}.gate_act"), up, name=f"{name}.act")
+    return linear(b, dtype, act, f"{prefix}.down_proj", hidden, intermediate, bias, f"{name}.down")
+
+
+def _build_graph(cfg: LlamaConfig, options: BuildOptions, max_positions: int, feed_forward: FeedForward) -> Graph:
     dt, H, D = options.dtype, cfg.hidden_size, cfg.head_dim
     b = GraphBuilder(cfg.architecture)
     step = {f.name: b.input(f.name, TensorType(f.shape, DType.i32)) for f in options.step_schema}
@@ -96,21 +134,15 @@ def _build_graph(cfg: LlamaConfig, options: BuildOptions, max_positions: int) ->
     def weight(name: str, *shape: int) -> str:
         return b.param(name, TensorType(shape, dt))
 
-    def linear(x: str, prefix: str, out_features: int, in_features: int, bias: bool, name: str) -> str:
-        w = weight(f"{prefix}.weight", out_features, in_features)
-        if bias:
-            return b.op("linear", x, w, weight(f"{prefix}.bias", out_features), name=name)
-        return b.op("linear", x, w, name=name)
-
     embed = weight("model.embed_tokens.weight", cfg.vocab_size, H)
     hidden = b.op("embedding", ids, embed, name="embed")
     q_width, kv_width = cfg.num_heads * D, cfg.num_kv_heads * D
     for i in range(cfg.num_layers):
         p, n = f"model.layers.{i}", f"l{i}"
         x = b.op("rmsnorm", hidden, weight(f"{p}.input_layernorm.weight", H), eps=cfg.rms_norm_eps, name=f"{n}.attn_in")
-        q = linear(x, f"{p}.self_attn.q_proj", q_width, H, cfg.qkv_bias, f"{n}.q")
-        k = linear(x, f"{p}.self_attn.k_proj", kv_width, H, cfg.qkv_bias, f"{n}.k")
-        v = linear(x, f"{p}.self_attn.v_proj", kv_width, H, cfg.qkv_bias, f"{n}.v")
+        q = linear(b, dt, x, f"{p}.self_attn.q_proj", q_width, H, cfg.qkv_bias, f"{n}.q")
+        k = linear(b, dt, x, f"{p}.self_attn.k_proj", kv_width, H, cfg.qkv_bias, f"{n}.k")
+        v = linear(b, dt, x, f"{p}.self_attn.v_proj", kv_width, H, cfg.qkv_bias, f"{n}.v")
         q = b.op("reshape", q, shape=["T", cfg.num_heads, D], name=f"{n}.q_heads")
         k = b.op("reshape", k, shape=["T", cfg.num_kv_heads, D], name=f"{n}.k_heads")
         v = b.op("reshape", v, shape=["T", cfg.num_kv_heads, D], name=f"{n}.v_heads")
@@ -123,15 +155,11 @@ def _build_graph(cfg: LlamaConfig, options: BuildOptions, max_positions: int) ->
         attn = b.op("paged_attention", q, k_cache, v_cache, *seq_inputs, scale=D ** -0.5,
                     page_size=options.page_size, sliding_window=cfg.sliding_window, name=f"{n}.attn")
         attn = b.op("reshape", attn, shape=["T", q_width], name=f"{n}.attn_flat")
-        o = linear(attn, f"{p}.self_attn.o_proj", H, q_width, cfg.o_bias, f"{n}.o")
+        o = linear(b, dt, attn, f"{p}.self_attn.o_proj", H, q_width, cfg.o_bias, f"{n}.o")
         hidden = b.op("add", hidden, o, name=f"{n}.resid_attn")
         x = b.op("rmsnorm", hidden, weight(f"{p}.post_attention_layernorm.weight", H), eps=cfg.rms_norm_eps,
                  name=f"{n}.mlp_in")
-        gate = linear(x, f"{p}.mlp.gate_proj", cfg.intermediate_size, H, cfg.mlp_bias, f"{n}.gate")
-        up = linear(x, f"{p}.mlp.up_proj", cfg.intermediate_size, H, cfg.mlp_bias, f"{n}.up")
-        act = b.op("mul", b.op("silu", gate, name=f"{n}.gate_act"), up, name=f"{n}.act")
-        down = linear(act, f"{p}.mlp.down_proj", H, cfg.intermediate_size, cfg.mlp_bias, f"{n}.down")
-        hidden = b.op("add", hidden, down, name=f"{n}.resid_mlp")
+        hidden = b.op("add", hidden, feed_forward(b, x, i), name=f"{n}.resid_mlp")
     # Rows first, then the norm (it is per row): only the rows that give logits are normalized, and
     # the norm sits right before the head's GEMM, where fuse_norm_linear can fold it in.
     rows = b.op("gather_rows", hidden, logits_index, name="hidden_states")

@@ -5,9 +5,9 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Mapping
 
-from . import llama
+from . import llama, moe
 
-_FAMILIES: tuple[ModuleType, ...] = (llama,)
+_FAMILIES: tuple[ModuleType, ...] = (llama, moe)
 
 
 def supported_architectures() -> list[str]:

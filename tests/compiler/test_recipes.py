@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kiln.kernels.quantize import dequantize, quantize
-from kiln.compiler.recipes import Concat, Constant, Quantize, Shard, Slice, apply_recipes, for_rank, source_names
+from kiln.compiler.recipes import (Concat, Constant, Quantize, Shard, Slice, Stack, apply_recipes, for_rank,
+                                   source_names)
 from kiln.compiler.sources.hf import MemoryTensors, SourceError
 from kiln.compiler.weights import WeightStore
 from kiln.ir import DType, GraphBuilder, TensorType
@@ -33,6 +34,18 @@ def test_concat_and_slice():
     assert torch.equal(made["qk.rank1"], torch.tensor([[1.0], [4], [7]]))
     with pytest.raises(ValueError, match="does not split into 2 equal shards"):
         make([Slice("s", "q", axis=1, index=0, count=2)], {"q": q}, "s")
+
+
+def test_stack_of_concats_makes_an_expert_weight():
+    """An MoE layer's [E, 2I, H] gate/up weight: each expert's gate and up rows joined, then stacked."""
+    sources = {f"{kind}{e}": torch.full((2, 3), float(10 * e + i)) for e in range(2) for i, kind in enumerate("gu")}
+    recipes = [Concat(f"gu{e}", (f"g{e}", f"u{e}")) for e in range(2)] + [Stack("experts", ("gu0", "gu1"))]
+    made, reads = make(recipes, sources, "experts")
+    assert made["experts"].shape == (2, 4, 3)
+    assert made["experts"][:, :, 0].tolist() == [[0, 0, 1, 1], [10, 10, 11, 11]]
+    assert source_names(recipes, ["experts"]) == ["g0", "u0", "g1", "u1"] == reads
+    with pytest.raises(ValueError, match="cannot stack tensors of shapes"):
+        make([Stack("s", ("g0", "x"))], {"g0": sources["g0"], "x": torch.zeros(3)}, "s")
 
 
 def test_int8_per_channel_by_hand():

@@ -21,6 +21,19 @@ CONFIGS = {
     "qwen2_yarn": ("Qwen2Config", "Qwen2ForCausalLM", dict(
         rope_theta=1000000.0, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(rope_theta=1000000.0, head_dim=32, tie_word_embeddings=True)),
+    # Mixture of experts: top-2 of 8 (renormalized), with and without the sliding window; Qwen2-MoE's
+    # top-4 of 8 unnormalized with its gated shared expert, layer 0 dense (mlp_only_layers); Qwen3-MoE's
+    # normalized top-3 of 8 with q/k norm.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        rope_theta=1000000.0, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),
+    "mixtral_window": ("MixtralConfig", "MixtralForCausalLM", dict(
+        rope_theta=1000000.0, num_local_experts=8, num_experts_per_tok=2, sliding_window=5)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        rope_theta=1000000.0, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=48,
+        shared_expert_intermediate_size=96, norm_topk_prob=False, mlp_only_layers=[0])),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        rope_theta=1000000.0, head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
+        norm_topk_prob=True)),
 }
 
 

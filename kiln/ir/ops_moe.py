@@ -1,0 +1,94 @@
+"""Mixture-of-experts ops: the router's top-k and the routed experts' gated MLP.
+
+A sparse MoE block is ``router_topk(linear(x, router_weight))`` followed by ``moe`` over the experts'
+stacked weights; a shared expert (Qwen2-MoE) is ordinary ops beside it: a dense gated MLP whose
+output ``scale_rows`` multiplies by ``sigmoid(linear(x, shared_gate_weight))``.
+
+Expert parallelism: ``moe`` holds experts ``expert_offset .. expert_offset + E - 1`` of the model's
+(``E`` = the stacked weights' first dim) and skips a token's choice of any other expert. A shard_ep
+pass gives rank r a contiguous slice of the stacked weights (``Placement.expert`` along axis 0, a
+``Slice`` recipe) and sets ``expert_offset = r * E``; each rank's output is then its experts' part of
+the sum, and an all-reduce of the outputs (or a reduce-scatter after an all-to-all dispatch) makes
+the whole. The router stays replicated, so every rank sees every token's ids and weights.
+
+Quantized experts: a quantized stacked weight would be a ``QuantizedType`` of logical shape
+``[E, 2I, H]`` whose scales carry the expert axis too (per expert and output channel: ``[E, 2I]``);
+``moe`` would then declare ``quantized=("w_gate_up", "w_down")`` as the linear family does. Not yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from .ops import AttrSpec, OpDef, expect, expect_int, expect_rank, register_op
+from .types import DType, TensorType, same_dim
+
+Types = Sequence[TensorType]
+Attrs = Mapping[str, Any]
+
+# Router scoring functions kiln implements; a model refuses any other at compile time.
+ROUTER_SCORING = ("softmax",)
+
+
+def _router_topk(t: Types, a: Attrs) -> tuple[TensorType, ...]:
+    (logits,) = t
+    expect_rank("router_topk", "logits", logits, 2)
+    experts = logits.shape[1]
+    expect(isinstance(experts, int), f"router_topk: expert count of {logits} must be static")
+    expect(1 <= a["top_k"] <= experts, f"router_topk: top_k={a['top_k']} must be in 1..{experts} (the experts)")
+    expect(a["scoring"] in ROUTER_SCORING,
+           f"router_topk: scoring {a['scoring']!r} is not supported; supported: {', '.join(ROUTER_SCORING)}")
+    rows = logits.shape[0]
+    return (TensorType((rows, a["top_k"]), DType.f32), TensorType((rows, a["top_k"]), DType.i32))
+
+
+register_op(OpDef(
+    "router_topk", ("logits",),
+    {"top_k": AttrSpec("int"), "renormalize": AttrSpec("bool", False), "scoring": AttrSpec("str", "softmax")},
+    _router_topk, num_outputs=2,
+    doc="p = softmax(f32(logits)) over experts; returns (weights, ids) of the top_k largest p per row, "
+        "weights divided by their sum when renormalize (f32; ids i32, largest first)",
+))
+
+
+def _moe(t: Types, a: Attrs) -> tuple[TensorType, ...]:
+    x, weights, ids, w_gate_up, w_down = t
+    expect_rank("moe", "x", x, 2)
+    expect_rank("moe", "w_gate_up", w_gate_up, 3)
+    expect_rank("moe", "w_down", w_down, 3)
+    experts, two_i, hidden = w_gate_up.shape
+    expect(isinstance(two_i, int) and two_i % 2 == 0,
+           f"moe: w_gate_up {w_gate_up} must hold gate and up halves (an even, static second dim)")
+    expect(same_dim(hidden, x.shape[1]), f"moe: w_gate_up {w_gate_up} does not match x {x}")
+    expect(w_down.shape == (experts, x.shape[1], two_i // 2), f"moe: w_down {w_down} must be [E, H, I] for "
+           f"w_gate_up {w_gate_up}")
+    expect(x.dtype == w_gate_up.dtype == w_down.dtype, f"moe: x {x} and the expert weights differ in dtype")
+    expect_int("moe", "ids", ids)
+    expect_rank("moe", "ids", ids, 2)
+    expect(weights.dtype == DType.f32 and weights.shape == ids.shape,
+           f"moe: routing weights {weights} must be f32 and match ids {ids}")
+    expect(same_dim(ids.shape[0], x.shape[0]), f"moe: ids {ids} do not match x {x}")
+    expect(a["expert_offset"] >= 0, "moe: expert_offset must be >= 0")
+    return (x,)
+
+
+register_op(OpDef(
+    "moe", ("x", "weights", "ids", "w_gate_up", "w_down"),
+    {"expert_offset": AttrSpec("int", 0)},
+    _moe,
+    doc="for each row t and choice j with e = ids[t, j] - expert_offset in 0..E-1: gate, up = split(linear(x[t], "
+        "w_gate_up[e]), 2 halves); out[t] += weights[t, j] * linear(silu_mul(gate, up), w_down[e]) "
+        "(choices of other experts add nothing)",
+))
+
+
+def _scale_rows(t: Types, a: Attrs) -> tuple[TensorType, ...]:
+    x, scale = t
+    expect_rank("scale_rows", "x", x, 2)
+    expect(scale.rank == 2 and scale.shape[1] == 1 and same_dim(scale.shape[0], x.shape[0])
+           and scale.dtype == x.dtype, f"scale_rows: scale {scale} must be [rows, 1] of x {x}")
+    return (x,)
+
+
+register_op(OpDef("sigmoid", ("x",), {}, lambda t, a: (t[0],)))
+register_op(OpDef("scale_rows", ("x", "scale"), {}, _scale_rows, doc="x * scale, scale [rows, 1] broadcast along each row"))

@@ -1,0 +1,75 @@
+"""Mixture-of-experts kernels, torch side: the router's top-k, the routed experts (``moe``) and the
+shared expert's gate (``sigmoid``, ``scale_rows``); the ``ref_`` versions the Triton kernels
+(``moe_align.py``, ``moe_gemm.py``) are tested against.
+
+The references compute what the ops' docs say (``kiln/ir/ops_moe.py``): each expert's rows through
+its gated MLP in the activation dtype, as HF transformers does, with the routing-weighted sum over a
+token's choices taken in f32 and rounded once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .registry import register_impl
+
+
+def ref_router_topk(logits: torch.Tensor, top_k: int, renormalize: bool = False,
+                    scoring: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
+    if scoring != "softmax":
+        raise ValueError(f"router_topk: scoring {scoring!r} is not supported; supported: softmax")
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def ref_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+            w_down: torch.Tensor, expert_offset: int = 0) -> torch.Tensor:
+    """Loops over the experts some row chose (data-dependent shapes: it reads the ids on the host)."""
+    experts, intermediate = w_gate_up.shape[0], w_down.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    local = ids.long() - expert_offset
+    for expert in torch.unique(local).tolist():
+        if not 0 <= expert < experts:
+            continue  # another rank's expert
+        rows, choice = torch.where(local == expert)
+        gate_up = F.linear(x[rows], w_gate_up[expert])
+        act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+        down = F.linear(act, w_down[expert])
+        out.index_add_(0, rows, down.float() * weights[rows, choice, None])
+    return out.to(x.dtype)
+
+
+def ref_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(x)
+
+
+def ref_scale_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * scale
+
+
+def _router_topk(logits, *, out, top_k, renormalize=False, scoring="softmax"):
+    weights, ids = ref_router_topk(logits, top_k, renormalize, scoring)
+    out[0].copy_(weights)
+    out[1].copy_(ids)
+
+
+def _moe(x, weights, ids, w_gate_up, w_down, *, out, expert_offset=0):
+    out.copy_(ref_moe(x, weights, ids, w_gate_up, w_down, expert_offset))
+
+
+def _sigmoid(x, *, out):
+    torch.sigmoid(x, out=out)
+
+
+def _scale_rows(x, scale, *, out):
+    torch.mul(x, scale, out=out)
+
+
+register_impl("router_topk", "torch", _router_topk)
+register_impl("moe", "torch", _moe, reads_device=True)
+register_impl("sigmoid", "torch", _sigmoid)
+register_impl("scale_rows", "torch", _scale_rows)

@@ -1,0 +1,123 @@
+"""The MoE kernels against their references: the router's top-k, the block-aligned sort by expert,
+and the two Triton paths of ``moe`` (grouped GEMMs, per-pair decode GEMVs).
+
+Shapes cover odd token counts, experts no token chose, top-1/2/8, and a rank's slice of the experts
+(``expert_offset``). Kept tiny: they run under Triton's interpreter on the CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.ir.types import DType, TensorType
+from kiln.kernels import select_impl
+from kiln.kernels.config import DEFAULTS
+from kiln.kernels.moe import ref_moe, ref_router_topk
+from kiln.kernels.moe_align import ref_moe_align, triton_moe_align
+from kiln.kernels.moe_gemm import moe_decode, moe_grouped, triton_moe
+
+# (tokens, top_k, experts, hidden, intermediate); the decode path is for few pairs, so it gets the
+# small ones (the interpreter runs one program per pair and column tile).
+SHAPES = [(1, 2, 8, 32, 48), (7, 2, 8, 32, 48), (5, 1, 4, 24, 16), (2, 8, 16, 64, 40)]
+CASES = [(moe_grouped, *s) for s in SHAPES + [(13, 8, 16, 64, 40), (3, 8, 8, 40, 24)]] + \
+    [(moe_decode, *s) for s in SHAPES]
+
+
+def _routing(tokens: int, top_k: int, experts: int, device: str, skip: int = 0):
+    """Routing weights and ids where the last ``skip`` experts are never chosen."""
+    logits = torch.randn(tokens, experts, device=device)
+    logits[:, experts - skip:] = -1e9
+    return ref_router_topk(logits, top_k, renormalize=True)
+
+
+def _experts(experts: int, hidden: int, inter: int, dtype: torch.dtype, device: str):
+    return ((torch.randn(experts, 2 * inter, hidden, device=device) * 0.1).to(dtype),
+            (torch.randn(experts, hidden, inter, device=device) * 0.1).to(dtype))
+
+
+def test_router_topk_ref():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 5.0, 1.0]])
+    weights, ids = ref_router_topk(logits, 2)
+    assert ids.tolist() == [[1, 2], [2, 3]] and ids.dtype == torch.int32
+    torch.testing.assert_close(weights, torch.softmax(logits, -1).topk(2).values)
+    weights, _ = ref_router_topk(logits, 2, renormalize=True)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2))
+    with pytest.raises(ValueError, match="scoring 'sigmoid' is not supported"):
+        ref_router_topk(logits, 2, scoring="sigmoid")
+
+
+@pytest.mark.parametrize("tokens, top_k, experts", [(1, 2, 8), (7, 2, 8), (33, 8, 16), (5, 1, 4), (0, 2, 4)])
+@pytest.mark.parametrize("expert_offset", [0, 4])
+def test_align_matches_ref(device, tokens, top_k, experts, expert_offset):
+    ids = torch.stack([torch.randperm(experts + expert_offset)[:top_k] for _ in range(tokens)]).int() \
+        if tokens else torch.empty(0, top_k, dtype=torch.int32)
+    expected_pairs, expected_blocks, expected_total = ref_moe_align(ids, experts, 16, expert_offset)
+    pairs, blocks, total = triton_moe_align(ids.to(device), experts, 16, expert_offset)
+    assert int(total) == expected_total
+    assert torch.equal(pairs.cpu(), expected_pairs.cpu())
+    assert torch.equal(blocks.cpu(), expected_blocks.cpu())
+
+
+def test_align_ref_layout():
+    ids = torch.tensor([[2, 0], [2, 3], [0, 2]], dtype=torch.int32)
+    pairs, blocks, total = ref_moe_align(ids, experts=4, block_m=4)
+    pad = 6
+    assert pairs[:total].tolist() == [1, 4, pad, pad, 0, 2, 5, pad, 3, pad, pad, pad]
+    assert blocks[:3].tolist() == [0, 2, 3] and (blocks[3:] == -1).all()
+
+
+@pytest.mark.parametrize("path, tokens, top_k, experts, hidden, inter", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_paths_match_ref(device, poisoned, assert_matches, path, tokens, top_k, experts, hidden, inter, dtype):
+    x = torch.randn(tokens, hidden, device=device).to(dtype)
+    w_gate_up, w_down = _experts(experts, hidden, inter, dtype, device)
+    weights, ids = _routing(tokens, top_k, experts, device, skip=experts // 4)  # some experts get no token
+    out = poisoned((tokens, hidden), dtype)
+    path(x, weights, ids, w_gate_up, w_down, out=out)
+    assert_matches(out, ref_moe(x, weights, ids, w_gate_up, w_down))
+
+
+@pytest.mark.parametrize("path", [moe_grouped, moe_decode])
+def test_expert_slices_sum_to_the_whole(device, poisoned, assert_matches, path):
+    """Two ranks' halves of the experts (expert_offset 0 and 4) add up to all eight: what an
+    all-reduce after expert-parallel moe ops computes."""
+    x = torch.randn(5, 32, device=device)
+    w_gate_up, w_down = _experts(8, 32, 16, torch.float32, device)
+    weights, ids = _routing(5, 2, 8, device)
+    halves = []
+    for offset in (0, 4):
+        out = poisoned((5, 32), torch.float32)
+        path(x, weights, ids, w_gate_up[offset:offset + 4], w_down[offset:offset + 4], out=out, expert_offset=offset)
+        assert_matches(out, ref_moe(x, weights, ids, w_gate_up[offset:offset + 4], w_down[offset:offset + 4], offset))
+        halves.append(out)
+    assert_matches(halves[0] + halves[1], ref_moe(x, weights, ids, w_gate_up, w_down))
+
+
+def test_dispatch_by_pair_count(device, assert_matches):
+    """triton_moe takes the decode path up to moe_decode_max_pairs pairs and the grouped one above."""
+    w_gate_up, w_down = _experts(8, 32, 16, torch.float32, device)
+    for tokens in (DEFAULTS.moe_decode_max_pairs // 2, DEFAULTS.moe_decode_max_pairs // 2 + 1):
+        x = torch.randn(tokens, 32, device=device)
+        weights, ids = _routing(tokens, 2, 8, device)
+        out = torch.empty_like(x)
+        triton_moe(x, weights, ids, w_gate_up, w_down, out=out)
+        assert_matches(out, ref_moe(x, weights, ids, w_gate_up, w_down))
+
+
+def test_registry_picks_triton_for_float_moe():
+    types = [TensorType(("T", 32), DType.bf16), TensorType(("T", 2), DType.f32), TensorType(("T", 2), DType.i32),
+             TensorType((8, 32, 32), DType.bf16), TensorType((8, 32, 16), DType.bf16)]
+    assert select_impl("moe", types, {"expert_offset": 0}, "triton").name == "triton.moe"
+    assert select_impl("moe", types, {"expert_offset": 0}, "torch").name == "torch.moe"
+
+
+def test_rejects_bad_inputs(device):
+    x = torch.randn(3, 32, device=device)
+    w_gate_up, w_down = _experts(4, 32, 16, torch.float32, device)
+    weights, ids = _routing(3, 2, 4, device)
+    with pytest.raises(ValueError, match="weights f32"):
+        moe_grouped(x, weights.half(), ids, w_gate_up, w_down, out=torch.empty_like(x))
+    with pytest.raises(ValueError, match="w_down must be contiguous"):
+        moe_decode(x, weights, ids, w_gate_up, w_down.transpose(1, 2).contiguous().transpose(1, 2),
+                   out=torch.empty_like(x))
