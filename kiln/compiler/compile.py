@@ -25,6 +25,7 @@ from kiln.tensors import parse_float_dtype
 from .codegen.program import generate_program
 from .options import CompileOptions
 from .passes.base import PassContext
+from .passes.quantize_kv_cache import KV_CACHE_DTYPES
 from .pipeline import run_pipeline
 from .quantization import QuantizationMethod, get_method
 from .sources.hf import ModelSource, load_hf_dir
@@ -61,7 +62,8 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
         "P": -(-max_seq_len // options.page_size),
     }
     quantization = _quantization(options.quantization, source)
-    ctx = PassContext(backend=options.backend, symbol_bounds=bounds, quantization=quantization)
+    ctx = PassContext(backend=options.backend, symbol_bounds=bounds, quantization=quantization,
+                      kv_cache_dtype=options.kv_cache_dtype, kv_cache_scales=options.kv_cache_scales)
     graph, pass_log = run_pipeline(built.graph, ctx, dump_dir=dump_ir, skip=options.skip_passes)
 
     store = WeightStore(source.tensors, built.computed, ctx.recipes, str(source.path))
@@ -104,6 +106,7 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
                 "max_seq_len": max_seq_len,
                 "page_size": options.page_size,
                 "dtype": str(dtype),
+                "kv_cache_dtype": str(KV_CACHE_DTYPES[options.kv_cache_dtype] or dtype),  # the pool's
                 "symbol_bounds": bounds,
                 "step_schema": options.step_schema().to_json(),
             },
