@@ -36,14 +36,15 @@ class Engine:
                  max_batch_tokens: int = 2048, max_batch_size: int = 256, max_seq_len: int | None = None,
                  page_size: int = 16, device: str | None = None, kv_cache_tokens: int | None = None,
                  mem_fraction: float = 0.85, schedule_policy: str = "lpm", enable_prefix_cache: bool = True,
-                 world_size: int = 1, quantization: str | None = None, tp: int = 1) -> None:
+                 world_size: int = 1, quantization: str | None = None, kv_cache_dtype: str = "auto",
+                 tp: int = 1) -> None:
         import torch
 
         on_gpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
         compile_options = CompileOptions(dtype=dtype, backend=backend or ("triton" if on_gpu else "torch"),
                                          max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size,
                                          max_seq_len=max_seq_len, page_size=page_size, quantization=quantization,
-                                         tp=tp)
+                                         kv_cache_dtype=kv_cache_dtype, tp=tp)
         self.artifact_path = ensure_artifact(model, compile_options)
         self.core = EngineCore(str(self.artifact_path), EngineOptions(
             device=device, kv_cache_tokens=kv_cache_tokens, mem_fraction=mem_fraction,

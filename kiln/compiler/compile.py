@@ -25,8 +25,9 @@ from kiln.tensors import parse_float_dtype
 from .codegen.program import generate_program
 from .options import CompileOptions
 from .passes.base import PassContext
+from .passes.quantize_kv_cache import KV_CACHE_DTYPES
 from .pipeline import run_pipeline
-from .quantization import get_method
+from .quantization import QuantizationMethod, get_method
 from .sources.hf import ModelSource, load_hf_dir
 from .weights import WeightStore
 
@@ -60,9 +61,10 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
         "N": options.max_logit_rows or options.max_batch_size,
         "P": -(-max_seq_len // options.page_size),
     }
-    quantization = None if options.quantization is None else get_method(options.quantization)
+    quantization = _quantization(options.quantization, source)
     ctx = PassContext(backend=options.backend, symbol_bounds=bounds, recipes=list(built.recipes),
-                      quantization=quantization, tp=options.tp)
+                      quantization=quantization, tp=options.tp, kv_cache_dtype=options.kv_cache_dtype,
+                      kv_cache_scales=options.kv_cache_scales)
     graph, pass_log = run_pipeline(built.graph, ctx, dump_dir=dump_ir, skip=options.skip_passes)
 
     store = WeightStore(source.tensors, built.computed, ctx.recipes, str(source.path))
@@ -94,6 +96,9 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
                 "config": source.config,
             },
             "options": options.to_json(),
+            "quantization": None if quantization is None else {
+                "method": quantization.name, "scheme": quantization.scheme.name, "act_quant": quantization.act_quant,
+                "checkpoint": None if source.quantization is None else source.quantization.description},
             "runtime": {
                 "num_layers": built.num_layers,
                 "tp": options.tp,
@@ -103,6 +108,7 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
                 "max_seq_len": max_seq_len,
                 "page_size": options.page_size,
                 "dtype": str(dtype),
+                "kv_cache_dtype": str(KV_CACHE_DTYPES[options.kv_cache_dtype] or dtype),  # the pool's
                 "symbol_bounds": bounds,
                 "step_schema": options.step_schema().to_json(),
             },
@@ -122,6 +128,19 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+def _quantization(requested: str | None, source: ModelSource) -> QuantizationMethod | None:
+    """The method the quantize pass applies: the one asked for, or a pre-quantized checkpoint's own
+    (asking for another would requantize its weights, which kiln refuses)."""
+    checkpoint = source.quantization
+    if checkpoint is None:
+        return None if requested is None else get_method(requested)
+    if requested not in (None, checkpoint.method.name):
+        raise ValueError(f"{source.path}: the checkpoint is already quantized ({checkpoint.description}); "
+                         f"quantization {requested!r} would requantize it. Leave the quantization out or give "
+                         f"{checkpoint.method.name!r}")
+    return checkpoint.method
 
 
 def _copy_tokenizer(source: ModelSource, target: Path) -> bool:

@@ -8,6 +8,7 @@ from kiln.kernels.config import DEFAULTS, KernelConfig
 from kiln.kernels.registry import BACKENDS
 from kiln.step_schema import OPTIONAL_OUTPUTS, STEP_SCHEMA, StepField, StepSchema
 
+from .passes.quantize_kv_cache import KV_CACHE_DTYPES
 from .pipeline import selected_passes
 from .quantization import get_method
 
@@ -29,6 +30,10 @@ class CompileOptions:
     skip_passes: tuple[str, ...] = ()  # pipeline passes left out, for experiments (pipeline.run_pipeline)
     quantization: str | None = None  # a method of kiln.compiler.quantization.METHODS (fp8, w8a8_int8, ...)
     tp: int = 1  # tensor-parallel ranks: the artifact holds one weights file per rank (passes/shard_tp.py)
+    # The KV pool's dtype: "auto" (the model's dtype) or "fp8_e4m3" (passes/quantize_kv_cache.py), and an
+    # FP8 pool's calibrated per-tensor scales, a (k_scale, v_scale) pair per layer; () means 1.0 each.
+    kv_cache_dtype: str = "auto"
+    kv_cache_scales: tuple[tuple[float, float], ...] = ()
 
     def validate(self) -> None:
         for name in ("max_batch_tokens", "max_batch_size", "page_size"):
@@ -48,6 +53,15 @@ class CompileOptions:
         selected_passes(self.skip_passes)
         if self.quantization is not None:
             get_method(self.quantization)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; supported: "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
+        if self.kv_cache_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("kv_cache_scales are the scales of an FP8 KV cache; give kv_cache_dtype='fp8_e4m3' too")
+        if any(len(pair) != 2 or not all(isinstance(s, (int, float)) and s > 0 for s in pair)
+               for pair in self.kv_cache_scales):
+            raise ValueError(f"kv_cache_scales must be (k_scale, v_scale) pairs of positive numbers, got "
+                             f"{self.kv_cache_scales!r}")
 
     def step_schema(self) -> StepSchema:
         unknown = [name for name in self.step_outputs if name not in OPTIONAL_OUTPUTS]

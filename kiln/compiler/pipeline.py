@@ -7,7 +7,8 @@ GEMMs and the collectives between them; the linear fusions must see the unfused 
 silu·mul must see the split the gate/up fusion made, the residual adds must join their GEMMs
 before silu·mul joins the down GEMM and the norms join theirs, rope+KV store must see the q/k norms before
 anything else touches them (and joins the attention after that), quantization sees the GEMMs as they will
-run (fused weights are quantized once, whole) and comes before dead-code elimination (which drops the
+run (fused weights are quantized once, whole), as the FP8 KV cache sees the fused attention ops, and
+both come before dead-code elimination (which drops the
 plain weights it leaves unread) and kernel selection (which picks kernels by the weight's format), and
 planning runs last on the final graph.
 
@@ -35,6 +36,7 @@ from .passes.fuse_silu_mul import fuse_silu_mul
 from .passes.fuse_silu_mul_linear import fuse_silu_mul_linear
 from .passes.plan_memory import plan_memory
 from .passes.quantize import quantize
+from .passes.quantize_kv_cache import quantize_kv_cache
 from .passes.select_kernels import select_kernels
 from .passes.shard_tp import shard_tp
 
@@ -56,6 +58,7 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("fuse_rope_kv_store", fuse_rope_kv_store),
     ("fuse_rope_attention", fuse_rope_attention),
     ("quantize", quantize),
+    ("quantize_kv_cache", quantize_kv_cache),
     ("dce", eliminate_dead_code),
     ("select_kernels", select_kernels),
     ("plan_memory", plan_memory),

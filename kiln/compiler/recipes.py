@@ -9,6 +9,7 @@ Every rank's weights come from the same recipes: ``for_rank`` turns each ``Shard
 rank's ``Slice`` before they are applied. The artifact writer asks
 ``apply_recipes`` for the final graph's parameters; it reads each source when first needed and
 yields the weights one at a time, so a compile holds a few tensors at once, not the model twice.
+A pre-quantized checkpoint's weights pass through them as ``QuantizedTensor`` values, never dequantized.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import torch
 from kiln.ir.weights import WeightFormat
 
 from kiln.kernels.quantize import quantize
+
+from .quantized_tensor import QuantizedTensor, concat
 
 
 @dataclass(frozen=True)
@@ -35,8 +38,8 @@ class Concat:
     def outputs(self) -> tuple[str, ...]:
         return (self.output,)
 
-    def make(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        return (torch.cat(tensors, dim=self.axis),)
+    def make(self, tensors: list[torch.Tensor | QuantizedTensor]) -> tuple[torch.Tensor | QuantizedTensor, ...]:
+        return (concat(tensors, self.axis),)
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ class Slice:
     def outputs(self) -> tuple[str, ...]:
         return (self.output,)
 
-    def make(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def make(self, tensors: list[torch.Tensor | QuantizedTensor]) -> tuple[torch.Tensor | QuantizedTensor, ...]:
         (tensor,) = tensors
         size = tensor.shape[self.axis]
         if size % self.count:
@@ -154,8 +157,14 @@ class Quantize:
     def outputs(self) -> tuple[str, ...]:
         return (self.output, *self.format.scales)
 
-    def make(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        values, scales = quantize(tensors[0], self.format.scheme)
+    def make(self, tensors: list[torch.Tensor | QuantizedTensor]) -> tuple[torch.Tensor, ...]:
+        (tensor,) = tensors
+        if isinstance(tensor, QuantizedTensor):  # pre-quantized: kept exactly as the checkpoint has it
+            if tensor.scheme != self.format.scheme:
+                raise ValueError(f"{self.output}: {self.source} comes as {tensor.scheme}, not {self.format.scheme}; "
+                                 "kiln does not requantize a pre-quantized weight")
+            return (tensor.stored, *tensor.scales)
+        values, scales = quantize(tensor, self.format.scheme)
         return (values, *scales)
 
 

@@ -1,7 +1,9 @@
 """The weight store: makes each final-graph parameter's tensor from the checkpoint and the model's
 computed tensors through the passes' recipes (``recipes.apply_recipes``), one rank's at a time,
 checking each against its parameter's shape and casting a plain one to its dtype (a quantized one
-must come in its storage dtype: a cast would not quantize it)."""
+must come in its storage dtype: a cast would not quantize it). A pre-quantized checkpoint weight
+that ends up in a plain parameter (an lm_head or embedding the checkpoint quantized, which kiln keeps
+plain) is dequantized."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 from kiln.ir import Graph
 from kiln.tensors import torch_dtype
 
+from .quantized_tensor import QuantizedTensor
 from .recipes import Recipe, apply_recipes, for_rank, source_names
 from .sources.hf import CheckpointTensors, SourceError
 
@@ -36,6 +39,8 @@ class WeightStore:
         """Yields (name, tensor) for each parameter of ``graph`` as rank ``rank`` holds it, one at a time."""
         for name, tensor in apply_recipes(for_rank(self._recipes, rank), graph.params, self._read):
             param = graph.params[name]
+            if isinstance(tensor, QuantizedTensor):
+                tensor = tensor.dequantize()
             expected = param.type.concrete_shape({})
             if tuple(tensor.shape) != expected:
                 where = self._checkpoint.file_of(name) if name in self._checkpoint else self._source_name

@@ -114,7 +114,7 @@ def infer_kv_store(t: Types, a: Attrs) -> tuple[TensorType, ...]:
     for name, cache, new in (("k", k_cache, k), ("v", v_cache, v)):
         expect_rank("kv_store", f"{name}_cache", cache, 3)
         expect_rank("kv_store", name, new, 3)
-        expect(cache.shape[1:] == new.shape[1:] and cache.dtype == new.dtype,
+        expect(cache.shape[1:] == new.shape[1:] and cache.dtype in (new.dtype, DType.f8e4m3),
                f"kv_store: {name} {new} does not fit cache {cache}")
     expect_int("kv_store", "slots", slots)
     expect(same_dim(slots.shape[0], k.shape[0]), f"kv_store: slots {slots} do not match k {k}")
@@ -169,13 +169,17 @@ register_op(OpDef("split", ("x",), {"sizes": AttrSpec("ints")}, _split, num_outp
                   doc="views of consecutive column ranges of the last dim"))
 register_op(OpDef("rope", ("x", "positions", "cos_sin"), {}, infer_rope,
                   doc="rotary embedding, half-split (neox) layout, on the first cos_sin.shape[1] dims of each head"))
-register_op(OpDef("kv_store", ("k_cache", "v_cache", "k", "v", "slots"), {}, infer_kv_store, num_outputs=2, aliases=(0, 1),
-                  has_effect=True, doc="writes k and v of each token into its slot of the pool; returns the updated pool"))
+# An FP8 KV cache's scales (set by the quantize_kv_cache pass; unset: the pool holds k and v as they
+# are): the pool stores k / k_scale and v / v_scale in f8e4m3, and attention reads them back times the scale.
+KV_SCALE_ATTRS = {"k_scale": AttrSpec("float", None), "v_scale": AttrSpec("float", None)}
+register_op(OpDef("kv_store", ("k_cache", "v_cache", "k", "v", "slots"), KV_SCALE_ATTRS, infer_kv_store, num_outputs=2,
+                  aliases=(0, 1), has_effect=True,
+                  doc="writes k and v of each token into its slot of the pool; returns the updated pool"))
 register_op(OpDef(
     "paged_attention",
     ("q", "k_cache", "v_cache", "q_start", "q_len", "kv_len", "page_table"),
     {"scale": AttrSpec("float"), "page_size": AttrSpec("int"), "sliding_window": AttrSpec("int", 0),
-     "soft_cap": AttrSpec("float", 0.0)},
+     "soft_cap": AttrSpec("float", 0.0), **KV_SCALE_ATTRS},
     infer_paged_attention,
     doc="causal attention of each sequence's new tokens over its whole context in the paged pool (GQA)",
 ))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from .ops import AttrSpec, OpDef, expect, expect_rank, expect_same, register_op
-from .ops_core import LINEAR_ATTRS, infer_kv_store, infer_linear, infer_paged_attention, infer_rmsnorm, infer_rope
+from .ops_core import KV_SCALE_ATTRS, LINEAR_ATTRS, infer_kv_store, infer_linear, infer_paged_attention, infer_rmsnorm, infer_rope
 from .types import TensorType
 
 
@@ -47,7 +47,7 @@ def _rope_kv_store(t: Sequence[TensorType], a: Mapping[str, Any]) -> tuple[Tenso
 
 register_op(OpDef(
     "rope_kv_store", ("q", "k", "v", "positions", "cos_sin", "k_cache", "v_cache", "slots", "q_norm?", "k_norm?"),
-    {"eps": AttrSpec("float", 0.0)},
+    {"eps": AttrSpec("float", 0.0), **KV_SCALE_ATTRS},
     _rope_kv_store, num_outputs=3, aliases=(None, 5, 6), has_effect=True,
     doc="with norms: q, k = rmsnorm(q, q_norm), rmsnorm(k, k_norm); then returns (rope(q), "
         "*kv_store(k_cache, v_cache, rope(k), v, slots))",
@@ -63,7 +63,7 @@ register_op(OpDef(
     "rope_kv_attention",
     ("q", "k", "v", "positions", "cos_sin", "k_cache", "v_cache", "slots", "q_start", "q_len", "kv_len", "page_table"),
     {"scale": AttrSpec("float"), "page_size": AttrSpec("int"), "sliding_window": AttrSpec("int", 0),
-     "soft_cap": AttrSpec("float", 0.0)},
+     "soft_cap": AttrSpec("float", 0.0), **KV_SCALE_ATTRS},
     _rope_kv_attention, num_outputs=3, aliases=(None, 5, 6), has_effect=True,
     doc="q_rot, k_cache, v_cache = rope_kv_store(q, k, v, positions, cos_sin, k_cache, v_cache, slots); returns "
         "(paged_attention(q_rot, k_cache, v_cache, q_start, q_len, kv_len, page_table), k_cache, v_cache)",

@@ -22,7 +22,7 @@ class DType(str, Enum):
     i32 = "i32"
     i8 = "i8"
     u8 = "u8"
-    f8e4m3 = "f8e4m3"  # a storage dtype of quantized weights (fp8_channel), not of activations
+    f8e4m3 = "f8e4m3"  # a storage dtype (quantized weights, an FP8 KV pool), not of activations
 
     @property
     def itemsize(self) -> int:

@@ -59,11 +59,17 @@ class QuantScheme:
 
 
 # Scales are f32 per output channel for the 8-bit schemes; mxfp4 (OCP microscaling) packs two e2m1
-# values a byte and shares one power-of-two scale (an e8m0 exponent byte) among 32 values.
+# values a byte and shares one power-of-two scale (an e8m0 exponent byte) among 32 values. The block
+# 8-bit schemes hold pre-quantized checkpoints exactly (kiln/compiler/sources/prequantized.py): FP8
+# with 128x128 block scales (DeepSeek/Qwen FP8) as one f32 scale per row and 128 columns, GGUF Q8_0
+# (an f16 scale per 32 values) as one f32 scale per 32 values of a row. A scale per row and block,
+# not per block of rows, keeps fusing (row concatenation) and row/column shards exact.
 SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (
     QuantScheme("int8_channel", DType.i8, DType.f32),
     QuantScheme("fp8_channel", DType.f8e4m3, DType.f32),
     QuantScheme("mxfp4", DType.u8, DType.u8, block=32, pack=2),
+    QuantScheme("fp8_block128", DType.f8e4m3, DType.f32, block=128),
+    QuantScheme("int8_block32", DType.i8, DType.f32, block=32),
 )}
 
 

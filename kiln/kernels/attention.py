@@ -17,12 +17,12 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from kiln.ir.types import TensorType
+from kiln.ir.types import DType, TensorType
 
 from .attention_decode import NewTokens, decode_splits, launch_decode
 from .attention_extend import extend_blocks, launch_extend
 from .config import DEFAULTS, KernelConfig
-from .kv_store import triton_kv_store
+from .kv_store import FP8, from_cache, triton_kv_store
 from .registry import register_impl
 from .rope import triton_rope
 from .triton_support import (IR_FLOATS, IR_INDEXES, require, require_device, require_float, require_index,
@@ -37,7 +37,8 @@ def context_slots(page_row: torch.Tensor, length: int, page_size: int) -> torch.
 
 def ref_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
                         q_len: torch.Tensor, kv_len: torch.Tensor, page_table: torch.Tensor, *, scale: float,
-                        page_size: int, sliding_window: int = 0, soft_cap: float = 0.0) -> torch.Tensor:
+                        page_size: int, sliding_window: int = 0, soft_cap: float = 0.0, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> torch.Tensor:
     out = torch.zeros_like(q)
     heads, kv_heads = q.shape[1], k_cache.shape[1]
     group = heads // kv_heads
@@ -45,8 +46,8 @@ def ref_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if n == 0:
             continue
         slots = context_slots(page_table[b], length, page_size)
-        k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [L, H, D]
-        v = v_cache[slots].float().repeat_interleave(group, dim=1)
+        k = from_cache(k_cache[slots], k_scale).repeat_interleave(group, dim=1)  # [L, H, D]
+        v = from_cache(v_cache[slots], v_scale).repeat_interleave(group, dim=1)
         qs = q[start:start + n].float()  # [n, H, D]
         scores = torch.einsum("nhd,lhd->hnl", qs, k) * scale
         if soft_cap > 0:
@@ -88,8 +89,8 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_star
             lambda: f"k_cache {tuple(k_cache.shape)} strides {k_cache.stride()} and v_cache "
             f"{tuple(v_cache.shape)} strides {v_cache.stride()} must be alike [NS, kv_heads, head_dim]")
     require_unit_last_stride(kernel, "k_cache", k_cache)
-    require(k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, kernel,
-            lambda: f"caches ({k_cache.dtype}, {v_cache.dtype}) must have q's dtype {q.dtype}")
+    require(k_cache.dtype in (q.dtype, FP8) and v_cache.dtype == k_cache.dtype, kernel,
+            lambda: f"caches ({k_cache.dtype}, {v_cache.dtype}) must have q's dtype {q.dtype} (or both be {FP8})")
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[1]
     require(k_cache.shape[2] == head_dim, kernel,
@@ -113,7 +114,7 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            q_len: torch.Tensor, kv_len: torch.Tensor, page_table: torch.Tensor, *, out: torch.Tensor,
                            scale: float, page_size: int, sliding_window: int = 0, soft_cap: float = 0.0,
                            sizes: Mapping[str, int] | None = None, new_tokens: NewTokens | None = None,
-                           config: KernelConfig = DEFAULTS) -> None:
+                           config: KernelConfig = DEFAULTS, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Writes each sequence's attention output into its rows of ``out``. Reads only host facts
     (shapes and ``sizes``), never device values, so the decode path can be captured in a CUDA graph.
 
@@ -130,7 +131,8 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     sizes = sizes or {}
     tokens, heads, head_dim = q.shape
     max_q_len = sizes.get("max_q_len")
-    common = dict(scale=scale, page_size=page_size, sliding_window=sliding_window, soft_cap=soft_cap)
+    common = dict(scale=scale, page_size=page_size, sliding_window=sliding_window, soft_cap=soft_cap,
+                  k_scale=k_scale, v_scale=v_scale)
     if max_q_len is not None and max_q_len <= 1:
         kv_bound = page_table.shape[1] * page_size
         if sizes.get("max_kv_len") is not None:
@@ -146,7 +148,7 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q_rot, k_rot = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty_like(new.k)
         triton_rope(q, new.positions, new.cos_sin, out=q_rot, config=config)
         triton_rope(new.k, new.positions, new.cos_sin, out=k_rot, config=config)
-        triton_kv_store(k_cache, v_cache, k_rot, new.v, new.slots, config=config)
+        triton_kv_store(k_cache, v_cache, k_rot, new.v, new.slots, config=config, k_scale=k_scale, v_scale=v_scale)
         q = q_rot
     # An unknown max_q_len is bounded by the step's token count.
     bound = tokens if max_q_len is None else min(max_q_len, tokens)
@@ -158,7 +160,7 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def _paged_attention_checker(types: Sequence[TensorType], attrs: Mapping[str, Any]) -> bool:
     q, k_cache, v_cache, q_start, q_len, kv_len, page_table = types
     head_dim = q.shape[2] if q.rank == 3 else None
-    return (q.dtype in IR_FLOATS and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
+    return (q.dtype in IR_FLOATS and k_cache.dtype in (q.dtype, DType.f8e4m3) and v_cache.dtype == k_cache.dtype
             and isinstance(head_dim, int) and head_dim <= MAX_HEAD_DIM
             and all(t.dtype in IR_INDEXES for t in (q_start, q_len, kv_len, page_table)))
 

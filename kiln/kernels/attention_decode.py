@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_block import attend_block, fold_block, load_kv_block
+from .attention_block import attend_block, fold_block, from_fp8, load_kv_block, to_fp8
 from .attention_split_merge import splits_merged_at_once, store_split_and_merge
 from .config import DEFAULTS, KernelConfig
 from .triton_support import await_previous_kernel, dot_in_f32, pdl_launch, pow2, semaphore_counters, sm_count
@@ -77,11 +77,11 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_o_ptr, part_lse_ptr, cou
                    q_start_ptr, q_len_ptr, kv_len_ptr, pt_ptr,
                    k_ptr, v_ptr, pos_ptr, cs_ptr, slot_ptr, k_st, k_sh, v_st, v_sh, rot,
                    q_st, q_sh, o_st, o_sh, slot_stride, head_stride, pt_stride,
-                   num_heads, group, head_dim, page_size, scale, soft_cap, window, num_splits,
+                   num_heads, group, head_dim, page_size, scale, soft_cap, window, num_splits, k_scale, v_scale,
                    ROPE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr,
                    MERGE_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr, PRELOAD: tl.constexpr,
-                   PDL: tl.constexpr):
+                   KV_FP8: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -127,7 +127,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_o_ptr, part_lse_ptr, cou
         # position is final: under PDL the block loads while that kernel is still running, off the
         # critical path. The new token's row is stale here; _with_new_token puts it in below.
         k_first, v_first = load_kv_block(k_base, v_base, page_row, start, end, slot_stride, page_size, offs_d,
-                                         d_mask, BLOCK_N)
+                                         d_mask, k_scale, v_scale, BLOCK_N, KV_FP8, q_ptr.dtype.element_ty)
     # Up to here the program read only the step's inputs (copied in before the step's first kernel
     # started), constants and (PRELOAD) the cached KV, so under PDL it did so while the kernel before
     # it was still running. q, the new k and v, and (without ROPE) the new token the previous kernel
@@ -145,9 +145,18 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_o_ptr, part_lse_ptr, cou
         k_new = _rotated(k_ptr + q_start * k_st + kv_head * k_sh + offs_d, offs_d, d_mask & holds, cs_row, half,
                          rot, dtype)
         v_new = tl.load(v_ptr + q_start * v_st + kv_head * v_sh + offs_d, mask=d_mask & holds)
+        if KV_FP8:
+            # The pool holds them rounded to FP8; the preloaded block takes them as the pool reads back.
+            k_stored = to_fp8(k_new, k_scale, kc_ptr.dtype.element_ty)
+            v_stored = to_fp8(v_new, v_scale, vc_ptr.dtype.element_ty)
+            k_new = from_fp8(k_stored, k_scale, dtype)
+            v_new = from_fp8(v_stored, v_scale, dtype)
+        else:
+            k_stored = k_new
+            v_stored = v_new
         if holds:
-            tl.store(kc_ptr + slot * slot_stride + kv_head * head_stride + offs_d, k_new, mask=d_mask)
-            tl.store(vc_ptr + slot * slot_stride + kv_head * head_stride + offs_d, v_new, mask=d_mask)
+            tl.store(kc_ptr + slot * slot_stride + kv_head * head_stride + offs_d, k_stored, mask=d_mask)
+            tl.store(vc_ptr + slot * slot_stride + kv_head * head_stride + offs_d, v_stored, mask=d_mask)
             tl.debug_barrier()
     else:
         q = tl.load(q_ptrs, mask=mask, other=0.0)
@@ -175,8 +184,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_o_ptr, part_lse_ptr, cou
         loop_start = start + BLOCK_N
     for n0 in range(loop_start, end, BLOCK_N):
         acc, m_i, l_i = attend_block(acc, m_i, l_i, q, q_pos, k_base, v_base, page_row, n0, end, slot_stride,
-                                     page_size, offs_d, d_mask, scale, soft_cap, window, MASKED=True,
-                                     SOFT_CAP=SOFT_CAP, SLIDING=False, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N)
+                                     page_size, offs_d, d_mask, scale, soft_cap, window, k_scale, v_scale,
+                                     MASKED=True, SOFT_CAP=SOFT_CAP, SLIDING=False, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N,
+                                     KV_FP8=KV_FP8, DTYPE=q_ptr.dtype.element_ty)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if SPLIT:
         store_split_and_merge(out, m_i, l_i, part_o_ptr, part_lse_ptr, counter_ptr, out_ptr, b, kv_head, split,
@@ -205,7 +215,8 @@ def preloads_first_block(programs: int, sm_count: int, config: KernelConfig = DE
 def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
                   q_len: torch.Tensor, kv_len: torch.Tensor, page_table: torch.Tensor, out: torch.Tensor, *,
                   scale: float, page_size: int, sliding_window: int, soft_cap: float, num_splits: int,
-                  new_tokens: NewTokens | None = None, config: KernelConfig = DEFAULTS) -> None:
+                  new_tokens: NewTokens | None = None, config: KernelConfig = DEFAULTS, k_scale: float = 1.0,
+                  v_scale: float = 1.0) -> None:
     """Launches decode attention on inputs the dispatcher has checked; every ``q_len[b]`` must be 0 or 1.
     With ``new_tokens``, ``q`` is unrotated and the kernel rotates it and stores the new k and v
     first; then every token with a pool slot must be the query of a sequence (``q_start[b]`` with
@@ -233,11 +244,12 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, out, part_o, part_lse, counters, q_start, q_len, kv_len, page_table, *rope_args,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         page_table.stride(0), heads, group, head_dim, page_size, scale, soft_cap, sliding_window, num_splits,
-        ROPE=new is not None, SPLIT=num_splits > 1, BLOCK_G=pow2(group, 16), BLOCK_H=block_h,
+        k_scale, v_scale, ROPE=new is not None, SPLIT=num_splits > 1, BLOCK_G=pow2(group, 16), BLOCK_H=block_h,
         MERGE_S=min(config.decode_max_splits, splits_merged_at_once(block_h, block_d, config)),
         BLOCK_N=config.decode_block_n,
         BLOCK_D=block_d, SOFT_CAP=soft_cap > 0, SLIDING=sliding_window > 0, DOT_F32=dot_in_f32(q.dtype),
         PRELOAD=new is not None and preloads_first_block(batch * kv_heads * num_splits, sm_count(q), config),
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=config.decode_num_warps, num_stages=config.decode_num_stages,
         # With the rotation, an fma would skip the rounding of a product to the dtype that ref_rope does.
         enable_fp_fusion=new is None, **pdl_launch(q, config.pdl))

@@ -24,9 +24,9 @@ from .triton_support import dot_in_f32, pow2
 @triton.jit
 def _extend_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, q_start_ptr, q_len_ptr, kv_len_ptr, pt_ptr,
                    q_st, q_sh, o_st, o_sh, slot_stride, head_stride, pt_stride,
-                   num_m_blocks, group, head_dim, page_size, scale, soft_cap, window,
+                   num_m_blocks, group, head_dim, page_size, scale, soft_cap, window, k_scale, v_scale,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr):
+                   SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr, KV_FP8: tl.constexpr):
     m_block = num_m_blocks - 1 - tl.program_id(0)
     head = tl.program_id(1)
     b = tl.program_id(2)
@@ -67,12 +67,14 @@ def _extend_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, q_start_ptr, q_len_ptr, kv_le
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for n0 in range(lo, unmasked_end, BLOCK_N):
         acc, m_i, l_i = attend_block(acc, m_i, l_i, q, q_pos, k_base, v_base, page_row, n0, kv_end, slot_stride,
-                                     page_size, offs_d, d_mask, scale, soft_cap, window, MASKED=False,
-                                     SOFT_CAP=SOFT_CAP, SLIDING=SLIDING, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N)
+                                     page_size, offs_d, d_mask, scale, soft_cap, window, k_scale, v_scale,
+                                     MASKED=False, SOFT_CAP=SOFT_CAP, SLIDING=SLIDING, DOT_F32=DOT_F32,
+                                     BLOCK_N=BLOCK_N, KV_FP8=KV_FP8, DTYPE=q_ptr.dtype.element_ty)
     for n0 in range(unmasked_end, kv_end, BLOCK_N):
         acc, m_i, l_i = attend_block(acc, m_i, l_i, q, q_pos, k_base, v_base, page_row, n0, kv_end, slot_stride,
-                                     page_size, offs_d, d_mask, scale, soft_cap, window, MASKED=True,
-                                     SOFT_CAP=SOFT_CAP, SLIDING=SLIDING, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N)
+                                     page_size, offs_d, d_mask, scale, soft_cap, window, k_scale, v_scale,
+                                     MASKED=True, SOFT_CAP=SOFT_CAP, SLIDING=SLIDING, DOT_F32=DOT_F32,
+                                     BLOCK_N=BLOCK_N, KV_FP8=KV_FP8, DTYPE=q_ptr.dtype.element_ty)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * o_st + head * o_sh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & d_mask[None, :])
@@ -99,7 +101,7 @@ def extend_blocks(max_q_len: int, head_dim: int) -> tuple[int, int, int]:
 def launch_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
                   q_len: torch.Tensor, kv_len: torch.Tensor, page_table: torch.Tensor, out: torch.Tensor, *,
                   scale: float, page_size: int, sliding_window: int, soft_cap: float, max_q_len: int,
-                  block_m: int, block_n: int, num_warps: int) -> None:
+                  block_m: int, block_n: int, num_warps: int, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Launches the extend kernel on inputs the dispatcher has checked. ``max_q_len`` must bound every
     ``q_len[b]`` (rows past it would be left unwritten)."""
     tokens, heads, head_dim = q.shape
@@ -111,6 +113,7 @@ def launch_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, out, q_start, q_len, kv_len, page_table,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         page_table.stride(0), num_m_blocks, heads // k_cache.shape[1], head_dim, page_size, scale, soft_cap,
-        sliding_window,
+        sliding_window, k_scale, v_scale,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=pow2(head_dim, 16), SOFT_CAP=soft_cap > 0,
-        SLIDING=sliding_window > 0, DOT_F32=dot_in_f32(q.dtype), num_warps=num_warps, num_stages=2)
+        SLIDING=sliding_window > 0, DOT_F32=dot_in_f32(q.dtype), KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        num_warps=num_warps, num_stages=2)

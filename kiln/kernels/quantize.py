@@ -4,7 +4,8 @@ and the per-token activation quantization of ``kiln.ir.weights.ACT_QUANT``.
 ``quantize(weight, scheme)`` gives the stored values and the scale tensors the scheme's format names
 (the compiler's ``Quantize`` weight recipe calls it at compile time); ``dequantize`` reads them back,
 which is what a kernel reading a quantized weight must compute. Rows are every axis but the last; the
-8-bit schemes scale each row by its largest magnitude, mxfp4 each block of 32 values of a row.
+8-bit channel schemes scale each row by its largest magnitude, the block schemes (mxfp4, fp8_block128,
+int8_block32) each block of a row.
 ``quantize_rows`` rounds activations the way a W8A8 GEMM sees them (each token scaled by its own
 largest magnitude at run time). They live with the kernels because the runtime, which never imports
 the compiler, runs the ``ref_`` kernels built on them.
@@ -58,6 +59,25 @@ def _per_channel_decode(stored: torch.Tensor, scales: Scales) -> torch.Tensor:
     return stored.float() * scales[0][..., None]
 
 
+def _per_block(limit: float, dtype: torch.dtype, block: int) -> Callable[[torch.Tensor], tuple[torch.Tensor, Scales]]:
+    """Each ``block`` values of a row scaled as ``_per_channel`` scales a row."""
+    encode_rows = _per_channel(limit, dtype)
+
+    def encode(w: torch.Tensor) -> tuple[torch.Tensor, Scales]:
+        stored, (scale,) = encode_rows(w.reshape(*w.shape[:-1], -1, block))
+        return stored.reshape(w.shape), (scale,)
+
+    return encode
+
+
+def _per_block_decode(block: int) -> Callable[[torch.Tensor, Scales], torch.Tensor]:
+    def decode(stored: torch.Tensor, scales: Scales) -> torch.Tensor:
+        blocks = stored.reshape(*stored.shape[:-1], -1, block)
+        return _per_channel_decode(blocks, scales).reshape(stored.shape)
+
+    return decode
+
+
 def _mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, Scales]:
     """OCP microscaling fp4: a block's shared exponent puts its largest magnitude in e2m1's top binade
     (4 to 6, so floor(log2(amax)) - 2); each value rounds to the nearest e2m1 magnitude (a tie to the
@@ -84,10 +104,13 @@ def _mxfp4_decode(stored: torch.Tensor, scales: Scales) -> torch.Tensor:
     return blocks.reshape(values.shape)
 
 
+_FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 _SCHEMES = {
     "int8_channel": (_per_channel(127.0, torch.int8), _per_channel_decode),
-    "fp8_channel": (_per_channel(torch.finfo(torch.float8_e4m3fn).max, torch.float8_e4m3fn), _per_channel_decode),
+    "fp8_channel": (_per_channel(_FP8_MAX, torch.float8_e4m3fn), _per_channel_decode),
     "mxfp4": (_mxfp4, _mxfp4_decode),
+    "fp8_block128": (_per_block(_FP8_MAX, torch.float8_e4m3fn, 128), _per_block_decode(128)),
+    "int8_block32": (_per_block(127.0, torch.int8, 32), _per_block_decode(32)),
 }
 # Per-token activations use the per-channel weight encoders: a token is a row of x as a channel is a row of w.
 _ACTIVATIONS = {"int8_per_token": "int8_channel", "fp8_per_token": "fp8_channel"}

@@ -26,12 +26,14 @@ from .triton_support import IR_FLOATS, IR_INDEXES, require, require_device, requ
 def ref_rope_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                           cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                           q_start: torch.Tensor, q_len: torch.Tensor, kv_len: torch.Tensor, page_table: torch.Tensor,
-                          *, scale: float, page_size: int, sliding_window: int = 0,
-                          soft_cap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          *, scale: float, page_size: int, sliding_window: int = 0, soft_cap: float = 0.0,
+                          k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (attention output, k_cache, v_cache); the caches are updated in place."""
-    q_rot, k_cache, v_cache = ref_rope_kv_store(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
+    q_rot, k_cache, v_cache = ref_rope_kv_store(q, k, v, positions, cos_sin, k_cache, v_cache, slots,
+                                                k_scale=k_scale, v_scale=v_scale)
     out = ref_paged_attention(q_rot, k_cache, v_cache, q_start, q_len, kv_len, page_table, scale=scale,
-                              page_size=page_size, sliding_window=sliding_window, soft_cap=soft_cap)
+                              page_size=page_size, sliding_window=sliding_window, soft_cap=soft_cap,
+                              k_scale=k_scale, v_scale=v_scale)
     return out, k_cache, v_cache
 
 
@@ -48,8 +50,9 @@ def triton_rope_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                              q_start: torch.Tensor, q_len: torch.Tensor, kv_len: torch.Tensor,
                              page_table: torch.Tensor, *, out: torch.Tensor, scale: float, page_size: int,
-                             sliding_window: int = 0, soft_cap: float = 0.0,
-                             sizes: Mapping[str, int] | None = None, config: KernelConfig = DEFAULTS) -> None:
+                             sliding_window: int = 0, soft_cap: float = 0.0, k_scale: float = 1.0,
+                             v_scale: float = 1.0, sizes: Mapping[str, int] | None = None,
+                             config: KernelConfig = DEFAULTS) -> None:
     """Writes the attention output into ``out`` and the step's rotated k and v into the pool. The
     decode path stores only the tokens that are some sequence's query (every token of a decode
     step); positions must index rows of ``cos_sin`` and slots the pool (not checked: no host sync)."""
@@ -72,13 +75,15 @@ def triton_rope_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     require_device(kernel, q, k, v, positions, cos_sin, slots)
     triton_paged_attention(q, k_cache, v_cache, q_start, q_len, kv_len, page_table, out=out, scale=scale,
                            page_size=page_size, sliding_window=sliding_window, soft_cap=soft_cap, sizes=sizes,
-                           new_tokens=NewTokens(k, v, positions, cos_sin, slots), config=config)
+                           new_tokens=NewTokens(k, v, positions, cos_sin, slots), config=config, k_scale=k_scale,
+                           v_scale=v_scale)
 
 
 def _checker(types: Sequence[TensorType], attrs: Mapping[str, Any]) -> bool:
     q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_start, q_len, kv_len, page_table = types
     head_dim = q.shape[2] if q.rank == 3 else None
-    return (q.dtype in IR_FLOATS and all(t.dtype == q.dtype for t in (k, v, k_cache, v_cache))
+    return (q.dtype in IR_FLOATS and all(t.dtype == q.dtype for t in (k, v))
+            and k_cache.dtype in (q.dtype, DType.f8e4m3) and v_cache.dtype == k_cache.dtype
             and isinstance(head_dim, int) and head_dim <= MAX_HEAD_DIM and cos_sin.dtype == DType.f32
             and all(t.dtype in IR_INDEXES for t in (positions, slots, q_start, q_len, kv_len, page_table)))
 

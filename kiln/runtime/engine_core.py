@@ -26,7 +26,7 @@ from .artifact import load_artifact
 from .constraints import Constraints, constraint_of
 from .engine_options import DEFAULT_CPU_KV_TOKENS, EngineOptions, graph_settings
 from .kvcache.allocator import PageAllocator
-from .kvcache.pool import pages_for_mem_fraction, pages_for_tokens
+from .kvcache.pool import pages_for_mem_fraction, pages_for_tokens, pool_dtype
 from .kvcache.radix import RadixCache
 from .outputs import SampleEvent, TokenLogprob
 from .sampling import SamplerOutput, SamplingBatch, SamplingParams, SamplingRow, child_seed, masked_argmax, new_seed
@@ -97,9 +97,8 @@ class EngineCore:
         if self.options.kv_cache_tokens is not None:
             return pages_for_tokens(self.options.kv_cache_tokens, rt["page_size"])
         if device.type == "cuda":
-            dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[rt["dtype"]]
             return pages_for_mem_fraction(self.options.mem_fraction, device, rt["num_layers"], rt["num_kv_heads"],
-                                          rt["head_dim"], dtype, rt["page_size"])
+                                          rt["head_dim"], pool_dtype(rt), rt["page_size"])
         return pages_for_tokens(max(DEFAULT_CPU_KV_TOKENS, rt["max_seq_len"]), rt["page_size"])
 
     # ---- requests --------------------------------------------------------------------------------

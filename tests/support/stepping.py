@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.runtime.kvcache.pool import pool_dtype
 from kiln.runtime.scheduler.batch import StepLists
 from kiln.runtime.worker.executor import Executor, StepInputs
 
@@ -23,7 +24,7 @@ class PagedRun:
             for kind in ("k", "v"):
                 self.caches[f"{kind}_cache.{i}"] = torch.zeros(
                     num_pages * self.page_size, rt["num_kv_heads"], rt["head_dim"],
-                    dtype=_cache_dtype(rt["dtype"]), device=executor.device)
+                    dtype=pool_dtype(rt), device=executor.device)
         self.next_page = 1  # page 0 stays unused, as in the runtime's pool
         self.pages: list[list[int]] = []
         self.lengths: list[int] = []
@@ -65,10 +66,6 @@ class PagedRun:
                  "logits_index": i32(index)}
         inputs = StepInputs(feeds, max(q_len), max(kv_len))
         return self.executor.run(inputs, self.caches)["logits"].clone()
-
-
-def _cache_dtype(name: str) -> torch.dtype:
-    return {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[name]
 
 
 def pages_for(totals: list[int], page_size: int = 4) -> list[list[int]]:

@@ -19,7 +19,7 @@ from typing import Sequence
 
 from kiln import __version__
 from kiln.artifact_format import GENERATED_KERNEL_PREFIX
-from kiln.ir import Node, TensorType
+from kiln.ir import DType, Node, TensorType
 
 
 def _pow2(n: int) -> int:
@@ -30,8 +30,8 @@ def _pow2(n: int) -> int:
 
 
 def generated_kernel(node: Node, types: Sequence[TensorType]) -> tuple[str, str] | None:
-    if node.op != "rope_kv_store":
-        return None
+    if node.op != "rope_kv_store" or types[5].dtype == DType.f8e4m3:
+        return None  # an FP8 pool's store runs the registry's reference (kernels/rope_kv_store.py)
     q, k, v, positions, cos_sin = types[:5]
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads, rot = k.shape[1], cos_sin.shape[1]

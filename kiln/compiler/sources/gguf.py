@@ -1,8 +1,12 @@
 """The GGUF source: a llama.cpp ``.gguf`` file -> an HF-layout model directory.
 
-``convert_gguf`` writes ``config.json``, ``model.safetensors`` (every tensor dequantized to
-float32, under its HF name) and the tokenizer files, so the rest of kiln only ever reads HF
-directories. What is particular to one GGUF architecture -- which metadata key is which config
+``convert_gguf`` writes ``config.json``, ``model.safetensors`` (every tensor under its HF name,
+dequantized to float32, except the layers' Q8_0 GEMM weights) and the tokenizer files, so the rest of
+kiln only ever reads HF directories. Q8_0 GEMM weights (blocks of 32 int8 values sharing an f16 scale)
+stay int8: written as a compressed-tensors int8 weight-only checkpoint with groups of 32 (``weight``
+int8, ``weight_scale`` f32 per row and group, exactly the f16 scales), which kiln compiles into its
+``int8_block32`` format (``prequantized.py``). The embedding and the lm_head, which kiln keeps plain,
+are dequantized as every other type is. What is particular to one GGUF architecture -- which metadata key is which config
 field, what each tensor is called in HF, which tensors llama.cpp permuted -- is one
 ``GGUFArchitecture`` entry in ``ARCHITECTURES``; a new architecture is one more entry.
 """
@@ -89,6 +93,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     config = hf_config(metadata, arch, {t.name for t in reader.tensors}, gguf_path)
     check_tensor_types(reader, gguf_path)
     tensors = dict(hf_tensors(reader, arch, config, gguf_path))
+    if any(name.endswith(".weight_scale") for name in tensors):
+        config["quantization_config"] = Q8_0_CONFIG
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -195,22 +201,54 @@ def check_tensor_types(reader: GGUFReader, path: Path) -> None:
                               f"which cannot be dequantized; supported: {names}")
 
 
+# The quantization_config of a converted file whose layers keep Q8_0 weights (see the module docstring).
+Q8_0_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+    "ignore": ["lm_head"], "kv_cache_scheme": None,
+    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                  "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "group",
+                                              "group_size": 32, "dynamic": False}}},
+}
+
+
 def hf_tensors(reader: GGUFReader, arch: GGUFArchitecture, config: Mapping[str, Any],
                path: Path) -> Iterator[tuple[str, np.ndarray]]:
-    """``(hf_name, float32 array)`` for every tensor of the file, in file order."""
+    """``(hf_name, array)`` for every tensor of the file, in file order: float32, or for a layer's Q8_0
+    weight its int8 values and then its scales (``hf_name`` with ``_scale``)."""
     for tensor in reader.tensors:
         hf_name, layer_part = _hf_name(arch, tensor.name, path)
         # ggml lists dimensions fastest-first; numpy and HF want the reverse (out_features, in_features)
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        array = array.reshape(shape)
-        if layer_part in arch.rope_permuted:
-            heads = int(config[arch.rope_permuted[layer_part]])
-            if shape[0] % (2 * heads):
-                raise SourceError(f"{path}: tensor {tensor.name!r} has {shape[0]} rows, which do not split "
-                                  f"into {heads} heads of even size")
-            array = unpermute_rope_rows(array, heads)
-        yield hf_name, np.ascontiguousarray(array)
+        if tensor.tensor_type == GGMLQuantizationType.Q8_0 and layer_part is not None and len(shape) == 2:
+            arrays = {hf_name: _q8_0_values(tensor.data, shape), hf_name + "_scale": _q8_0_scales(tensor.data, shape)}
+        else:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+            arrays = {hf_name: array.reshape(shape)}
+        for name, array in arrays.items():
+            if layer_part in arch.rope_permuted:
+                heads = int(config[arch.rope_permuted[layer_part]])
+                if shape[0] % (2 * heads):
+                    raise SourceError(f"{path}: tensor {tensor.name!r} has {shape[0]} rows, which do not split "
+                                      f"into {heads} heads of even size")
+                array = unpermute_rope_rows(array, heads)  # a row's scales move with the row
+            yield name, np.ascontiguousarray(array)
+
+
+# A Q8_0 block: its f16 scale, then its 32 int8 values.
+_Q8_0_BLOCK, _Q8_0_BYTES = gguf.GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]
+
+
+def _q8_0_blocks(data: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    return np.asarray(data, dtype=np.uint8).reshape(shape[0], shape[1] // _Q8_0_BLOCK, _Q8_0_BYTES)
+
+
+def _q8_0_values(data: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    return np.ascontiguousarray(_q8_0_blocks(data, shape)[..., 2:]).view(np.int8).reshape(shape)
+
+
+def _q8_0_scales(data: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """[rows, blocks] f32: each block's f16 scale, exactly."""
+    return np.ascontiguousarray(_q8_0_blocks(data, shape)[..., :2]).view(np.float16)[..., 0].astype(np.float32)
 
 
 def _hf_name(arch: GGUFArchitecture, gguf_name: str, path: Path) -> tuple[str, str | None]:

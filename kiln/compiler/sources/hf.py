@@ -1,7 +1,8 @@
 """The HF-directory source: ``config.json``, safetensors (single, or sharded with an index), tokenizer files.
 
 Tensors are read lazily, one at a time, so compiling a large model never holds two copies of it.
-Only safetensors are read: pickle-based ``.bin`` checkpoints can run code when loaded, so they are
+A pre-quantized checkpoint (``quantization_config`` in config.json) has its weights read into kiln's
+quantized formats (``prequantized.py``). Only safetensors are read: pickle-based ``.bin`` checkpoints can run code when loaded, so they are
 refused with a message saying how to convert them.
 """
 
@@ -11,10 +12,13 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
+
+if TYPE_CHECKING:
+    from .prequantized import CheckpointQuantization
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "chat_template.json")
@@ -67,16 +71,23 @@ class ModelSource:
     tensors: CheckpointTensors
     tokenizer_files: tuple[Path, ...]
     fingerprint: str
+    # A pre-quantized checkpoint's quantization (sources/prequantized.py); None: plain weights.
+    quantization: CheckpointQuantization | None = None
 
 
 def load_hf_dir(path: Path) -> ModelSource:
     path = Path(path)
     if not path.is_dir():
         raise SourceError(f"{path}: not a directory")
+    # Here, not at the top: prequantized.py builds on this module's CheckpointTensors and SourceError.
+    from .prequantized import PrequantizedTensors, read_quantization
+
     config = _read_json(path / "config.json", what="model config")
-    tensors = CheckpointTensors(_index_safetensors(path))
+    files = _index_safetensors(path)
+    quantization = read_quantization(config, path)
+    tensors = CheckpointTensors(files) if quantization is None else PrequantizedTensors(files, quantization)
     tokenizer_files = tuple(path / n for n in TOKENIZER_FILES if (path / n).is_file())
-    return ModelSource(path, config, tensors, tokenizer_files, _fingerprint(path, tensors))
+    return ModelSource(path, config, tensors, tokenizer_files, _fingerprint(path, tensors), quantization)
 
 
 def _read_json(file: Path, what: str) -> dict[str, Any]:

@@ -17,9 +17,20 @@ Sizing, three ways:
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import torch
 
+from kiln.tensors import torch_dtype
+
 from .allocator import RESERVED_PAGE
+
+
+def pool_dtype(runtime: Mapping[str, Any]) -> torch.dtype:
+    """The pool's dtype as an artifact's manifest records it (``runtime.kv_cache_dtype``: the model's
+    dtype, or f8e4m3 for an FP8 KV cache, which holds twice the tokens in the same bytes); artifacts
+    from before FP8 KV caches record only the model's."""
+    return torch_dtype(runtime.get("kv_cache_dtype", runtime["dtype"]))
 
 
 def bytes_per_page(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int) -> int:

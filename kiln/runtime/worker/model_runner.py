@@ -11,15 +11,12 @@ from __future__ import annotations
 import torch
 
 from ..artifact import Artifact
-from ..kvcache.pool import KVPool
+from ..kvcache.pool import KVPool, pool_dtype
 from ..sampling import SamplerKernels, SamplerOutput, SamplingBatch, sample
 from ..scheduler.batch import StepLists
 from .decode_graphs import DecodeGraphs
 from .executor import Executor, StepInputs, StepResult
 from .prefill_graphs import PrefillGraphs
-
-_POOL_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-
 
 class ModelRunner:
     def __init__(self, artifact: Artifact, device: torch.device | str, num_pages: int,
@@ -30,7 +27,7 @@ class ModelRunner:
         self.sampler_kernels = SamplerKernels.for_device(self.device, artifact.kernel_config)
         self.page_size: int = rt["page_size"]
         self.vocab_size: int = rt["vocab_size"]
-        self.pool = KVPool(rt["num_layers"], rt["num_kv_heads"], rt["head_dim"], _POOL_DTYPES[rt["dtype"]],
+        self.pool = KVPool(rt["num_layers"], rt["num_kv_heads"], rt["head_dim"], pool_dtype(rt),
                            self.device, num_pages, self.page_size)
         self.kv_views = self.pool.layer_views()
         bounds = rt["symbol_bounds"]

@@ -15,12 +15,17 @@ from typing import Mapping
 import numpy as np
 import pytest
 import torch
+import gguf
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from safetensors.torch import load_file
 
+from kiln import Engine, SamplingParams
+from kiln.compiler.compile import compile_model
+from kiln.compiler.options import CompileOptions
 from kiln.compiler.sources.aliases import locate_gguf
 from kiln.compiler.sources.gguf import convert_gguf
 from kiln.compiler.sources.hf import SourceError
+from tests.support.hf_models import hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -211,3 +216,50 @@ def test_truncated_gguf_is_named(tmp_path: Path) -> None:
         (tmp_path / "cut.gguf").write_bytes(f.read(4096))
     with pytest.raises(SourceError, match=r"cut\.gguf: corrupt or truncated GGUF"):
         convert_gguf(tmp_path / "cut.gguf", tmp_path / "out")
+
+
+# ---- Q8_0 stays int8 ----------------------------------------------------------------------------
+
+def _q8_0_model(tiny_llama) -> tuple[dict[str, np.ndarray], dict[str, torch.Tensor]]:
+    """The tiny llama's tensors under GGUF names with every layer GEMM weight as Q8_0 bytes, and the HF
+    state dict those bytes decode to (gguf-py's own quantizer and dequantizer; Q8_0 blocks run along a
+    row, so quantizing llama.cpp's permuted rows and un-permuting equals quantizing HF's rows)."""
+    tensors = _gguf_tensors_of(tiny_llama)
+    decoded = {}
+    for hf_name, tensor in tiny_llama.state_dict().items():
+        name = _gguf_name(hf_name)
+        if hf_name.startswith("model.layers.") and tensor.dim() == 2:
+            tensors[name] = gguf.quants.quantize(tensors[name], GGMLQuantizationType.Q8_0)
+            raw = gguf.quants.quantize(tensor.numpy(), GGMLQuantizationType.Q8_0)
+            decoded[hf_name] = torch.from_numpy(gguf.quants.dequantize(raw, GGMLQuantizationType.Q8_0)
+                                                .reshape(tensor.shape).astype(np.float32))
+    return tensors, decoded
+
+
+def test_q8_0_layer_weights_stay_int8(tmp_path: Path, tiny_llama) -> None:
+    tensors, decoded = _q8_0_model(tiny_llama)
+    raw_types = {name: GGMLQuantizationType.Q8_0 for name, a in tensors.items() if a.dtype == np.uint8}
+    out = convert_gguf(_write_gguf(tmp_path / "q8.gguf", tensors, raw_types=raw_types), tmp_path / "hf")
+
+    written = load_file(out / "model.safetensors")
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "int-quantized"
+    for hf_name, expected in decoded.items():
+        values, scales = written[hf_name], written[hf_name + "_scale"]
+        assert values.dtype == torch.int8 and scales.shape == (values.shape[0], values.shape[1] // 32)
+        blocks = values.float().reshape(values.shape[0], -1, 32) * scales[..., None]
+        assert torch.equal(blocks.reshape(values.shape), expected), hf_name
+    assert written["lm_head.weight"].dtype == torch.float32  # F32 in this file: dequantized as before
+
+    artifact = compile_model(out, tmp_path / "q8.kiln", CompileOptions(
+        dtype="fp32", page_size=4, max_batch_tokens=32, max_batch_size=2, max_seq_len=64))
+    graph = (artifact / "graph.txt").read_text()
+    assert "param @model.layers.0.mlp.down_proj.weight.q: i8[32, 64] format=int8_block32(" in graph
+    assert "param @model.layers.0.mlp.down_proj.weight.q.scale: f32[32, 2]" in graph
+
+    # The model the Q8_0 bytes decode to, in transformers, against kiln reading the int8 weights (f32 compute).
+    reference = transformers.LlamaForCausalLM(tiny_llama.config).eval()
+    reference.load_state_dict({**tiny_llama.state_dict(), **decoded})
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    with Engine(str(artifact), device="cpu", kv_cache_tokens=64) as engine:
+        ours = engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)).token_ids
+    assert ours == hf_greedy(reference, prompt, 16)
