@@ -27,8 +27,9 @@ import triton.language as tl
 from kiln.ir.weights import QuantScheme
 
 from .config import DEFAULTS, KernelConfig
-from .gemv import NORM, RAW, SILU_MUL, _input_tile, _row_rstd, _tile_input
-from .gemv_quantized import ACT_KINDS, MXFP4, PER_CHANNEL, act_scale, decode_weight, load_weight, quantize_act, row_amax
+from .gemv import NORM, RAW, SILU_MUL, input_tile, row_rstd, tile_input
+from .gemv_quantized import (ACT_KINDS, MXFP4, PER_CHANNEL, act_scale, decode_weight, load_weight, quantize_act,
+                             row_amax)
 from .linear_fused import composed_linear_residual, composed_rmsnorm_linear, composed_silu_mul_linear_residual
 from .triton_support import pow2
 
@@ -73,13 +74,13 @@ def _quantize_rows_kernel(x_ptr, nw_ptr, q_ptr, s_ptr, K, eps, x_st, q_st, PROLO
     x_rows = x_ptr + row.to(tl.int64) * x_st + tl.zeros([1, 1], tl.int64)
     rstd = tl.zeros([1], tl.float32)
     if PROLOGUE == NORM:
-        rstd = _row_rstd(x_rows, row_mask, K, eps, 1, BLOCK_K)
+        rstd = row_rstd(x_rows, row_mask, K, eps, 1, BLOCK_K)
     scale = act_scale(row_amax(x_rows, nw_ptr, row_mask, K, rstd, PROLOGUE, dtype, 1, BLOCK_K), ACT)
     offs = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs
-        xk, partner = _input_tile(x_rows, nw_ptr, row_mask, k, K, PROLOGUE)
-        v = quantize_act(_tile_input(xk, partner, rstd, PROLOGUE, dtype).to(tl.float32) / scale[:, None], ACT)
+        xk, partner = input_tile(x_rows, nw_ptr, row_mask, k, K, PROLOGUE)
+        v = quantize_act(tile_input(xk, partner, rstd, PROLOGUE, dtype).to(tl.float32) / scale[:, None], ACT)
         tl.store(q_ptr + row.to(tl.int64) * q_st + k[None, :], v.to(q_ptr.dtype.element_ty), mask=(k < K)[None, :])
     tl.store(s_ptr + row + tl.arange(0, 1), scale)
 

@@ -36,8 +36,8 @@ import triton.language as tl
 from kiln.ir.weights import QuantScheme
 
 from .config import DEFAULTS, KernelConfig
-from .gemv import GEMV_MAX_ROWS, NORM, RAW, SILU_MUL, _epilogue, _input_tile, _row_rstd, _tile_input, _tile_product
-from .gemv import gemv_config
+from .gemv import (GEMV_MAX_ROWS, NORM, RAW, SILU_MUL, gemv_config, gemv_epilogue, input_tile, row_rstd, tile_input,
+                   tile_product)
 from .triton_support import await_previous_kernel, dot_in_f32, pdl_launch, pow2, sm_count
 
 # Weight kinds and activation quantizations the kernel knows (constexprs).
@@ -47,7 +47,6 @@ ACT_NONE = tl.constexpr(0)
 ACT_INT8 = tl.constexpr(1)
 ACT_FP8 = tl.constexpr(2)
 ACT_KINDS = {None: ACT_NONE, "int8_per_token": ACT_INT8, "fp8_per_token": ACT_FP8}
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 MX_BLOCK = 32
 
 
@@ -93,8 +92,8 @@ def row_amax(x_rows, nw_ptr, row_mask, K, rstd, PROLOGUE: tl.constexpr, dtype: t
     offs = tl.arange(0, PASS_K)
     amax = tl.zeros([BLOCK_T], tl.float32)
     for k0 in range(0, K, PASS_K):
-        xk, partner = _input_tile(x_rows, nw_ptr, row_mask, k0 + offs, K, PROLOGUE)
-        v = _tile_input(xk, partner, rstd, PROLOGUE, dtype).to(tl.float32)
+        xk, partner = input_tile(x_rows, nw_ptr, row_mask, k0 + offs, K, PROLOGUE)
+        v = tile_input(xk, partner, rstd, PROLOGUE, dtype).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
     return amax
 
@@ -152,23 +151,23 @@ def _qgemv_kernel(x_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N, K, eps
     await_previous_kernel(PDL)
     rstd = tl.zeros([BLOCK_T], tl.float32)
     if PROLOGUE == NORM:
-        rstd = _row_rstd(x_rows, row_mask, K, eps, BLOCK_T, PASS_K)
+        rstd = row_rstd(x_rows, row_mask, K, eps, BLOCK_T, PASS_K)
     x_scale = tl.full([BLOCK_T], 1.0, tl.float32)
     if ACT != ACT_NONE:
         x_scale = act_scale(row_amax(x_rows, nw_ptr, row_mask, K, rstd, PROLOGUE, dtype, BLOCK_T, PASS_K), ACT)
-    xk, partner = _input_tile(x_rows, nw_ptr, row_mask, offs_k, K, PROLOGUE)
+    xk, partner = input_tile(x_rows, nw_ptr, row_mask, offs_k, K, PROLOGUE)
     acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         w_next, s_next = load_weight(w_ptr, s_ptr, cols, N, w_st, s_st, k0 + BLOCK_K, K, WEIGHT, BLOCK_K)
-        x_next, partner_next = _input_tile(x_rows, nw_ptr, row_mask, k0 + BLOCK_K + offs_k, K, PROLOGUE)
-        xin = _tile_input(xk, partner, rstd, PROLOGUE, dtype)
+        x_next, partner_next = input_tile(x_rows, nw_ptr, row_mask, k0 + BLOCK_K + offs_k, K, PROLOGUE)
+        xin = tile_input(xk, partner, rstd, PROLOGUE, dtype)
         if ACT != ACT_NONE:
             xin = quantize_act(xin.to(tl.float32) / x_scale[:, None], ACT)
         wv = decode_weight(w, s, WEIGHT, BLOCK_N, BLOCK_K)
         if USE_DOT and not DOT_F32:
             xin = xin.to(dtype)
             wv = wv.to(dtype)
-        acc += _tile_product(xin, wv, USE_DOT, DOT_F32)
+        acc += tile_product(xin, wv, USE_DOT, DOT_F32)
         w = w_next
         s = s_next
         xk = x_next
@@ -177,7 +176,7 @@ def _qgemv_kernel(x_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N, K, eps
         acc *= tl.load(s_ptr + cols, mask=col_mask, other=0.0)[None, :]
     if ACT != ACT_NONE:
         acc *= x_scale[:, None]
-    _epilogue(acc, b_ptr, r_ptr, y_ptr, rows, cols, row_mask, col_mask, r_st, y_st, dtype, HAS_BIAS, HAS_RESIDUAL)
+    gemv_epilogue(acc, b_ptr, r_ptr, y_ptr, rows, cols, row_mask, col_mask, r_st, y_st, dtype, HAS_BIAS, HAS_RESIDUAL)
 
 
 @functools.lru_cache(maxsize=None)

@@ -235,7 +235,8 @@ def test_gemv_at_llama_shapes_on_gpu(scheme, act_quant, rows):
     n, k = 512, 14336
     weight = torch.randn(n, k) * k ** -0.5
     stored, scales = quantize(weight, SCHEMES[scheme])
-    args = (torch.randn(rows, k, device="cuda").bfloat16(), stored.cuda(), torch.randn(rows, n, device="cuda").bfloat16())
+    x, residual = torch.randn(rows, k, device="cuda").bfloat16(), torch.randn(rows, n, device="cuda").bfloat16()
+    args = (x, stored.cuda(), residual)
     _assert_matches("linear_residual", scheme, act_quant, args, tuple(s.cuda() for s in scales),
                     KernelConfig(quantized_gemv_max_rows=64))
 
