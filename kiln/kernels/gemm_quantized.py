@@ -153,8 +153,12 @@ def library_gemm(path: str, x: torch.Tensor, weight: torch.Tensor, weight_scale:
         return
     q, x_scale = quantize_rows(x, act_quant, norm_weight=norm_weight, gated=gated, eps=eps)
     if path == SCALED_MM:
-        product = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
-                                   out_dtype=torch.bfloat16)
+        scaled_mm = functools.partial(torch._scaled_mm, q, weight.t(), scale_a=x_scale,
+                                      scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16)
+        if bias is None and residual is None and out.is_contiguous():
+            scaled_mm(out=out)  # the GEMM's output is the op's: no copy
+            return
+        product = scaled_mm()
     else:
         # int32 sums are exact; the scales multiply in f32 and the result rounds once, as the reference.
         scaled = torch._int_mm(q, weight.t()).float().mul_(x_scale).mul_(weight_scale)

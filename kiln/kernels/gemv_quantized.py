@@ -19,7 +19,7 @@ The e2m1 decode is a bit move: an e2m1 code ``s e1 e0 m`` placed at fp16's sign 
 (``(c & 8) << 12 | (c & 7) << 9``) reads as the code's value times 2^-14, normal and subnormal alike
 (fp16's exponent bias is 15, e2m1's is 1), so 2^14 goes into the block's scale.
 
-Rows are cut into blocks of ``BLOCK_T`` (a second grid axis): 1 row multiplies by broadcasting, more
+Rows are cut into blocks of ``BLOCK_T`` (the first grid axis): 1 row multiplies by broadcasting, more
 pad to 16 or ``quantized_gemv_block_t`` for ``tl.dot``, whose operands are the decoded values in the
 activation dtype (int8, e4m3 and scaled e2m1 values are exact in bf16).
 """
@@ -138,12 +138,13 @@ def _qgemv_kernel(x_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N, K, eps
                   WEIGHT: tl.constexpr, ACT: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
                   HAS_RESIDUAL: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PASS_K: tl.constexpr, PDL: tl.constexpr):
-    # Program (p, q) computes output columns p*BLOCK_N.. of rows q*BLOCK_T..; the next weight tile's
-    # loads go out before this one's arithmetic, as in gemv.py.
+    # Program (q, p) computes rows q*BLOCK_T.. of output columns p*BLOCK_N..: the row blocks of one
+    # column tile are neighbours in launch order, so all but the first read its weights from L2. The
+    # next weight tile's loads go out before this one's arithmetic, as in gemv.py.
     dtype = y_ptr.dtype.element_ty
-    rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask = rows < T
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     offs_k = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_st
@@ -203,7 +204,7 @@ def launch_quantized_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
     block_k = max(cfg.block_k, MX_BLOCK if mx else 16)
     prologue = NORM if norm_weight is not None else SILU_MUL if gated else RAW
     res = residual if residual is not None else out
-    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(rows, block_t))
+    grid = (triton.cdiv(rows, block_t), triton.cdiv(n, cfg.block_n))
     _qgemv_kernel[grid](
         x, norm_weight if norm_weight is not None else x, weight, weight_scale, bias if bias is not None else x,
         res, out, rows, n, k, eps, x.stride(0), weight.stride(0), weight_scale.stride(0), res.stride(0),

@@ -188,7 +188,8 @@ GPU_CASES = [("int8_channel", None, "dequantized"), ("int8_channel", "int8_per_t
 @pytest.mark.parametrize("scheme,act_quant,path", GPU_CASES)
 @pytest.mark.parametrize("op", OPS)
 def test_library_gemms_match_reference(op, scheme, act_quant, path):
-    args, scales = _operands(op, scheme, 40, 96, torch.bfloat16)
+    # linear without a bias (the GEMM writes the output itself), rmsnorm_linear with one
+    args, scales = _operands(op, scheme, 40, 96, torch.bfloat16, has_bias=op != "linear")
     weight_index = 2 if op == "rmsnorm_linear" else 1
     x, weight = args[0], args[weight_index]
     if op == "linear":
