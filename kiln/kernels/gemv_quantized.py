@@ -80,8 +80,9 @@ def quantize_act(v, ACT: tl.constexpr):
 @triton.jit
 def act_scale(amax, ACT: tl.constexpr):
     # As the reference: the largest magnitude maps to the type's limit; an all-zero row gets scale 1.
-    limit = 127.0 if ACT == ACT_INT8 else 448.0
-    return tl.where(amax > 0, amax / limit, 1.0)
+    if ACT == ACT_INT8:
+        return tl.where(amax > 0, amax / 127.0, 1.0)
+    return tl.where(amax > 0, amax / 448.0, 1.0)
 
 
 @triton.jit
