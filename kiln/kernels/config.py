@@ -104,9 +104,12 @@ class KernelConfig:
     quantized_gemv_block_t: int = 64
     """Rows one program of the quantized GEMV holds above 16 rows (its tl.dot path pads to 16 below)."""
     quantized_gemv_product_elements: int = 16384
-    """``gemv_product_elements`` for the quantized one-row GEMV: weight values one tile holds. Its
-    weights are 1 byte (fp8, int8) or half a byte (mxfp4), so the same count keeps fewer bytes in
-    flight than the bf16 GEMV's; a sweep on the GPU should settle it. Not yet tuned on a GPU."""
+    """``gemv_product_elements`` for the quantized one-row GEMV: weight values one tile holds (decoded
+    to f32 in registers, as many as the bf16 GEMV's tile). Not yet tuned on a GPU."""
+    quantized_gemv_block_n: tuple[int, int] = (4, 16)
+    """``gemv_block_n`` for the quantized one-row GEMV: up to 16 weight rows a tile, so that a tile
+    of 1-byte weights is as many bytes as the bf16 GEMV's and half as many programs re-read x (with
+    activations quantized per token each reads it twice: once for the row's scale). Not yet tuned."""
 
     # --- elementwise kernels (norm.py, rope.py, kv_store.py, elementwise.py) ---
     rmsnorm_elements_per_program: int = 4096
@@ -196,7 +199,7 @@ def _literal(name: str, text: str) -> Any:
 _POWERS_OF_TWO = frozenset({
     "decode_max_splits", "decode_block_n", "decode_num_warps", "decode_merge_tile", "gemv_block_n", "gemv_block_k",
     "gemv_product_elements", "gemv_dot_block_k", "gemv_num_warps", "gemv_norm_pass_elements",
-    "quantized_gemv_block_t", "quantized_gemv_product_elements",
+    "quantized_gemv_block_t", "quantized_gemv_product_elements", "quantized_gemv_block_n",
     "rmsnorm_elements_per_program", "rope_elements_per_program", "kv_store_block", "silu_mul_block", "argmax_block",
     "argmax_merge_block", "sample_block", "sample_merge_block", "bitmask_words_per_program",
 })

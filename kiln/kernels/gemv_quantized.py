@@ -183,8 +183,9 @@ def _qgemv_kernel(x_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N, K, eps
 
 @functools.lru_cache(maxsize=None)
 def _one_row_config(config: KernelConfig) -> KernelConfig:
-    # The bf16 GEMV's tiling with the quantized tile size (replace() validates every field: once).
-    return replace(config, gemv_product_elements=config.quantized_gemv_product_elements)
+    # The bf16 GEMV's tiling with the quantized tile sizes (replace() validates every field: once).
+    return replace(config, gemv_product_elements=config.quantized_gemv_product_elements,
+                   gemv_block_n=config.quantized_gemv_block_n)
 
 
 def launch_quantized_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out: torch.Tensor, *,
