@@ -137,8 +137,9 @@ def decode_weight(w, s, WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl
 @triton.jit
 def _qgemv_kernel(x_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N, K, eps, x_st, w_st, s_st, r_st, y_st,
                   WEIGHT: tl.constexpr, ACT: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  HAS_RESIDUAL: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_T: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PASS_K: tl.constexpr, PDL: tl.constexpr):
+                  HAS_RESIDUAL: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
+                  DOT_IN_DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PASS_K: tl.constexpr, PDL: tl.constexpr):
     # Program (q, p) computes rows q*BLOCK_T.. of output columns p*BLOCK_N..: the row blocks of one
     # column tile are neighbours in launch order, so all but the first read its weights from L2. The
     # next weight tile's loads go out before this one's arithmetic, as in gemv.py.
@@ -166,7 +167,7 @@ def _qgemv_kernel(x_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N, K, eps
         if ACT != ACT_NONE:
             xin = quantize_act(xin.to(tl.float32) / x_scale[:, None], ACT)
         wv = decode_weight(w, s, WEIGHT, BLOCK_N, BLOCK_K)
-        if USE_DOT and not DOT_F32:
+        if DOT_IN_DTYPE:  # tl.dot on 16-bit operands: both in the activation dtype
             xin = xin.to(dtype)
             wv = wv.to(dtype)
         acc += tile_product(xin, wv, USE_DOT, DOT_F32)
@@ -205,6 +206,7 @@ def launch_quantized_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
     # An MX tile holds whole blocks of 32; a tl.dot needs 16 of K at least (block_k is a power of two).
     block_k = max(cfg.block_k, MX_BLOCK if mx else 16)
     prologue = NORM if norm_weight is not None else SILU_MUL if gated else RAW
+    dot_f32 = dot_in_f32(x.dtype)
     res = residual if residual is not None else out
     grid = (triton.cdiv(rows, block_t), triton.cdiv(n, cfg.block_n))
     _qgemv_kernel[grid](
@@ -212,6 +214,6 @@ def launch_quantized_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
         res, out, rows, n, k, eps, x.stride(0), weight.stride(0), weight_scale.stride(0), res.stride(0),
         out.stride(0), WEIGHT=MXFP4 if mx else PER_CHANNEL, ACT=ACT_KINDS[act_quant], PROLOGUE=prologue,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, USE_DOT=block_t > 1,
-        DOT_F32=dot_in_f32(x.dtype), BLOCK_T=block_t, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        DOT_F32=dot_f32, DOT_IN_DTYPE=block_t > 1 and not dot_f32, BLOCK_T=block_t, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         PASS_K=min(pow2(k, 16), max(16, config.gemv_norm_pass_elements // block_t)),
         num_warps=config.gemv_num_warps, num_stages=config.gemv_num_stages, **pdl_launch(x, config.pdl))
