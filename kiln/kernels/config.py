@@ -106,6 +106,9 @@ class KernelConfig:
     quantized_gemv_product_elements: int = 16384
     """``gemv_product_elements`` for the quantized one-row GEMV: weight values one tile holds (decoded
     to f32 in registers, as many as the bf16 GEMV's tile). Not yet tuned on a GPU."""
+    quantized_gemv_dot_block_k: int = 256
+    """``gemv_dot_block_k`` for the quantized GEMV's tl.dot path (2 rows and more): twice the bf16
+    GEMV's K a step, so a step of 1-byte weights is as many bytes. Not yet tuned on a GPU."""
     quantized_gemv_block_n: tuple[int, int] = (4, 16)
     """``gemv_block_n`` for the quantized one-row GEMV: up to 16 weight rows a tile, so that a tile
     of 1-byte weights is as many bytes as the bf16 GEMV's and half as many programs re-read x (with
@@ -200,6 +203,7 @@ _POWERS_OF_TWO = frozenset({
     "decode_max_splits", "decode_block_n", "decode_num_warps", "decode_merge_tile", "gemv_block_n", "gemv_block_k",
     "gemv_product_elements", "gemv_dot_block_k", "gemv_num_warps", "gemv_norm_pass_elements",
     "quantized_gemv_block_t", "quantized_gemv_product_elements", "quantized_gemv_block_n",
+    "quantized_gemv_dot_block_k",
     "rmsnorm_elements_per_program", "rope_elements_per_program", "kv_store_block", "silu_mul_block", "argmax_block",
     "argmax_merge_block", "sample_block", "sample_merge_block", "bitmask_words_per_program",
 })

@@ -186,7 +186,7 @@ def _qgemv_kernel(x_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N, K, eps
 def _one_row_config(config: KernelConfig) -> KernelConfig:
     # The bf16 GEMV's tiling with the quantized tile sizes (replace() validates every field: once).
     return replace(config, gemv_product_elements=config.quantized_gemv_product_elements,
-                   gemv_block_n=config.quantized_gemv_block_n)
+                   gemv_block_n=config.quantized_gemv_block_n, gemv_dot_block_k=config.quantized_gemv_dot_block_k)
 
 
 def launch_quantized_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out: torch.Tensor, *,

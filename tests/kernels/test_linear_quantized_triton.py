@@ -97,13 +97,15 @@ def test_gemv_matches_reference_in_bf16(op, scheme, act_quant, rows):
     _assert_matches(op, scheme, act_quant, args, scales)
 
 
+@pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("scheme", ["int8_channel", "fp8_channel", "mxfp4"])
-def test_one_row_gemv_steps_through_k(scheme):
-    # K past gemv_one_step_max_k: several K tiles, the next one's loads in flight.
+def test_gemv_steps_through_k(scheme, rows):
+    # K past gemv_one_step_max_k (one row) and quantized_gemv_dot_block_k (more): several K tiles,
+    # the next one's loads in flight.
     k, n = 2304, 12
     weight = torch.randn(n, k) * k ** -0.5
     stored, scales = quantize(weight, SCHEMES[scheme])
-    args = (torch.randn(1, k, device=DEVICE), stored.to(DEVICE), None)
+    args = (torch.randn(rows, k, device=DEVICE), stored.to(DEVICE), None)
     act_quant = "fp8_per_token" if scheme == "fp8_channel" else None
     _assert_matches("linear", scheme, act_quant, args, tuple(s.to(DEVICE) for s in scales),
                     KernelConfig(gemv_one_step_max_k=1024))
