@@ -58,6 +58,7 @@ def library_path(x: torch.Tensor, weight: torch.Tensor, scheme: QuantScheme, act
         return SCALED_MM if x.dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0 else None
     if (scheme.name, act_quant) == ("int8_channel", "int8_per_token"):
         return INT_MM if x.shape[0] > 16 and k % 8 == 0 and n % 8 == 0 else None
+    return None  # mixed weight and activation types: the Triton GEMV takes them
     return None
 
 
@@ -80,7 +81,8 @@ def _quantize_rows_kernel(x_ptr, nw_ptr, q_ptr, s_ptr, K, eps, x_st, q_st, PROLO
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs
         xk, partner = input_tile(x_rows, nw_ptr, row_mask, k, K, PROLOGUE)
-        v = quantize_act(tile_input(xk, partner, rstd, PROLOGUE, dtype).to(tl.float32) / scale[:, None], ACT)
+        v = quantize_act(tl.math.div_rn(tile_input(xk, partner, rstd, PROLOGUE, dtype).to(tl.float32), scale[:, None]),
+                         ACT)
         tl.store(q_ptr + row.to(tl.int64) * q_st + k[None, :], v.to(q_ptr.dtype.element_ty), mask=(k < K)[None, :])
     tl.store(s_ptr + row + tl.arange(0, 1), scale)
 

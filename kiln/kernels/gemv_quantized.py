@@ -80,9 +80,12 @@ def quantize_act(v, ACT: tl.constexpr):
 @triton.jit
 def act_scale(amax, ACT: tl.constexpr):
     # As the reference: the largest magnitude maps to the type's limit; an all-zero row gets scale 1.
+    # Divisions round to nearest (div_rn) as torch's do: Triton's default f32 division is approximate,
+    # and a scale or quotient an ulp off would move values sitting near a rounding boundary a whole
+    # 8-bit step away from the reference's.
     if ACT == ACT_INT8:
-        return tl.where(amax > 0, amax / 127.0, 1.0)
-    return tl.where(amax > 0, amax / 448.0, 1.0)
+        return tl.where(amax > 0, tl.math.div_rn(amax, 127.0), 1.0)
+    return tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
 
 
 @triton.jit
@@ -165,7 +168,7 @@ def _qgemv_kernel(x_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N, K, eps
         x_next, partner_next = input_tile(x_rows, nw_ptr, row_mask, k0 + BLOCK_K + offs_k, K, PROLOGUE)
         xin = tile_input(xk, partner, rstd, PROLOGUE, dtype)
         if ACT != ACT_NONE:
-            xin = quantize_act(xin.to(tl.float32) / x_scale[:, None], ACT)
+            xin = quantize_act(tl.math.div_rn(xin.to(tl.float32), x_scale[:, None]), ACT)
         wv = decode_weight(w, s, WEIGHT, BLOCK_N, BLOCK_K)
         if DOT_IN_DTYPE:  # tl.dot on 16-bit operands: both in the activation dtype
             xin = xin.to(dtype)
@@ -214,6 +217,7 @@ def launch_quantized_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
         res, out, rows, n, k, eps, x.stride(0), weight.stride(0), weight_scale.stride(0), res.stride(0),
         out.stride(0), WEIGHT=MXFP4 if mx else PER_CHANNEL, ACT=ACT_KINDS[act_quant], PROLOGUE=prologue,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, USE_DOT=block_t > 1,
-        DOT_F32=dot_f32, DOT_IN_DTYPE=block_t > 1 and not dot_f32, BLOCK_T=block_t, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        DOT_F32=dot_f32, DOT_IN_DTYPE=block_t > 1 and not dot_f32, BLOCK_T=block_t, BLOCK_N=cfg.block_n,
+        BLOCK_K=block_k,
         PASS_K=min(pow2(k, 16), max(16, config.gemv_norm_pass_elements // block_t)),
         num_warps=config.gemv_num_warps, num_stages=config.gemv_num_stages, **pdl_launch(x, config.pdl))
