@@ -52,10 +52,12 @@ MX_BLOCK = 32
 
 @triton.jit
 def _round_half_even(v):
-    # torch.round's rounding (ties to even), from floor: Triton has no portable rint.
-    r = tl.floor(v + 0.5)
-    tie_to_odd = ((r - v) == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) != 0.0)
-    return tl.where(tie_to_odd, r - 1.0, r)
+    # torch.round's rounding (ties to even), from floor: Triton has no portable rint. The fraction
+    # v - floor(v) is exact (|v| is far below 2^23), unlike v + 0.5, which rounds just below a half up.
+    r = tl.floor(v)
+    fraction = v - r
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where((fraction > 0.5) | ((fraction == 0.5) & odd), r + 1.0, r)
 
 
 @triton.jit
@@ -66,7 +68,7 @@ def _round_to_e4m3(v):
     # GPU it is a few integer operations on the small input.
     exponent = ((v.to(tl.int32, bitcast=True) >> 23) & 255) - 127
     step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    return _round_half_even(v / step) * step
+    return _round_half_even(tl.math.div_rn(v, step)) * step
 
 
 @triton.jit
