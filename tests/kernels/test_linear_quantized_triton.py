@@ -44,9 +44,10 @@ def _k(scheme: str) -> int:
     return 96 if scheme == "mxfp4" else 200  # mxfp4: three blocks of 32; else no power of two
 
 
-def _operands(op: str, scheme: str, rows: int, n: int, dtype: torch.dtype, has_bias: bool = True):
+def _operands(op: str, scheme: str, rows: int, n: int, dtype: torch.dtype, has_bias: bool = True,
+              k: int | None = None):
     """The op's inputs (x first, the stored weight where the op takes it) and its scales."""
-    k = _k(scheme)
+    k = k or _k(scheme)
     weight = torch.randn(n, k) * k ** -0.5
     stored, scales = quantize(weight, SCHEMES[scheme])
     stored, scales = stored.to(DEVICE), tuple(s.to(DEVICE) for s in scales)
@@ -213,8 +214,9 @@ GPU_CASES = [("int8_channel", None, "dequantized"), ("int8_channel", "int8_per_t
 @pytest.mark.parametrize("scheme,act_quant,path", GPU_CASES)
 @pytest.mark.parametrize("op", OPS)
 def test_library_gemms_match_reference(op, scheme, act_quant, path):
-    # linear without a bias (the GEMM writes the output itself), rmsnorm_linear with one
-    args, scales = _operands(op, scheme, 40, 96, torch.bfloat16, has_bias=op != "linear")
+    # linear without a bias (the GEMM writes the output itself), rmsnorm_linear with one; K and N as
+    # the GPU's _scaled_mm wants them (multiples of 16).
+    args, scales = _operands(op, scheme, 40, 96, torch.bfloat16, has_bias=op != "linear", k=256)
     weight_index = 2 if op == "rmsnorm_linear" else 1
     x, weight = args[0], args[weight_index]
     if op == "linear":
@@ -231,22 +233,16 @@ def test_library_gemms_match_reference(op, scheme, act_quant, path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [64, 300])
+@pytest.mark.parametrize("rows", [100, 300])
 @pytest.mark.parametrize("scheme,act_quant,path", GPU_CASES)
 @pytest.mark.parametrize("op", OPS)
 def test_library_gemms_match_reference_on_gpu(op, scheme, act_quant, path, rows):
     if scheme == "fp8_channel" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability 8.9 or later")
-    k = 256  # _scaled_mm and _int_mm want K and N multiples of 16 and 8
-    weight = torch.randn(96, k) * k ** -0.5
-    stored, scales = quantize(weight, SCHEMES[scheme])
-    x = torch.randn(rows, 2 * k if op == "silu_mul_linear_residual" else k, device="cuda").bfloat16()
-    args, _ = _operands(op, scheme, rows, 96, torch.bfloat16)  # for the norm weight, bias and residual
-    args = (x, *args[1:])
-    weight_index = 2 if op == "rmsnorm_linear" else 1
-    args = args[:weight_index] + (stored.cuda(),) + args[weight_index + 1:]
-    scales = tuple(s.cuda() for s in scales)
-    assert library_path(x, stored.cuda(), SCHEMES[scheme], act_quant) == path, \
+    # K and N multiples of 16 (_scaled_mm) and 8 (_int_mm); rows past both row limits.
+    args, scales = _operands(op, scheme, rows, 96, torch.bfloat16, k=256)
+    x, stored = args[0], args[2 if op == "rmsnorm_linear" else 1]
+    assert library_path(x, stored, SCHEMES[scheme], act_quant) == path, \
         f"expected the {path} path for {scheme}/{act_quant} at {rows} rows"
     _assert_matches(op, scheme, act_quant, args, scales)
 
