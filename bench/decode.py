@@ -9,7 +9,11 @@ bandwidth measured in the same run.
 
     python bench/decode.py --shapes smollm2-135m llama3-8b --batches 1 8 64 --out results.json
 
-``--kernel-config NAME=VALUE`` and ``--skip-pass NAME`` go into kiln's compile (a variant under test).
+``--quantization none fp8 mxfp4 w8a8_int8 w8a16_int8`` compiles kiln once per method (``none``: the
+bf16 weights) from the same random weights and measures each in the same run; HF runs once per batch
+(its weights are bf16 whatever kiln's). Each kiln row's roofline is one read of its own artifact's
+weight bytes (the quantized bytes and their scales), and ``x none`` is its decode rate over the bf16
+row's. ``--kernel-config NAME=VALUE`` and ``--skip-pass NAME`` go into kiln's compile (a variant under test).
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import random_model  # noqa: E402
 
+from kiln.artifact_format import weights_file  # noqa: E402
 from kiln.cli import add_tuning_options, tuning_options  # noqa: E402
 from kiln.compiler.compile import compile_model  # noqa: E402
 from kiln.compiler.options import CompileOptions  # noqa: E402
+from kiln.compiler.quantization import METHODS  # noqa: E402
 from kiln.runtime.engine_core import EngineCore  # noqa: E402
 from kiln.runtime.engine_options import EngineOptions  # noqa: E402
 from kiln.runtime.sampling import SamplingParams  # noqa: E402
@@ -81,52 +87,72 @@ def rates(timer, batch: int, prompt_len: int, new_tokens: int) -> dict:
             "ms_per_step": 1e3 * decode / new_tokens, "prefill_tok_s": batch * prompt_len / prefill}
 
 
-def bench_shape(shape: str, args: argparse.Namespace, bandwidth: float, log) -> list[dict]:
-    model, source = random_model(shape)
-    weight_bytes = sum(t.numel() * t.element_size() for t in source.tensors._tensors.values())
-    roofline_ms = 1e3 * weight_bytes / bandwidth
+def bench_kiln(source, quantization: str, prompts: dict[int, list[list[int]]], args: argparse.Namespace,
+               bandwidth: float) -> list[dict]:
+    """kiln's rows for one quantization method (``none``: bf16) of one shape, one per batch."""
     buckets = tuple(sorted(set(args.batches)))
     with tempfile.TemporaryDirectory() as tmp:
         artifact = compile_model(source, Path(tmp) / "model.kiln", CompileOptions(
             dtype="bf16", backend="triton", max_batch_tokens=max(max(args.batches) * args.prompt_len, 2048),
             max_batch_size=max(buckets), max_seq_len=args.prompt_len + args.new_tokens + 16, page_size=16,
-            **tuning_options(args)))
+            quantization=None if quantization == "none" else quantization, **tuning_options(args)))
+        weight_bytes = (artifact / weights_file(0)).stat().st_size
         core = EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=max(buckets) * 1024,
                                                        enable_prefix_cache=False, decode_buckets=buckets))
     rows = []
-    generator = torch.Generator().manual_seed(0)
     for batch in args.batches:
-        prompts = torch.randint(0, model.config.vocab_size, (batch, args.prompt_len), generator=generator)
-        ids = [p.tolist() for p in prompts]
-        row = {"shape": shape, "batch": batch, "weights_GB": weight_bytes / 1e9, "roofline_ms": roofline_ms}
-        row["kiln"] = rates(lambda n: run_core(core, ids, n), batch, args.prompt_len, args.new_tokens)
-        gpu_prompts = prompts.cuda()
-        row["hf_eager"] = rates(lambda n: run_hf(model, gpu_prompts, n, False), batch, args.prompt_len,
-                                args.new_tokens)
+        ids = prompts[batch]
+        rows.append({"quantization": quantization, "batch": batch, "weights_GB": weight_bytes / 1e9,
+                     "roofline_ms": 1e3 * weight_bytes / bandwidth,
+                     "kiln": rates(lambda n: run_core(core, ids, n), batch, args.prompt_len, args.new_tokens)})
+    del core
+    torch.cuda.empty_cache()
+    return rows
+
+
+def bench_shape(shape: str, args: argparse.Namespace, bandwidth: float, log) -> list[dict]:
+    model, source = random_model(shape)
+    generator = torch.Generator().manual_seed(0)
+    prompts = {batch: torch.randint(0, model.config.vocab_size, (batch, args.prompt_len), generator=generator)
+               for batch in args.batches}
+    ids = {batch: [p.tolist() for p in batch_prompts] for batch, batch_prompts in prompts.items()}
+    rows = []
+    for quantization in args.quantization:
+        rows += bench_kiln(source, quantization, ids, args, bandwidth)
+    hf = {}
+    for batch in args.batches:
+        gpu_prompts = prompts[batch].cuda()
+        hf[batch] = {"hf_eager": rates(lambda n: run_hf(model, gpu_prompts, n, False), batch, args.prompt_len,
+                                       args.new_tokens)}
         if batch in args.static_batches:
-            row["hf_static"] = rates(lambda n: run_hf(model, gpu_prompts, n, True), batch, args.prompt_len,
-                                     args.new_tokens)
+            hf[batch]["hf_static"] = rates(lambda n: run_hf(model, gpu_prompts, n, True), batch, args.prompt_len,
+                                           args.new_tokens)
+    for row in rows:
+        row.update({"shape": shape, **hf[row["batch"]]})
         log(json.dumps(row))
-        rows.append(row)
-    del core, model
+    del model
     torch.cuda.empty_cache()
     return rows
 
 
 def table(rows: list[dict], bandwidth: float) -> str:
     lines = [f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}",
-             "| shape | batch | kiln tok/s | kiln ms/step | roofline ms/step | kiln % of roofline | HF eager tok/s | "
-             "HF static tok/s | kiln / best HF | kiln prefill tok/s | HF eager prefill tok/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| shape | quantization | batch | kiln tok/s | x none | kiln ms/step | weights GB | roofline ms/step | "
+             "kiln % of roofline | HF eager tok/s | HF static tok/s | kiln / best HF | kiln prefill tok/s | "
+             "HF eager prefill tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    plain = {(r["shape"], r["batch"]): r["kiln"]["decode_tok_s"] for r in rows if r["quantization"] == "none"}
     for r in rows:
         kiln, eager, static = r["kiln"], r["hf_eager"], r.get("hf_static")
         best = max(eager["decode_tok_s"], static["decode_tok_s"] if static else 0.0)
         static_text = f"{static['decode_tok_s']:.0f}" if static else "-"
+        base = plain.get((r["shape"], r["batch"]))
+        speedup = f"{kiln['decode_tok_s'] / base:.2f}x" if base else "-"
         lines.append(
-            f"| {r['shape']} | {r['batch']} | {kiln['decode_tok_s']:.0f} | {kiln['ms_per_step']:.3f} | "
-            f"{r['roofline_ms']:.3f} | {100 * r['roofline_ms'] / kiln['ms_per_step']:.0f}% | "
-            f"{eager['decode_tok_s']:.0f} | {static_text} | {kiln['decode_tok_s'] / best:.1f}x | "
-            f"{kiln['prefill_tok_s']:.0f} | {eager['prefill_tok_s']:.0f} |")
+            f"| {r['shape']} | {r['quantization']} | {r['batch']} | {kiln['decode_tok_s']:.0f} | {speedup} | "
+            f"{kiln['ms_per_step']:.3f} | {r['weights_GB']:.2f} | {r['roofline_ms']:.3f} | "
+            f"{100 * r['roofline_ms'] / kiln['ms_per_step']:.0f}% | {eager['decode_tok_s']:.0f} | {static_text} | "
+            f"{kiln['decode_tok_s'] / best:.1f}x | {kiln['prefill_tok_s']:.0f} | {eager['prefill_tok_s']:.0f} |")
     return "\n".join(lines)
 
 
@@ -137,6 +163,8 @@ def main() -> None:
     parser.add_argument("--static-batches", nargs="*", type=int, default=[1])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--quantization", nargs="+", default=["none"], choices=["none", *METHODS],
+                        help="kiln's weights: none (bf16) and/or quantization methods, each compiled and measured")
     parser.add_argument("--out", type=Path, default=None)
     add_tuning_options(parser)
     args = parser.parse_args()

@@ -1,7 +1,9 @@
 """Kernel benchmark: each Triton kernel against its torch reference at Llama-3-8B shapes, on the GPU.
 
 The fused decode GEMVs (``linear_fused``) run at Llama-3-8B and SmolLM2-135M shapes against the
-composition they replace (Triton rmsnorm, cuBLAS, Triton silu_mul; cuBLAS addmm for the residual).
+composition they replace (Triton rmsnorm, cuBLAS, Triton silu_mul; cuBLAS addmm for the residual);
+their quantized versions (``--only "(fp8)"``, ``(mxfp4)``, ...) at Llama-3-8B's layer shapes against
+the torch references.
 The row-wise argmax (greedy decode's token pick) runs on f32 logits of SmolLM2's and Llama 3's
 vocabularies against ``torch.argmax``; the sampler (temperature, top-k, top-p, min-p, Gumbel draw)
 against its sorting torch reference; the grammar-masked argmax against the clone + mask + argmax
@@ -249,6 +251,41 @@ def _linear_fused_cases(quick: bool, config: KernelConfig) -> list[Case]:
     return cases
 
 
+def _quantized_gemm_cases(quick: bool, config: KernelConfig) -> list[Case]:
+    """Llama-3-8B's layer GEMMs on quantized weights (``linear_quantized_triton``: the quantized GEMV at
+    decode's rows, the library GEMMs past them) against their torch references (dequantize, then the
+    plain op); bytes moved count the stored weights and their scales."""
+    from kiln.compiler.quantization import METHODS
+    from kiln.kernels import get_impl
+    from kiln.kernels.quantize import quantize
+
+    tokens_list = [1] if quick else [1, 16, 64]
+    cases = []
+    for method in METHODS.values():
+        for _, gemm, op, n, k in (g for g in FUSED_GEMMS if g[0] == "llama3-8b" and g[1] != "lm_head"):
+            stored, scales = quantize(torch.randn(n, k, device="cuda") * k ** -0.5, method.scheme)
+            for tokens in tokens_list:
+                x = torch.randn(tokens, 2 * k if op == "silu_mul_linear_residual" else k, device="cuda", dtype=DTYPE)
+                residual = torch.randn(tokens, n, device="cuda", dtype=DTYPE)
+                args = ((x, torch.randn(k, device="cuda", dtype=DTYPE), stored, None) if op == "rmsnorm_linear"
+                        else (x, stored, residual))
+                kwargs = dict(weight_scales=scales, act_quant=method.act_quant)
+                if op == "rmsnorm_linear":
+                    kwargs["eps"] = 1e-5
+                out, want = (torch.empty(tokens, n, device="cuda", dtype=DTYPE) for _ in range(2))
+                fast = partial(get_impl(f"triton.{op}.{method.scheme}").fn, *args, out=out, config=config, **kwargs)
+                slow = partial(get_impl(f"torch.{op}.{method.scheme}").fn, *args, out=want, **kwargs)
+
+                def reference(slow=slow, want=want) -> torch.Tensor:
+                    slow()
+                    return want
+
+                moved = _nbytes(*(a for a in args if a is not None), *scales, out)
+                cases.append(Case(f"{op} ({method.name})", f"llama3-8b {gemm} T={tokens} [{n}, {k}]", moved, fast,
+                                  reference, _compare(fast, out, reference)))
+    return cases
+
+
 def _argmax_cases(quick: bool, config: KernelConfig) -> list[Case]:
     from kiln.kernels.argmax import ref_argmax_rows, triton_argmax_rows
 
@@ -335,6 +372,7 @@ def run(quick: bool = False, log: Callable[[str], None] = print, only: str | Non
     builders = [lambda: _norm_cases(tokens, config), lambda: _silu_mul_cases(tokens, config),
                 lambda: _rope_cases(tokens, config), lambda: _kv_store_cases(tokens, config),
                 lambda: _attention_cases(quick, config), lambda: _linear_fused_cases(quick, config),
+                lambda: _quantized_gemm_cases(quick, config),
                 lambda: _argmax_cases(quick, config), lambda: _sample_cases(quick, config)]
     for build in builders:
         for case in build():

@@ -91,6 +91,29 @@ class KernelConfig:
     """Elements the GEMV's RMSNorm prologue reads at a time (all rows together) in its first pass
     over x."""
 
+    # --- quantized GEMMs (gemv_quantized.py, linear_quantized_triton.py) ---
+    quantized_gemv_max_rows: int = 16
+    """Most rows the quantized Triton GEMV takes for fp8 and w8a8_int8 weights with activations
+    quantized per token; above it ``torch._scaled_mm`` / ``torch._int_mm`` run (their tensor-core GEMMs
+    read the 8-bit weights once, as the GEMV does, and are the better kernels once M is no longer tiny).
+    Not yet tuned on a GPU."""
+    quantized_weight_only_max_rows: int = 64
+    """Most rows the quantized Triton GEMV takes for weight-only schemes (w8a16_int8, mxfp4): no library
+    GEMM reads their bytes, so above it the weight is dequantized to the activation dtype and cuBLAS
+    runs (prefill, where the GEMM is compute bound). Not yet tuned on a GPU."""
+    quantized_gemv_block_t: int = 64
+    """Rows one program of the quantized GEMV holds above 16 rows (its tl.dot path pads to 16 below)."""
+    quantized_gemv_product_elements: int = 16384
+    """``gemv_product_elements`` for the quantized one-row GEMV: weight values one tile holds (decoded
+    to f32 in registers, as many as the bf16 GEMV's tile). Not yet tuned on a GPU."""
+    quantized_gemv_dot_block_k: int = 256
+    """``gemv_dot_block_k`` for the quantized GEMV's tl.dot path (2 rows and more): twice the bf16
+    GEMV's K a step, so a step of 1-byte weights is as many bytes. Not yet tuned on a GPU."""
+    quantized_gemv_block_n: tuple[int, int] = (4, 16)
+    """``gemv_block_n`` for the quantized one-row GEMV: up to 16 weight rows a tile, so that a tile
+    of 1-byte weights is as many bytes as the bf16 GEMV's and half as many programs re-read x (with
+    activations quantized per token each reads it twice: once for the row's scale). Not yet tuned."""
+
     # --- elementwise kernels (norm.py, rope.py, kv_store.py, elementwise.py) ---
     rmsnorm_elements_per_program: int = 4096
     """Elements one RMSNorm program holds: short rows (q/k norm's head_dim) are packed several to a
@@ -195,6 +218,8 @@ def _literal(name: str, text: str) -> Any:
 _POWERS_OF_TWO = frozenset({
     "decode_max_splits", "decode_block_n", "decode_num_warps", "decode_merge_tile", "gemv_block_n", "gemv_block_k",
     "gemv_product_elements", "gemv_dot_block_k", "gemv_num_warps", "gemv_norm_pass_elements",
+    "quantized_gemv_block_t", "quantized_gemv_product_elements", "quantized_gemv_block_n",
+    "quantized_gemv_dot_block_k",
     "rmsnorm_elements_per_program", "rope_elements_per_program", "kv_store_block", "silu_mul_block", "argmax_block",
     "argmax_merge_block", "sample_block", "sample_merge_block", "bitmask_words_per_program", "moe_block_m", "moe_block_n",
     "moe_block_k", "moe_gemv_block_n", "moe_gemv_block_k",

@@ -77,7 +77,7 @@ def gemv_config(rows: int, n: int, k: int, sms: int, config: KernelConfig = DEFA
 
 
 @triton.jit
-def _tile_product(x, w, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
+def tile_product(x, w, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
     # x: [BLOCK_T, BLOCK_K] in the activation dtype; w: [BLOCK_N, BLOCK_K]. Returns x @ w.T in f32.
     if USE_DOT:
         if DOT_F32:
@@ -94,7 +94,7 @@ def _weight_tile(w_ptr, cols, N, w_st, k, K):
 
 
 @triton.jit
-def _input_tile(x_rows, nw_ptr, row_mask, k, K, PROLOGUE: tl.constexpr):
+def input_tile(x_rows, nw_ptr, row_mask, k, K, PROLOGUE: tl.constexpr):
     # x's tile as loaded and its partner beside it: the norm weight's tile (NORM) or the up half's
     # (SILU_MUL, K columns to the right). Combined only when used, so that the loads have a whole
     # tile's arithmetic to land.
@@ -126,7 +126,7 @@ def _silu_mul(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
-def _tile_input(xk, partner, rstd, PROLOGUE: tl.constexpr, dtype: tl.constexpr):
+def tile_input(xk, partner, rstd, PROLOGUE: tl.constexpr, dtype: tl.constexpr):
     if PROLOGUE == NORM:
         return _normalize(xk, rstd, partner, dtype)
     if PROLOGUE == SILU_MUL:
@@ -135,7 +135,7 @@ def _tile_input(xk, partner, rstd, PROLOGUE: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
-def _row_rstd(x_rows, row_mask, K, eps, BLOCK_T: tl.constexpr, NORM_BLOCK_K: tl.constexpr):
+def row_rstd(x_rows, row_mask, K, eps, BLOCK_T: tl.constexpr, NORM_BLOCK_K: tl.constexpr):
     # Each program finds the rows' rstd itself: x is a few KB (read from L2), and one launch beats two.
     offs = tl.arange(0, NORM_BLOCK_K)
     sum_sq = tl.zeros([BLOCK_T], tl.float32)
@@ -162,29 +162,29 @@ def _gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, r_ptr, y_ptr, T, N, K, eps, x_st, 
     # The first weight tile goes out before the wait; x is written by the kernel before, so after it.
     w = _weight_tile(w_ptr, cols, N, w_st, offs_k, K)
     await_previous_kernel(PDL)
-    xk, partner = _input_tile(x_rows, nw_ptr, row_mask, offs_k, K, PROLOGUE)
+    xk, partner = input_tile(x_rows, nw_ptr, row_mask, offs_k, K, PROLOGUE)
     rstd = tl.zeros([BLOCK_T], tl.float32)
     if PROLOGUE == NORM:
         if ONE_TILE:  # x's only tile holds all of it
             xf = xk.to(tl.float32)
             rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / K + eps)
         else:
-            rstd = _row_rstd(x_rows, row_mask, K, eps, BLOCK_T, NORM_BLOCK_K)
+            rstd = row_rstd(x_rows, row_mask, K, eps, BLOCK_T, NORM_BLOCK_K)
     acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         # The next step's loads first, so the memory never waits on the math (past K they load nothing).
         next_k = k0 + BLOCK_K + offs_k
         w_next = _weight_tile(w_ptr, cols, N, w_st, next_k, K)
-        x_next, partner_next = _input_tile(x_rows, nw_ptr, row_mask, next_k, K, PROLOGUE)
-        acc += _tile_product(_tile_input(xk, partner, rstd, PROLOGUE, dtype), w, USE_DOT, DOT_F32)
+        x_next, partner_next = input_tile(x_rows, nw_ptr, row_mask, next_k, K, PROLOGUE)
+        acc += tile_product(tile_input(xk, partner, rstd, PROLOGUE, dtype), w, USE_DOT, DOT_F32)
         w = w_next
         xk = x_next
         partner = partner_next
-    _epilogue(acc, b_ptr, r_ptr, y_ptr, rows, cols, row_mask, cols < N, r_st, y_st, dtype, HAS_BIAS, HAS_RESIDUAL)
+    gemv_epilogue(acc, b_ptr, r_ptr, y_ptr, rows, cols, row_mask, cols < N, r_st, y_st, dtype, HAS_BIAS, HAS_RESIDUAL)
 
 
 @triton.jit
-def _epilogue(acc, b_ptr, r_ptr, y_ptr, rows, cols, row_mask, col_mask, r_st, y_st, dtype: tl.constexpr,
+def gemv_epilogue(acc, b_ptr, r_ptr, y_ptr, rows, cols, row_mask, col_mask, r_st, y_st, dtype: tl.constexpr,
               HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     if HAS_BIAS:
         # cuBLAS adds the bias to the f32 accumulator and rounds once; so does this.

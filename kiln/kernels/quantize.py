@@ -87,7 +87,7 @@ def _mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, Scales]:
     amax = blocks.abs().amax(dim=-1)
     exponent = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.zeros_like(amax)).clamp(-127, 127)
     scaled = blocks / torch.exp2(exponent)[..., None]
-    magnitude = (scaled.abs()[..., None] - E2M1).abs().argmin(dim=-1)
+    magnitude = (scaled.abs()[..., None] - E2M1.to(w.device)).abs().argmin(dim=-1)  # w may be on a GPU
     codes = (magnitude | ((scaled < 0).long() << 3)).reshape(w.shape).to(torch.uint8)
     return codes[..., 0::2] | (codes[..., 1::2] << 4), ((exponent + 127).to(torch.uint8),)
 

@@ -1,0 +1,176 @@
+"""Quantized GEMMs at many rows (prefill, large decode batches) through the GPU's library GEMMs.
+
+Above a few rows a GEMM is compute bound and the tensor-core libraries are the better kernels:
+
+- fp8 weights with fp8 activations: ``torch._scaled_mm`` with rowwise scales (each token's scale times
+  each channel's, applied in its f32 epilogue; compute capability 8.9 or later, bf16 output);
+- int8 weights with int8 activations: ``torch._int_mm`` (exact int32 sums), scaled in f32 after;
+- weight-only schemes (w8a16_int8, mxfp4): the weight dequantized to the activation dtype by a Triton
+  kernel into a scratch tensor, then the plain GEMM (cuBLAS) with its fusions composed as
+  ``linear_fused`` composes them. This is the simple prefill path: one extra write and read of the
+  16-bit weight per GEMM, small beside the GEMM's arithmetic at hundreds of rows.
+
+The activations of the first two are quantized per token by one Triton kernel that also applies the
+GEMM's prologue (RMSNorm or SiLU·mul), with ``gemv_quantized``'s helpers, so a W8A8 GEMM at many rows
+is this kernel plus the library call. Each runs only on CUDA tensors; ``library_path`` says whether
+one fits the operands (dtypes, alignment, device), else the Triton GEMV takes any row count.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.ir.weights import QuantScheme
+
+from .config import DEFAULTS, KernelConfig
+from .gemv import NORM, RAW, SILU_MUL, input_tile, row_rstd, tile_input
+from .gemv_quantized import (ACT_KINDS, MXFP4, PER_CHANNEL, act_scale, decode_weight, load_weight, quantize_act,
+                             row_amax)
+from .linear_fused import composed_linear_residual, composed_rmsnorm_linear, composed_silu_mul_linear_residual
+from .triton_support import pow2
+
+SCALED_MM, INT_MM, DEQUANTIZED = "scaled_mm", "int_mm", "dequantized"
+_ACT_DTYPES = {"int8_per_token": torch.int8, "fp8_per_token": torch.float8_e4m3fn}
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def device_capability(t: torch.Tensor) -> tuple[int, int]:
+    return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def library_path(x: torch.Tensor, weight: torch.Tensor, scheme: QuantScheme, act_quant: str | None) -> str | None:
+    """Which library GEMM runs these operands on the GPU, or None where none fits: ``_scaled_mm`` needs
+    bf16 activations and K, N multiples of 16; ``_int_mm`` more than 16 rows and K, N multiples of 8."""
+    if x.device.type != "cuda":
+        return None
+    n, k = weight.shape[0], weight.shape[1] * scheme.pack
+    if act_quant is None:
+        return DEQUANTIZED
+    if (scheme.name, act_quant) == ("fp8_channel", "fp8_per_token"):
+        return SCALED_MM if x.dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0 else None
+    if (scheme.name, act_quant) == ("int8_channel", "int8_per_token"):
+        return INT_MM if x.shape[0] > 16 and k % 8 == 0 and n % 8 == 0 else None
+    return None  # mixed weight and activation types: the Triton GEMV takes them
+    return None
+
+
+# --- per-token activation quantization --------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, nw_ptr, q_ptr, s_ptr, K, eps, x_st, q_st, PROLOGUE: tl.constexpr,
+                          ACT: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One program per row: its rstd (RMSNorm prologue), its largest magnitude, then the quantized row.
+    dtype = x_ptr.dtype.element_ty
+    row = tl.program_id(0)
+    row_mask = tl.full([1], 1, tl.int1)
+    x_rows = x_ptr + row.to(tl.int64) * x_st + tl.zeros([1, 1], tl.int64)
+    rstd = tl.zeros([1], tl.float32)
+    if PROLOGUE == NORM:
+        rstd = row_rstd(x_rows, row_mask, K, eps, 1, BLOCK_K)
+    scale = act_scale(row_amax(x_rows, nw_ptr, row_mask, K, rstd, PROLOGUE, dtype, 1, BLOCK_K), ACT)
+    offs = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs
+        xk, partner = input_tile(x_rows, nw_ptr, row_mask, k, K, PROLOGUE)
+        v = quantize_act(tl.math.div_rn(tile_input(xk, partner, rstd, PROLOGUE, dtype).to(tl.float32), scale[:, None]),
+                         ACT)
+        tl.store(q_ptr + row.to(tl.int64) * q_st + k[None, :], v.to(q_ptr.dtype.element_ty), mask=(k < K)[None, :])
+    tl.store(s_ptr + row + tl.arange(0, 1), scale)
+
+
+def quantize_rows(x: torch.Tensor, act_quant: str, *, norm_weight: torch.Tensor | None = None, gated: bool = False,
+                  eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GEMM input made from ``x`` (``rmsnorm(x)``, ``silu(gate) * up`` or x) quantized per row to
+    ``act_quant``'s type: the values [T, K] and the f32 scales [T, 1]."""
+    rows, k = x.shape[0], x.shape[1] // (2 if gated else 1)
+    q = torch.empty(rows, k, dtype=_ACT_DTYPES[act_quant], device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows:
+        prologue = NORM if norm_weight is not None else SILU_MUL if gated else RAW
+        _quantize_rows_kernel[(rows,)](x, norm_weight if norm_weight is not None else x, q, scale, k, eps,
+                                       x.stride(0), q.stride(0), PROLOGUE=prologue, ACT=ACT_KINDS[act_quant],
+                                       BLOCK_K=min(pow2(k, 16), 2048), num_warps=4)
+    return q, scale
+
+
+# --- dequantization -------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, out_ptr, N, K, w_st, s_st, out_st, WEIGHT: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    w, s = load_weight(w_ptr, s_ptr, cols, N, w_st, s_st, k0, K, WEIGHT, BLOCK_K)
+    values = decode_weight(w, s, WEIGHT, BLOCK_N, BLOCK_K)
+    if WEIGHT == PER_CHANNEL:
+        values *= tl.load(s_ptr + cols, mask=cols < N, other=0.0)[:, None]
+    k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + cols.to(tl.int64)[:, None] * out_st + k[None, :], values.to(out_ptr.dtype.element_ty),
+             mask=(cols < N)[:, None] & (k < K)[None, :])
+
+
+def dequantize_weight(weight: torch.Tensor, weight_scale: torch.Tensor, scheme: QuantScheme,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """``quantize.dequantize`` on the device, rounded to ``dtype``: [N, K] from the stored [N, K / pack]."""
+    n, k = weight.shape[0], weight.shape[1] * scheme.pack
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    block_n, block_k = 16, min(pow2(k, 32), 256)
+    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        weight, weight_scale, out, n, k, weight.stride(0), weight_scale.stride(0), out.stride(0),
+        WEIGHT=MXFP4 if scheme.block is not None else PER_CHANNEL, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return out
+
+
+# --- the library GEMMs -----------------------------------------------------------------------------
+
+
+def library_gemm(path: str, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out: torch.Tensor, *,
+                 scheme: QuantScheme, act_quant: str | None, norm_weight: torch.Tensor | None = None,
+                 gated: bool = False, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                 eps: float = 0.0, config: KernelConfig = DEFAULTS) -> None:
+    """``gemv_quantized.launch_quantized_gemv``'s result through the library GEMM ``path``
+    (``library_path``'s answer)."""
+    if path == DEQUANTIZED:
+        dense = dequantize_weight(weight, weight_scale, scheme, x.dtype)
+        if norm_weight is not None:
+            composed_rmsnorm_linear(x, norm_weight, dense, bias, out=out, eps=eps, config=config)
+        elif gated:
+            composed_silu_mul_linear_residual(x, dense, residual, out=out, config=config)
+        elif residual is not None:
+            composed_linear_residual(x, dense, residual, out=out)
+        elif bias is not None:
+            torch.addmm(bias, x, dense.t(), out=out)
+        else:
+            torch.matmul(x, dense.t(), out=out)
+        return
+    q, x_scale = quantize_rows(x, act_quant, norm_weight=norm_weight, gated=gated, eps=eps)
+    if path == SCALED_MM:
+        scaled_mm = functools.partial(torch._scaled_mm, q, weight.t(), scale_a=x_scale,
+                                      scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16)
+        if bias is None and residual is None and out.is_contiguous():
+            scaled_mm(out=out)  # the GEMM's output is the op's: no copy
+            return
+        product = scaled_mm()
+    else:
+        # int32 sums are exact; the scales multiply in f32 and the result rounds once, as the reference.
+        scaled = torch._int_mm(q, weight.t()).float().mul_(x_scale).mul_(weight_scale)
+        product = (scaled.add_(bias.float()) if bias is not None else scaled).to(out.dtype)
+        bias = None
+    # The bias after _scaled_mm's rounding (at most an ulp from the reference's one rounding); the
+    # residual after the GEMM's rounding, as the unfused graph adds it.
+    if bias is not None:
+        product = product + bias
+    if residual is not None:
+        torch.add(product, residual, out=out)
+    else:
+        out.copy_(product)

@@ -1,0 +1,63 @@
+"""On the GPU: quantized artifacts on the triton backend (the quantized GEMV at decode, captured in CUDA
+graphs; ``_scaled_mm``, ``_int_mm`` or dequantize + cuBLAS at prefill) against the same artifact on the
+torch references, for every quantization method, on a Llama-3-8B shape cut to 2 layers. Skipped
+without a GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.compiler.compile import compile_model
+from kiln.compiler.options import CompileOptions
+from kiln.runtime.engine_core import EngineCore
+from kiln.runtime.engine_options import EngineOptions
+from tests.e2e.test_gpu import BUCKETS, NEW_TOKENS, generate
+from tests.support.stepping import PagedRun
+
+pytestmark = pytest.mark.gpu
+
+
+def _compile(source, tmp_path: Path, backend: str, quantization: str) -> Path:
+    return compile_model(source, tmp_path / f"{backend}.kiln", CompileOptions(
+        dtype="bf16", backend=backend, max_batch_tokens=512, max_batch_size=8, max_logit_rows=512,
+        max_seq_len=256, page_size=16, quantization=quantization))
+
+
+def _logits(core: EngineCore, prompts: list[list[int]]) -> torch.Tensor:
+    run = PagedRun(core.runner.executor, num_pages=64)
+    run.add_sequences(len(prompts))
+    return run.step(prompts, all_logits=True).float()
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "w8a8_int8", "w8a16_int8", "mxfp4"])
+def test_quantized_triton_engine_matches_the_references(tmp_path, quantization):
+    from models import random_model  # bench/ is on sys.path through tests.e2e.test_gpu
+
+    if quantization == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9 or later")
+    _, source = random_model("llama3-8b", torch.bfloat16, 2)
+    fast = EngineCore(str(_compile(source, tmp_path, "triton", quantization)),
+                      EngineOptions(device="cuda", kv_cache_tokens=4096, decode_buckets=BUCKETS))
+    reference = EngineCore(str(_compile(source, tmp_path, "torch", quantization)),
+                           EngineOptions(device="cuda", kv_cache_tokens=4096))
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 128256, (n,), generator=generator).tolist() for n in (5, 17, 33, 64)]
+    # Prefill of all four (119 rows: the library GEMMs, or the GEMV in row blocks for weight-only).
+    got, expected = _logits(fast, prompts), _logits(reference, prompts)
+    scale = expected.std().item()
+    error = (got - expected).abs().max().item()
+    assert error < 0.1 * scale, f"{quantization}: prefill logits differ by {error:.4f}, more than 0.1 std ({scale:.4f})"
+    # Decode: four rows, then one (the GEMV's tl.dot and broadcast paths), in CUDA graphs; each token
+    # teacher-forced against the references' logits, within the bf16 noise test_gpu.py allows.
+    for batch in (prompts, prompts[:1]):
+        outputs = generate(fast, batch)
+        for prompt, tokens in zip(batch, outputs):
+            logits = _logits(reference, [prompt + tokens])
+            for i, token in enumerate(tokens):
+                row = logits[len(prompt) - 1 + i]
+                assert row[token] >= row.max() - 0.1 * row.std(), \
+                    f"{quantization}: decode token {i} of {NEW_TOKENS} is {token}, the references' argmax " \
+                    f"{int(row.argmax())} ({row[token]:.3f} against {row.max():.3f})"
