@@ -2,9 +2,10 @@
 
 Passes never touch tensors. A pass that changes what a parameter holds records a recipe for it in
 ``PassContext.recipes``: fusing q/k/v a ``Concat`` of the three weights, a tensor-parallel shard a
-``Shard`` (each rank's ``Slice``), quantization a ``Quantize`` (which also makes the scales its
-format names). A model may start the list (``BuiltModel.recipes``): an MoE layer's experts ``Stack``ed
-into one weight. A recipe's inputs are checkpoint or computed tensors, or other recipes' outputs.
+``Shard`` (each rank's ``Slice``; a row-parallel bias a ``FirstRank``), quantization a ``Quantize``
+(which also makes the scales its format names). A model may start the list (``BuiltModel.recipes``):
+an MoE layer's experts ``Stack``ed into one weight. A recipe's inputs are checkpoint or computed
+tensors, or other recipes' outputs.
 Every rank's weights come from the same recipes: ``for_rank`` turns each ``Shard`` into that
 rank's ``Slice`` before they are applied. The artifact writer asks
 ``apply_recipes`` for the final graph's parameters; it reads each source when first needed and
@@ -118,6 +119,45 @@ class Shard:
 
 
 @dataclass(frozen=True)
+class FirstRank:
+    """``output``: ``source`` on rank 0, zeros of its shape on the other ranks (a bias added to a sum
+    over the ranks, which must count it once)."""
+
+    output: str
+    source: str
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return (self.source,)
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return (self.output,)
+
+    def for_rank(self, rank: int) -> Slice | Zeros:
+        return Slice(self.output, self.source, 0, 0, 1) if rank == 0 else Zeros(self.output, self.source)
+
+
+@dataclass(frozen=True)
+class Zeros:
+    """``output``: zeros of ``source``'s shape and dtype."""
+
+    output: str
+    source: str
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return (self.source,)
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return (self.output,)
+
+    def make(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return (torch.zeros_like(tensors[0]),)
+
+
+@dataclass(frozen=True)
 class Constant:
     """``output``: the int32 vector ``values`` (a value the passes compute, such as where each rank's
     shard of the vocabulary starts)."""
@@ -168,12 +208,12 @@ class Quantize:
         return (values, *scales)
 
 
-Recipe = Concat | Stack | Slice | Shard | Constant | Quantize
+Recipe = Concat | Stack | Slice | Shard | FirstRank | Zeros | Constant | Quantize
 
 
 def for_rank(recipes: Sequence[Recipe], rank: int) -> list[Recipe]:
-    """The recipes that make rank ``rank``'s weights: each ``Shard`` as that rank's ``Slice``."""
-    return [recipe.for_rank(rank) if isinstance(recipe, Shard) else recipe for recipe in recipes]
+    """The recipes that make rank ``rank``'s weights: each ``Shard`` or ``FirstRank`` as what it is on that rank."""
+    return [recipe.for_rank(rank) if isinstance(recipe, (Shard, FirstRank)) else recipe for recipe in recipes]
 
 
 def apply_recipes(recipes: Sequence[Recipe], names: Iterable[str],

@@ -130,12 +130,15 @@ PLAIN = WeightFormat()
 class Layout(str, Enum):
     """How ranks hold a parameter: all of it each, or a shard along an axis. ``column``: the output
     features of a column-parallel linear (its outputs are gathered); ``row``: the input features of
-    a row-parallel linear (its partial outputs are summed); ``expert``: whole experts per rank."""
+    a row-parallel linear (its partial outputs are summed); ``expert``: whole experts per rank;
+    ``partial``: rank 0 holds all of it and the others zeros, so that a sum over the ranks adds it
+    once (a row-parallel linear's bias)."""
 
     replicated = "replicated"
     column = "column"
     row = "row"
     expert = "expert"
+    partial = "partial"
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,7 @@ class Placement:
     axis: int | None = None
 
     def __post_init__(self) -> None:
-        if (self.layout == Layout.replicated) != (self.axis is None):
+        if (self.layout in (Layout.replicated, Layout.partial)) != (self.axis is None):
             need = "has no" if self.axis is not None else "needs an"
             raise ValueError(f"a {self.layout.value} placement {need} axis")
         if self.axis is not None and (isinstance(self.axis, bool) or not isinstance(self.axis, int) or self.axis < 0):

@@ -64,6 +64,9 @@ def test_placement_and_format_refuse_what_they_cannot_mean():
         WeightFormat.parse("int3_channel(@s)")
     with pytest.raises(ValueError, match="layouts"):
         Placement.parse("diagonal(0)")
+    assert Placement.parse("partial") == Placement(Layout.partial) and str(Placement(Layout.partial)) == "partial"
+    with pytest.raises(ValueError, match="has no axis"):
+        Placement(Layout.partial, 0)  # whole on rank 0: no axis is split
 
 
 def with_param(g, name, **changes):

@@ -6,7 +6,8 @@ Found by structure, not by weight names, in the unfused graph the models build:
   evenly (``tp`` must divide them), KV heads too, or, with more ranks than KV heads, each KV head is
   held by ``tp / kv_heads`` neighbouring ranks (rank r's q heads are the ones that share its KV
   head). The KV caches hold the rank's KV heads; the per-head q/k norms stay whole (per head). The
-  linear reading the attention's output (o) is row-parallel, followed by an ``all_reduce``;
+  linear reading the attention's output (o) is row-parallel, followed by an ``all_reduce`` (its bias,
+  if any, held whole by rank 0 and as zeros by the others, so the sum adds it once);
 - MLP (each ``mul(silu(gate), up)`` of two linears): gate and up column-parallel, the linear reading
   the product (down) row-parallel, followed by an ``all_reduce``;
 - the embedding is vocab-parallel: each rank looks up its rows of the vocabulary (zero rows for the
@@ -35,7 +36,7 @@ from kiln.ir import Graph, Node, Param, TensorType, make_node
 from kiln.ir.types import DType
 from kiln.ir.weights import Layout, Placement
 
-from ..recipes import Constant, Shard
+from ..recipes import Constant, FirstRank, Shard
 from .base import PassContext
 from .quantize import _lm_head
 
@@ -45,10 +46,11 @@ _HEAD_WISE = ("reshape", "rmsnorm", "rope")
 
 @dataclass(frozen=True)
 class _Cut:
-    """How a parameter is sharded: ``parts`` parts along ``axis`` (``layout`` names the kind)."""
+    """How a parameter is sharded: ``parts`` parts along ``axis`` (``layout`` names the kind); a
+    ``partial`` one (a row-parallel bias) is whole on rank 0 and zeros elsewhere."""
 
     layout: Layout
-    axis: int
+    axis: int | None
     parts: int
 
 
@@ -78,7 +80,7 @@ class _Plan:
         head = _lm_head(graph, ("linear",))
         if head is not None and head.inputs[1] in graph.params:
             self._vocab(head.inputs[1], "the lm_head")
-            self._check_no_bias(head, "the lm_head")
+            self._column(head, self.tp)  # and its bias, if any
             self.gathered.add(id(head))
 
     def _attention(self, node: Node) -> None:
@@ -97,7 +99,7 @@ class _Plan:
             self._column(self._projection(value, kv_heads // kv_parts), kv_parts)
         flat = self._only_user(node.outputs[0], "reshape")
         self.reshapes[id(flat)] = flat.type.shape[1] // self.tp
-        self._row(self._only_user(flat.out, "linear"), "the attention's output projection")
+        self._row(self._only_user(flat.out, "linear"))
 
     def _mlp(self, node: Node) -> None:
         gate_act, up = (self.producers.get(i) for i in node.inputs)
@@ -109,7 +111,7 @@ class _Plan:
             raise ValueError(f"tp={self.tp} must divide the MLP's intermediate size ({width} in {node.out})")
         self._column(gate, self.tp)
         self._column(up, self.tp)
-        self._row(self._only_user(node.out, "linear"), "the MLP's down projection")
+        self._row(self._only_user(node.out, "linear"))
 
     def _projection(self, value: str, rank_heads: int) -> Node:
         """The linear making ``value`` (followed back through head-wise ops); the reshape to heads on
@@ -133,9 +135,10 @@ class _Plan:
         for param in linear.inputs[1:]:  # the weight's rows and the bias
             self._cut(param, _Cut(Layout.column, 0, parts))
 
-    def _row(self, linear: Node, what: str) -> None:
-        self._check_no_bias(linear, what)
+    def _row(self, linear: Node) -> None:
         self._cut(linear.inputs[1], _Cut(Layout.row, 1, self.tp))
+        if len(linear.inputs) > 2:  # the bias joins the partial sums once: on rank 0
+            self._cut(linear.inputs[2], _Cut(Layout.partial, None, 1))
         self.reduced.add(id(linear))
 
     def _vocab(self, table: str, what: str) -> None:
@@ -143,11 +146,6 @@ class _Plan:
         if rows % self.tp:
             raise ValueError(f"tp={self.tp} must divide the vocabulary ({rows} rows of {what}, @{table})")
         self._cut(table, _Cut(Layout.column, 0, self.tp))
-
-    def _check_no_bias(self, linear: Node, what: str) -> None:
-        if len(linear.inputs) > 2:
-            raise ValueError(f"tp > 1: {what} ({linear.out}) has a bias, which a sharded GEMM would add on every "
-                             "rank; models with it are supported at tp=1 only")
 
     def _cut(self, name: str, cut: _Cut) -> None:
         if name not in self.graph.params:
@@ -167,11 +165,14 @@ def shard_tp(graph: Graph, ctx: PassContext) -> Graph:
     for name, cut in plan.cuts.items():
         param = graph.params[name]
         shape = list(param.type.shape)
-        shape[cut.axis] //= cut.parts
         sharded = _fresh(f"{name}.shard", taken)
+        if cut.layout == Layout.partial:
+            ctx.add_recipe(FirstRank(sharded, name))
+        else:
+            shape[cut.axis] //= cut.parts
+            ctx.add_recipe(Shard(sharded, name, cut.axis, cut.parts, tp))
         params[sharded] = Param(sharded, param.type.with_shape(tuple(shape)), param.format,
                                 Placement(cut.layout, cut.axis))
-        ctx.add_recipe(Shard(sharded, name, cut.axis, cut.parts, tp))
         renamed[name] = sharded
     inputs = dict(graph.inputs)
     for cache, kv_heads in plan.caches.items():

@@ -244,3 +244,14 @@ def test_dce_keeps_the_scales_of_a_live_quantized_weight():
           return %y
         }
     """)
+
+
+def test_fuse_linears_joins_shards_of_one_placement_only():
+    sharded = (QKV_BEFORE.replace("f32[8, 8]\n", "f32[8, 8] placement=column(0)\n")
+               .replace("@a.q_proj.bias: f32[8]", "@a.q_proj.bias: f32[8] placement=column(0)")
+               .replace("@a.k_proj.weight: f32[4, 8]", "@a.k_proj.weight: f32[4, 8] placement=column(0)")
+               .replace("@a.k_proj.bias: f32[4]", "@a.k_proj.bias: f32[4] placement=column(0)"))
+    text = run(fuse_linears, sharded)
+    assert "param @a.q_k_proj.weight: f32[12, 8] placement=column(0)" in text
+    assert "param @a.q_k_proj.bias: f32[12] placement=column(0)" in text
+    assert "%v = linear(%x, @a.v_proj.weight, @a.v_proj.bias)" in text  # replicated: not joined to the shards

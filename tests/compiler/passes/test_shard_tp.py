@@ -1,6 +1,6 @@
 """Before/Expected IR tests of the tensor-parallel sharding pass (a one-layer Qwen2-shaped graph: qkv
 bias, GQA, tied embeddings), its recipes for each rank, the KV heads replicated when tp exceeds
-them, its refusals, and the fusions still fusing the sharded graph."""
+them, a row-parallel bias added once, its refusals, and the fusions still fusing the sharded graph."""
 
 import textwrap
 
@@ -9,7 +9,7 @@ import pytest
 from kiln.compiler.passes.base import PassContext
 from kiln.compiler.passes.shard_tp import shard_tp
 from kiln.compiler.pipeline import run_pipeline
-from kiln.compiler.recipes import Constant, Shard, Slice, for_rank
+from kiln.compiler.recipes import Constant, Shard, Slice, Zeros, for_rank
 from kiln.ir import parse_graph, print_graph, verify
 
 
@@ -183,13 +183,19 @@ def test_refuses_what_does_not_split(tp, message):
         shard_tp(parse_graph(BEFORE), PassContext(tp=tp))
 
 
-def test_refuses_a_row_parallel_bias():
+def test_a_row_parallel_bias_is_added_once_by_rank_0():
     with_bias = BEFORE.replace("param @l0.self_attn.o_proj.weight: f32[8, 8]",
                                "param @l0.self_attn.o_proj.weight: f32[8, 8]\n  param @l0.o_bias: f32[8]")
     with_bias = with_bias.replace("linear(%l0.attn_flat, @l0.self_attn.o_proj.weight)",
                                   "linear(%l0.attn_flat, @l0.self_attn.o_proj.weight, @l0.o_bias)")
-    with pytest.raises(ValueError, match=r"the attention's output projection \(l0.o\) has a bias"):
-        shard_tp(parse_graph(with_bias), PassContext(tp=2))
+    ctx = PassContext(tp=2)
+    text = run(with_bias, 2, ctx)
+    assert "param @l0.o_bias.shard: f32[8] placement=partial" in text
+    assert ("%l0.o.part = linear(%l0.attn_flat, @l0.self_attn.o_proj.weight.shard, @l0.o_bias.shard) : f32[T, 8]"
+            in text)
+    (recipe,) = [r for r in ctx.recipes if r.outputs == ("l0.o_bias.shard",)]
+    assert recipe.for_rank(0) == Slice("l0.o_bias.shard", "l0.o_bias", 0, 0, 1)
+    assert recipe.for_rank(1) == Zeros("l0.o_bias.shard", "l0.o_bias")
 
 
 def test_the_fusions_fuse_the_sharded_graph():

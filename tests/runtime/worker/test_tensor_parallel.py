@@ -1,8 +1,9 @@
 """Tensor-parallel artifacts (``kiln compile --tp N``) run in real rank processes over gloo on
 loopback, against one rank and HF transformers.
 
-Every supported architecture (Llama-3 with its rope scaling, Mistral with a sliding window, Qwen2
-with qkv bias, Qwen3 with q/k norms and tied embeddings), random weights, at tp=2 and tp=4 (4 q
+Every supported architecture (Llama-3 with its rope scaling, and with attention and MLP biases;
+Mistral with a sliding window; Qwen2 with qkv bias; Qwen3 with q/k norms and tied embeddings), random
+weights, at tp=2 and tp=4 (4 q
 heads and 2 KV heads: at tp=4 each KV head is held by two ranks): a batch of prompts of different
 lengths prefilled together, then greedy decode steps through each rank's paged KV pool. Every rank
 runs the same steps (the all_gather gives each of them all the logits, so all pick the same tokens)
@@ -37,7 +38,10 @@ from tests.support.hf_models import load_hf, make_hf_model
 from tests.support.parity import assert_prefill_and_decode_match
 from tests.support.stepping import PagedRun
 
-KINDS = ("llama3", "mistral_window", "qwen2", "qwen3")
+# Name -> (a kind of tests.support.hf_models.CONFIGS, config overrides). Llama with biases: the
+# row-parallel o and down projections' biases are added once, by rank 0.
+MODELS = {"llama3": ("llama3", {}), "llama3_biases": ("llama3", dict(attention_bias=True, mlp_bias=True)),
+          "mistral_window": ("mistral_window", {}), "qwen2": ("qwen2", {}), "qwen3": ("qwen3", {})}
 PROMPTS = [[1, 5, 9, 33, 2, 7, 100], [3, 4], [200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210], [42]]
 DECODE_STEPS = 5
 TOLERANCE = 1e-4
@@ -48,9 +52,9 @@ OPTIONS = dict(dtype="fp32", page_size=4, max_batch_tokens=64, max_logit_rows=64
 def models(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """Each kind's random HF checkpoint and its one-rank artifact."""
     tmp = tmp_path_factory.mktemp("tp")
-    return {kind: (source := make_hf_model(kind, tmp / kind),
-                   compile_model(source, tmp / f"{kind}-1.kiln", CompileOptions(**OPTIONS)))
-            for kind in KINDS}
+    return {name: (source := make_hf_model(kind, tmp / name, **overrides),
+                   compile_model(source, tmp / f"{name}-1.kiln", CompileOptions(**OPTIONS)))
+            for name, (kind, overrides) in MODELS.items()}
 
 
 def greedy(run: PagedRun, steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -91,8 +95,8 @@ def check_rank(rank: int, tp: int, cases: list[tuple[str, str, str]], store_file
 @pytest.mark.parametrize("tp", [2, 4])
 def test_every_architecture_matches_one_rank_and_hf(models, tmp_path, tp):
     cases = []
-    for kind, (source, one_rank) in models.items():
-        sharded = compile_model(source, tmp_path / f"{kind}-{tp}.kiln", CompileOptions(**OPTIONS, tp=tp))
+    for name, (source, one_rank) in models.items():
+        sharded = compile_model(source, tmp_path / f"{name}-{tp}.kiln", CompileOptions(**OPTIONS, tp=tp))
         assert len(load_artifact(sharded).manifest["weights"]) == tp
         cases.append((str(source), str(one_rank), str(sharded)))
     mp.start_processes(check_rank, args=(tp, cases, str(tmp_path / "store")), nprocs=tp, start_method="spawn")
