@@ -65,6 +65,7 @@ class RankConfig:
     decode_buckets: tuple[int, ...]
     prefill_graphs: bool
     world_size: int = 1
+    reference_fallback: bool = False  # run torch references where the GPU cannot run the artifact's FP8
 
     def rank_device(self, rank: int) -> torch.device:
         device = torch.device(self.device)
@@ -73,7 +74,8 @@ class RankConfig:
         return torch.device("cuda", (device.index or 0) + rank)
 
     def build_runner(self, artifact: Artifact, rank: int) -> ModelRunner:
-        return ModelRunner(artifact, self.rank_device(rank), self.num_pages, self.decode_buckets, self.prefill_graphs)
+        return ModelRunner(artifact, self.rank_device(rank), self.num_pages, self.decode_buckets, self.prefill_graphs,
+                           self.reference_fallback)
 
 
 class LocalWorker:
