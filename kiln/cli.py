@@ -170,6 +170,9 @@ def _add_serve(commands) -> None:
                    help="ranks to run a one-rank artifact on, each a full copy in its own process after the first "
                         "(default 1; a tensor-parallel artifact runs on its --tp ranks)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--reference-fallback", action="store_true",
+                   help="on a GPU that cannot run the model's FP8 (compute capability < 8.9), run the torch "
+                        "reference kernels (slow) instead of refusing")
     p.set_defaults(run=_run_serve)
 
 
@@ -182,7 +185,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     artifact = ensure_artifact(args.model, compile_options_from(args))
     engine = {"device": args.device, "kv_cache_tokens": args.kv_cache_tokens, "mem_fraction": args.mem_fraction,
               "max_batch_tokens": args.max_batch_tokens, "schedule_policy": args.schedule_policy,
-              "world_size": args.world_size}
+              "world_size": args.world_size, "reference_fallback": args.reference_fallback}
     return serve(str(artifact), ServeConfig(
         host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name or args.model,
         max_body_bytes=args.max_body_bytes, max_n=args.max_n, drain_timeout=args.drain_timeout,

@@ -37,6 +37,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--kv-cache-tokens", type=int, default=None)
+    p.add_argument("--reference-fallback", action="store_true",
+                   help="on a GPU that cannot run the model's FP8 (compute capability < 8.9), run the torch "
+                        "reference kernels (slow) instead of refusing")
 
 
 def _engine(args: argparse.Namespace):
@@ -46,7 +49,8 @@ def _engine(args: argparse.Namespace):
     options = compile_options_from(args)
     return Engine(args.model, dtype=options.dtype, backend=options.backend, max_batch_tokens=options.max_batch_tokens,
                   max_batch_size=options.max_batch_size, max_seq_len=options.max_seq_len, page_size=options.page_size,
-                  device=args.device, kv_cache_tokens=args.kv_cache_tokens)
+                  device=args.device, kv_cache_tokens=args.kv_cache_tokens, quantization=options.quantization,
+                  kv_cache_dtype=options.kv_cache_dtype, reference_fallback=args.reference_fallback)
 
 
 def _params(args: argparse.Namespace):

@@ -37,7 +37,7 @@ class Engine:
                  page_size: int = 16, device: str | None = None, kv_cache_tokens: int | None = None,
                  mem_fraction: float = 0.85, schedule_policy: str = "lpm", enable_prefix_cache: bool = True,
                  world_size: int = 1, quantization: str | None = None, kv_cache_dtype: str = "auto",
-                 tp: int = 1) -> None:
+                 tp: int = 1, reference_fallback: bool = False) -> None:
         import torch
 
         on_gpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
@@ -48,7 +48,8 @@ class Engine:
         self.artifact_path = ensure_artifact(model, compile_options)
         self.core = EngineCore(str(self.artifact_path), EngineOptions(
             device=device, kv_cache_tokens=kv_cache_tokens, mem_fraction=mem_fraction,
-            schedule_policy=schedule_policy, enable_prefix_cache=enable_prefix_cache, world_size=world_size))
+            schedule_policy=schedule_policy, enable_prefix_cache=enable_prefix_cache, world_size=world_size,
+            reference_fallback=reference_fallback))
         self.tokenizer = self.core.tokenizer
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()

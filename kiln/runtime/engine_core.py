@@ -26,6 +26,7 @@ from .artifact import load_artifact
 from .constraints import Constraints, constraint_of
 from .engine_options import DEFAULT_CPU_KV_TOKENS, EngineOptions, graph_settings
 from .kvcache.allocator import PageAllocator
+from .device_support import uses_references
 from .kvcache.pool import pages_for_mem_fraction, pages_for_tokens, pool_dtype
 from .kvcache.radix import RadixCache
 from .outputs import SampleEvent, TokenLogprob
@@ -52,7 +53,9 @@ class EngineCore:
         self.vocab_size: int = rt["vocab_size"]
         self.page_size: int = rt["page_size"]
         self.tokenizer = Tokenizer.from_dir(self.artifact.tokenizer_dir) if self.artifact.tokenizer_dir else None
-        buckets, prefill_graphs = graph_settings(self.options, device, graph_blockers(self.artifact))
+        # Refuses here, naming what needs FP8, when the GPU cannot run it and no fallback was asked for.
+        references = uses_references(self.artifact, device, self.options.reference_fallback)
+        buckets, prefill_graphs = graph_settings(self.options, device, graph_blockers(self.artifact, references))
         num_pages = self._num_pages(device, rt)
         # Even with one request the pool must hold a full context, or that request could never run.
         if (num_pages - 1) * self.page_size < self.max_seq_len:
@@ -61,7 +64,8 @@ class EngineCore:
         # What the core drives (every rank), and rank 0's model runner, for tools that look inside it.
         tp = rt["tp"]
         self.worker = start_worker(self.artifact, RankConfig(
-            str(self.artifact.path), str(device), num_pages, buckets, prefill_graphs, self._world_size(tp), tp > 1))
+            str(self.artifact.path), str(device), num_pages, buckets, prefill_graphs, self._world_size(tp), tp > 1,
+            self.options.reference_fallback))
         self.runner = self.worker.runner
         self.allocator = PageAllocator(self.worker.num_pages)
         self.cache = RadixCache(self.allocator, self.page_size)

@@ -36,6 +36,9 @@ class EngineOptions:
     # The worker processes are started with multiprocessing's spawn, which imports the main module:
     # a script that builds an engine with N > 1 needs an `if __name__ == "__main__":` guard.
     world_size: int = 1
+    # On a GPU that cannot run the artifact's FP8 (compute capability < 8.9), run every kernel's torch
+    # reference instead of refusing the artifact (runtime/device_support.py): correct, slow.
+    reference_fallback: bool = False
 
     def resolved_device(self) -> torch.device:
         return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))

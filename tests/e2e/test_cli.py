@@ -75,6 +75,23 @@ def test_compile_takes_a_tp(tmp_path):
     assert uneven.returncode == 2 and "Traceback" not in uneven.stderr
     assert "tp=3 must divide the attention heads (4 in l0.attn); possible: 1, 2, 4" in uneven.stderr
 
+def test_compile_takes_a_kv_cache_dtype_and_refuses_requantizing(tmp_path):
+    from tests.compiler.sources.test_prequantized import FP8_TENSOR, _write_checkpoint
+
+    source = make_hf_model("llama3", tmp_path / "src", vocab_size=64, hidden_size=128, intermediate_size=256)
+    out = tmp_path / "kv8.kiln"
+    result = kiln("compile", str(source), "-o", str(out), "--backend", "torch", "--kv-cache-dtype", "fp8_e4m3")
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["options"]["kv_cache_dtype"] == "fp8_e4m3" and manifest["runtime"]["kv_cache_dtype"] == "f8e4m3"
+    wrong = kiln("compile", str(source), "-o", str(tmp_path / "x.kiln"), "--kv-cache-dtype", "fp8_e5m2")
+    assert wrong.returncode == 2 and "--kv-cache-dtype: invalid choice: 'fp8_e5m2'" in wrong.stderr
+    assert "fp8_e4m3" in wrong.stderr.splitlines()[-1]
+    checkpoint, _ = _write_checkpoint(source, tmp_path / "fp8", "fp8_tensor", FP8_TENSOR)
+    again = kiln("compile", str(checkpoint), "-o", str(tmp_path / "y.kiln"), "--quantization", "mxfp4")
+    assert again.returncode == 2 and "Traceback" not in again.stderr
+    assert "already quantized (fp8 (per-tensor scales)); quantization 'mxfp4' would requantize it" in again.stderr
+
 
 def test_chat_one_shot(artifact):
     result = kiln("chat", str(artifact), "--prompt", "What is the capital of France?", "--max-new-tokens", "30",

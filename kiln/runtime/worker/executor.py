@@ -17,10 +17,11 @@ from typing import Callable
 import torch
 
 from kiln.artifact_format import GENERATED_KERNEL_PREFIX, generated_kernel_file
-from kiln.kernels import get_impl
+from kiln.kernels import KernelImpl, get_impl
 from kiln.step_schema import StepSchema
 
 from ..artifact import Artifact
+from ..device_support import uses_references
 
 @dataclass
 class StepInputs:
@@ -54,13 +55,14 @@ class StepResult:
         return self.outputs["logits"]
 
 
-def kernel_table(artifact: Artifact, device: torch.device) -> dict[str, Callable]:
+def kernel_table(artifact: Artifact, device: torch.device, references: bool = False) -> dict[str, Callable]:
     """Each kernel the program names, as a callable: registry kernels by name, generated ones from
     the artifact's ``kernels/``, each bound to the artifact's ``KernelConfig`` when it reads one
     (generated kernels always do). Triton kernels on a CPU without the interpreter fall back to their
-    op's torch reference, so every artifact runs anywhere."""
+    op's torch reference, so every artifact runs anywhere; with ``references`` they always do (a GPU
+    that cannot run the artifact's FP8: ``device_support.uses_references``)."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    triton_runs = device.type == "cuda" or interpreted
+    triton_runs = (device.type == "cuda" or interpreted) and not references
     config = artifact.kernel_config
     generated: dict[str, str] = artifact.manifest.get("generated_kernels", {})
     table = {}
@@ -71,17 +73,30 @@ def kernel_table(artifact: Artifact, device: torch.device) -> dict[str, Callable
             continue
         chosen = impl = get_impl(name)
         if chosen.backend == "triton" and not triton_runs:
-            impl = get_impl(f"torch.{chosen.op}")
+            impl = _reference_of(chosen)
         # The program passes `sizes` only to kernels that asked for it at compile time.
         fn = impl.bound(config)
         table[name] = _drop_sizes(fn) if chosen.wants_sizes and not impl.wants_sizes else fn
     return table
 
 
-def graph_blockers(artifact: Artifact) -> list[str]:
+def _reference_of(impl: KernelImpl) -> KernelImpl:
+    """The torch reference computing what ``impl`` does: the one of its own variant where there is one
+    (``triton.linear.fp8_channel`` -> ``torch.linear.fp8_channel``), else its op's."""
+    try:
+        return get_impl(f"torch.{impl.name.split('.', 1)[1]}")
+    except LookupError:
+        return get_impl(f"torch.{impl.op}")
+
+
+def graph_blockers(artifact: Artifact, references: bool = False) -> list[str]:
     """The program's kernels that copy device values to the host mid-step when run on a GPU (torch
     references such as the attention's, in artifacts compiled for the torch backend): a step that
-    runs one cannot be captured as a CUDA graph. Generated kernels are Triton and never do."""
+    runs one cannot be captured as a CUDA graph. Generated kernels are Triton and never do; with
+    ``references`` (``kernel_table``'s) every kernel runs its torch reference."""
+    if references:
+        return [name for name in artifact.manifest["kernels"] if not name.startswith(GENERATED_KERNEL_PREFIX)
+                and _reference_of(get_impl(name)).reads_device]
     return [name for name in artifact.manifest["kernels"]
             if not name.startswith(GENERATED_KERNEL_PREFIX) and get_impl(name).reads_device]
 
@@ -101,8 +116,10 @@ def _drop_sizes(fn: Callable) -> Callable:
 
 
 class Executor:
-    def __init__(self, artifact: Artifact, device: torch.device | str, rank: int = 0) -> None:
+    def __init__(self, artifact: Artifact, device: torch.device | str, rank: int = 0,
+                 reference_fallback: bool = False) -> None:
         self.device = torch.device(device)
+        references = uses_references(artifact, self.device, reference_fallback)
         self.artifact = artifact
         self.weights = artifact.load_weights(self.device, rank)
         plan = artifact.manifest["memory_plan"]
@@ -110,7 +127,7 @@ class Executor:
         self.page_size: int = artifact.runtime["page_size"]
         self.schema = artifact.step_schema
         self.arena = torch.empty(plan["arena_bytes"], dtype=torch.uint8, device=self.device)
-        self.step_fn = artifact.program.bind(kernel_table(artifact, self.device))
+        self.step_fn = artifact.program.bind(kernel_table(artifact, self.device, references))
 
     def arena_view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         count = 1

@@ -20,10 +20,11 @@ from .prefill_graphs import PrefillGraphs
 
 class ModelRunner:
     def __init__(self, artifact: Artifact, device: torch.device | str, num_pages: int,
-                 decode_buckets: tuple[int, ...] = (), prefill_graphs: bool = False, rank: int = 0) -> None:
+                 decode_buckets: tuple[int, ...] = (), prefill_graphs: bool = False, rank: int = 0,
+                 reference_fallback: bool = False) -> None:
         rt = artifact.runtime
         self.device = torch.device(device)
-        self.executor = Executor(artifact, self.device, rank)
+        self.executor = Executor(artifact, self.device, rank, reference_fallback)
         self.sampler_kernels = SamplerKernels.for_device(self.device, artifact.kernel_config)
         self.page_size: int = rt["page_size"]
         self.vocab_size: int = rt["vocab_size"]

@@ -68,6 +68,7 @@ class RankConfig:
     # Whether the artifact is tensor-parallel (each rank loads its own weights shard and runs the
     # collectives in its program) rather than replicated (every rank loads rank 0's weights).
     tensor_parallel: bool = False
+    reference_fallback: bool = False  # run torch references where the GPU cannot run the artifact's FP8
 
     def rank_device(self, rank: int) -> torch.device:
         device = torch.device(self.device)
@@ -77,7 +78,7 @@ class RankConfig:
 
     def build_runner(self, artifact: Artifact, rank: int) -> ModelRunner:
         return ModelRunner(artifact, self.rank_device(rank), self.num_pages, self.decode_buckets, self.prefill_graphs,
-                           rank if self.tensor_parallel else 0)
+                           rank if self.tensor_parallel else 0, self.reference_fallback)
 
 
 class LocalWorker:
