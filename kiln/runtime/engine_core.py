@@ -12,6 +12,10 @@ from the in-flight step's argmax), then reads and applies the in-flight tokens w
 runs, so the host's work hides behind the device's. A request that turns out to have finished
 drops its extra step's result. Anything else to schedule (arrivals, prefill, sampling, a short
 pool) breaks the chain and the next step is scheduled normally.
+
+Speculative decoding (``speculative_algorithm``): a step with decoding requests goes to the
+``Speculator`` (runtime/spec), which drafts, verifies the drafts in the same step and applies the
+accepted tokens; steps are then never overlapped.
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ class EngineCore:
                              f"the context length {self.max_seq_len}; raise kv_cache_tokens or mem_fraction")
         # What the core drives (every rank), and rank 0's model runner, for tools that look inside it.
         self.worker = start_worker(self.artifact, RankConfig(
-            str(self.artifact.path), str(device), num_pages, buckets, prefill_graphs, self.options.world_size))
+            str(self.artifact.path), str(device), num_pages, buckets, prefill_graphs, self.options.world_size,
+            spec.tokens_per_verify if spec is not None else 1))
         self.runner = self.worker.runner
         self.allocator = PageAllocator(self.worker.num_pages)
         self.cache = RadixCache(self.allocator, self.page_size)

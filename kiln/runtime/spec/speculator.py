@@ -15,6 +15,9 @@ token. Tokens are then appended one by one through the stop rules, so EOS, stop 
 ends and ``max_new_tokens`` cut the chain where decoding one token at a time would have stopped;
 ``Scheduler.complete_verify`` counts the accepted drafts' KV as computed and frees the pages of the
 rejected ones. A request with no draft brings one token, as without speculation.
+
+Where the worker has verify graphs (decode buckets on: a GPU) and the step has no prefill chunk,
+every draft is filled to ``num_draft_tokens`` so the step is uniform and replays a captured graph.
 """
 
 from __future__ import annotations
@@ -102,8 +105,9 @@ class Speculator:
             if reason is not None:
                 core.scheduler.finish(request, reason)
                 core.forget_if_done(request.rid)
+            verify_ct, verify_tokens = request.extras.get(SPEC_COUNTS, (0, 0))
             events.append(SampleEvent(request.rid, request.index, tuple(kept), logprobs, reason, None,
-                                      len(request.prompt_ids), request.cached_tokens))
+                                      len(request.prompt_ids), request.cached_tokens, verify_ct, verify_tokens))
         self.verify_steps += len(batch.decodes)
         self.verify_tokens += step_tokens
         self.drafted_tokens += sum(map(len, drafts))
@@ -126,11 +130,15 @@ class Speculator:
         tokens = len(batch.decodes) + sum(c.end - c.start for c in batch.chunks)
         rows = len(batch.decodes) + sum(c.wants_logits for c in batch.chunks)
         room = min(self._max_tokens - tokens, self._max_rows - rows)
+        graphs = self.core.runner.verify_graphs
+        pad = graphs is not None and not batch.chunks and len(batch.decodes) <= graphs.max_batch
         drafts, masks = [], []
         for request in batch.decodes:
             rules = request.extras[STOP_RULES]
             limit = min(room, rules.max_output - len(request.output_ids) - 1)
             draft = self.drafter.propose(request.all_ids, limit) if limit > 0 else []
+            if pad:
+                draft = self._padded(request, draft, room)
             mask = None
             state = request.extras.get(GRAMMAR)
             if state is not None:
@@ -140,6 +148,16 @@ class Speculator:
             drafts.append(draft)
             masks.append(None if mask is None else mask[:len(draft) + 1])
         return drafts, masks
+
+    def _padded(self, request: Request, draft: list[int], room: int) -> list[int]:
+        """The draft filled to a full chain with repeats of its last token, so that the step brings
+        the same number of tokens for every request and runs as a verify graph (``DecodeGraphs`` of
+        ``tokens_per_verify`` tokens a sequence). The filler is just more proposals: verification is
+        lossless whatever is proposed, and tokens past the output budget are cut by the stop rules;
+        only the context's end bounds it (the drafts' positions must exist)."""
+        size = min(self.config.num_draft_tokens, room, self.core.max_seq_len - request.num_computed - 1)
+        filler = draft[-1] if draft else (request.output_ids or request.prompt_ids)[-1]
+        return draft + [filler] * (size - len(draft))
 
     # ---- the target's choices -----------------------------------------------------------------
 

@@ -65,6 +65,9 @@ class RankConfig:
     decode_buckets: tuple[int, ...]
     prefill_graphs: bool
     world_size: int = 1
+    # Tokens a sequence brings to a speculative verify step (drafts + 1; 1: no speculation): with
+    # decode buckets, uniform verify steps run as decode graphs of that many tokens a sequence.
+    verify_tokens: int = 1
 
     def rank_device(self, rank: int) -> torch.device:
         device = torch.device(self.device)
@@ -73,7 +76,8 @@ class RankConfig:
         return torch.device("cuda", (device.index or 0) + rank)
 
     def build_runner(self, artifact: Artifact, rank: int) -> ModelRunner:
-        return ModelRunner(artifact, self.rank_device(rank), self.num_pages, self.decode_buckets, self.prefill_graphs)
+        return ModelRunner(artifact, self.rank_device(rank), self.num_pages, self.decode_buckets, self.prefill_graphs,
+                           self.verify_tokens)
 
 
 class LocalWorker:

@@ -97,3 +97,17 @@ def test_json_schema_requests_keep_speculating(artifact):
     value = json.loads(core.tokenizer.decode(speculative[0][0], skip_special_tokens=True))
     assert set(value) == {"name", "age"}
     assert core.stats()["spec_accepted_drafts"] > 0
+
+
+def test_engine_keywords_and_usage(artifact):
+    from kiln.engine import Engine
+
+    with pytest.raises(ValueError, match="speculative_eagle_topk"):
+        Engine(artifact, device="cpu", speculative_algorithm="ngram", speculative_eagle_topk=2)
+    with Engine(artifact, device="cpu", kv_cache_tokens=2048, speculative_algorithm="ngram",
+                speculative_num_draft_tokens=4) as engine:
+        output = engine.generate(COUNTING, SamplingParams(temperature=0, max_new_tokens=16))
+    usage = output.usage
+    # Every token after the first (the prompt's step) came from a verify step.
+    assert usage.spec_verify_ct >= 1 and usage.spec_verify_tokens == usage.completion_tokens - 1
+    assert usage.spec_accept_length > 1
