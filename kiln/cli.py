@@ -151,6 +151,8 @@ def _run_fetch(args: argparse.Namespace) -> int:
 
 
 def _add_serve(commands) -> None:
+    from kiln.cli_speculative import add_speculative_arguments
+
     p = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("model", help="artifact directory, or a model to compile on first use (HF dir, GGUF, alias)")
     add_compile_options(p)
@@ -173,11 +175,13 @@ def _add_serve(commands) -> None:
     p.add_argument("--reference-fallback", action="store_true",
                    help="on a GPU that cannot run the model's FP8 (compute capability < 8.9), run the torch "
                         "reference kernels (slow) instead of refusing")
+    add_speculative_arguments(p)
     p.set_defaults(run=_run_serve)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
     from kiln.artifact_cache import ensure_artifact
+    from kiln.cli_speculative import speculative_keywords
     from kiln.server.launch import ServeConfig, serve
 
     if args.device == "cpu" and args.backend is None:
@@ -185,7 +189,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     artifact = ensure_artifact(args.model, compile_options_from(args))
     engine = {"device": args.device, "kv_cache_tokens": args.kv_cache_tokens, "mem_fraction": args.mem_fraction,
               "max_batch_tokens": args.max_batch_tokens, "schedule_policy": args.schedule_policy,
-              "world_size": args.world_size, "reference_fallback": args.reference_fallback}
+              "world_size": args.world_size, "reference_fallback": args.reference_fallback,
+              **speculative_keywords(args)}
     return serve(str(artifact), ServeConfig(
         host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name or args.model,
         max_body_bytes=args.max_body_bytes, max_n=args.max_n, drain_timeout=args.drain_timeout,

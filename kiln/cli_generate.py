@@ -27,6 +27,7 @@ def add_parsers(commands) -> None:
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     from kiln.cli import add_compile_options
+    from kiln.cli_speculative import add_speculative_arguments
 
     add_compile_options(p)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -40,17 +41,20 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference-fallback", action="store_true",
                    help="on a GPU that cannot run the model's FP8 (compute capability < 8.9), run the torch "
                         "reference kernels (slow) instead of refusing")
+    add_speculative_arguments(p)
 
 
 def _engine(args: argparse.Namespace):
     from kiln.cli import compile_options_from
+    from kiln.cli_speculative import speculative_keywords
     from kiln.engine import Engine
 
     options = compile_options_from(args)
     return Engine(args.model, dtype=options.dtype, backend=options.backend, max_batch_tokens=options.max_batch_tokens,
                   max_batch_size=options.max_batch_size, max_seq_len=options.max_seq_len, page_size=options.page_size,
                   device=args.device, kv_cache_tokens=args.kv_cache_tokens, quantization=options.quantization,
-                  kv_cache_dtype=options.kv_cache_dtype, reference_fallback=args.reference_fallback)
+                  kv_cache_dtype=options.kv_cache_dtype, reference_fallback=args.reference_fallback,
+                  **speculative_keywords(args))
 
 
 def _params(args: argparse.Namespace):

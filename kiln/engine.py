@@ -37,7 +37,11 @@ class Engine:
                  page_size: int = 16, device: str | None = None, kv_cache_tokens: int | None = None,
                  mem_fraction: float = 0.85, schedule_policy: str = "lpm", enable_prefix_cache: bool = True,
                  world_size: int = 1, quantization: str | None = None, kv_cache_dtype: str = "auto",
-                 tp: int = 1, reference_fallback: bool = False) -> None:
+                 tp: int = 1, reference_fallback: bool = False, speculative_algorithm: str | None = None,
+                 speculative_num_draft_tokens: int | None = None, speculative_num_steps: int | None = None,
+                 speculative_eagle_topk: int | None = None, speculative_draft_model_path: str | None = None,
+                 speculative_ngram_min_match_window_size: int = 1,
+                 speculative_ngram_max_match_window_size: int = 12) -> None:
         import torch
 
         on_gpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
@@ -49,7 +53,12 @@ class Engine:
         self.core = EngineCore(str(self.artifact_path), EngineOptions(
             device=device, kv_cache_tokens=kv_cache_tokens, mem_fraction=mem_fraction,
             schedule_policy=schedule_policy, enable_prefix_cache=enable_prefix_cache, world_size=world_size,
-            reference_fallback=reference_fallback))
+            reference_fallback=reference_fallback,
+            speculative_algorithm=speculative_algorithm, speculative_num_draft_tokens=speculative_num_draft_tokens,
+            speculative_num_steps=speculative_num_steps, speculative_eagle_topk=speculative_eagle_topk,
+            speculative_draft_model_path=speculative_draft_model_path,
+            speculative_ngram_min_match_window_size=speculative_ngram_min_match_window_size,
+            speculative_ngram_max_match_window_size=speculative_ngram_max_match_window_size))
         self.tokenizer = self.core.tokenizer
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()

@@ -114,13 +114,21 @@ def ref_sample_rows(scores: torch.Tensor, temperature: torch.Tensor, top_k: torc
                     use_top_k: bool, use_top_p: bool, use_min_p: bool) -> torch.Tensor:
     """int64 ``[B]``: each row's sampled token from f32 ``scores [B, V]`` (-inf where masked), with the
     per-row parameters of ``SamplingBatch``; the ``use_*`` flags switch whole stages on."""
+    scores = ref_filtered_scores(scores, temperature, top_k, top_p, min_p, use_top_k, use_top_p, use_min_p)
+    noisy = scores.double() + rng.gumbel_noise(seeds, steps, scores.shape[1])
+    return noisy.argmax(dim=-1)
+
+
+def ref_filtered_scores(scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                        min_p: torch.Tensor, use_top_k: bool, use_top_p: bool, use_min_p: bool) -> torch.Tensor:
+    """The logits of the distribution ``ref_sample_rows`` draws from: divided by the temperature,
+    -inf where top-k, top-p and min-p drop a token (its softmax is the sampling distribution)."""
     scores = scores / temperature[:, None]
     if use_top_k or use_top_p:
         scores = ref_filter_top_k_top_p(scores, top_k, top_p, use_top_k, use_top_p)
     if use_min_p:
         scores = ref_filter_min_p(scores, min_p)
-    noisy = scores.double() + rng.gumbel_noise(seeds, steps, scores.shape[1])
-    return noisy.argmax(dim=-1)
+    return scores
 
 
 @triton.jit

@@ -12,6 +12,10 @@ from the in-flight step's argmax), then reads and applies the in-flight tokens w
 runs, so the host's work hides behind the device's. A request that turns out to have finished
 drops its extra step's result. Anything else to schedule (arrivals, prefill, sampling, a short
 pool) breaks the chain and the next step is scheduled normally.
+
+Speculative decoding (``speculative_algorithm``): a step with decoding requests goes to the
+``Speculator`` (runtime/spec), which drafts, verifies the drafts in the same step and applies the
+accepted tokens; steps are then never overlapped.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from .sampling import SamplerOutput, SamplingBatch, SamplingParams, SamplingRow,
 from .scheduler.batch import StepLists, build_step_lists
 from .scheduler.request import DECODING, PENDING, Request, RequestState
 from .scheduler.scheduler import Scheduler, SchedulerConfig
+from .spec.config import SpecConfig
+from .spec.speculator import Speculator
 from .text.stop_rules import STOP_RULES, StopRules, finish_reason, sampled_on_device
 from .text.tokenizer import Tokenizer
 from .worker.executor import graph_blockers
@@ -49,6 +55,7 @@ class EngineCore:
         rt = self.artifact.runtime
         bounds = rt["symbol_bounds"]
         device = self.options.resolved_device()
+        spec = SpecConfig.from_options(self.options, bounds)  # refused before anything starts
         self.max_seq_len: int = rt["max_seq_len"]
         self.vocab_size: int = rt["vocab_size"]
         self.page_size: int = rt["page_size"]
@@ -65,7 +72,7 @@ class EngineCore:
         tp = rt["tp"]
         self.worker = start_worker(self.artifact, RankConfig(
             str(self.artifact.path), str(device), num_pages, buckets, prefill_graphs, self._world_size(tp), tp > 1,
-            self.options.reference_fallback))
+            self.options.reference_fallback, spec.tokens_per_verify if spec is not None else 1))
         self.runner = self.worker.runner
         self.allocator = PageAllocator(self.worker.num_pages)
         self.cache = RadixCache(self.allocator, self.page_size)
@@ -81,6 +88,9 @@ class EngineCore:
         overlap = self.options.overlap_schedule
         self.overlap = bool(buckets) if overlap is None else overlap and bool(buckets)
         self.overlap = self.overlap and self.worker.tokens_from_device  # not with several ranks (WorkerGroup)
+        # Speculative decoding (runtime/spec): decode steps verify drafts; never overlapped (see SpecConfig).
+        self.speculator = Speculator(spec, self) if spec is not None else None
+        self.overlap = self.overlap and self.speculator is None
         self._inflight: InflightStep | None = None
         # Whether the in-flight step's tokens are the decode graph's argmax of every row (see
         # _graph_argmax_serves): then so are its follow-ups', which run the same requests.
@@ -180,6 +190,7 @@ class EngineCore:
             "cache_hit_rate": self.cache.hit_tokens / self.cache.queried_tokens if self.cache.queried_tokens else 0.0,
             "retractions": self.scheduler.num_retractions,
             "overlapped_steps": self.overlapped_steps,
+            **(self.speculator.stats() if self.speculator is not None else {}),
         }
 
     # ---- one step -----------------------------------------------------------------------------------
@@ -193,6 +204,8 @@ class EngineCore:
             if self.constraints.has_pending():
                 time.sleep(0.001)  # only grammars compiling: wait for them without spinning
             return events
+        if self.speculator is not None and batch.decodes:
+            return events + self.speculator.step(batch)
         lists = build_step_lists(batch, self.page_size)
         result = self.worker.forward(lists)
         logits, greedy = result.logits, result.greedy
@@ -306,7 +319,7 @@ class EngineCore:
                     events.extend(self.abort(request.rid, f"the grammar rejected token {token}"))
                     continue
                 self.scheduler.finish(request, reason)
-                self._forget_if_done(request.rid)
+                self.forget_if_done(request.rid)
             # (SampleEvent directly, not through _event: a call per sample costs ~10% of this loop.)
             events.append(SampleEvent(request.rid, request.index, (token,), token_logprobs, reason, None,
                                       len(request.prompt_ids), request.cached_tokens))
@@ -327,7 +340,7 @@ class EngineCore:
                 events.append(self._event(sample, (), (), "abort", error))
         return events
 
-    def _forget_if_done(self, rid: str) -> None:
+    def forget_if_done(self, rid: str) -> None:
         if all(r.done for r in self._requests.get(rid, [])):
             self._requests.pop(rid, None)
 

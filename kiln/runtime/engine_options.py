@@ -39,6 +39,17 @@ class EngineOptions:
     # On a GPU that cannot run the artifact's FP8 (compute capability < 8.9), run every kernel's torch
     # reference instead of refusing the artifact (runtime/device_support.py): correct, slow.
     reference_fallback: bool = False
+    # Speculative decoding, under SGLang's names (checked by runtime/spec/config.SpecConfig): the
+    # algorithm (None: off; "ngram": drafts looked up in the request's own tokens), drafts per step
+    # (default 4), and the draft-model settings EAGLE heads take. None where not given.
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_draft_model_path: str | None = None
+    # The n-gram lookup's suffix lengths: the longest suffix of min..max tokens found earlier wins.
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
 
     def resolved_device(self) -> torch.device:
         return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))

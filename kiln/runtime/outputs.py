@@ -18,6 +18,15 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # Speculative decoding (0 without): the verify steps the samples took part in and the tokens
+    # those steps gave them (SGLang's meta_info spec_verify_ct; their ratio the mean accepted length).
+    spec_verify_ct: int = 0
+    spec_verify_tokens: int = 0
+
+    @property
+    def spec_accept_length(self) -> float:
+        """Tokens per verify step, the accepted drafts and the target's own token (0 without speculation)."""
+        return self.spec_verify_tokens / self.spec_verify_ct if self.spec_verify_ct else 0.0
 
     @property
     def total_tokens(self) -> int:
@@ -39,6 +48,9 @@ class SampleEvent(NamedTuple):
     error: str | None = None               # set when the request failed (finish_reason "abort")
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # This sample's verify steps so far and the tokens they gave it (speculative decoding; see Usage).
+    spec_verify_ct: int = 0
+    spec_verify_tokens: int = 0
 
 
 @dataclass

@@ -30,6 +30,7 @@ class RequestHandle:
         self._on_finish = on_finish
         self._done = threading.Event()
         self._cached_tokens = 0
+        self._spec_counts = [(0, 0)] * params.n  # per sample: (verify steps, their tokens)
         self.result: RequestOutput | None = None
         self.error: BaseException | None = None
 
@@ -48,6 +49,8 @@ class RequestHandle:
         completion.text += text
         if event.index == 0:
             self._cached_tokens = event.cached_tokens
+        if event.spec_verify_ct:
+            self._spec_counts[event.index] = (event.spec_verify_ct, event.spec_verify_tokens)
         if finished:
             completion.finish_reason = event.finish_reason
             completion.stop_string = self._texts[event.index].stop_string if self._texts else None
@@ -80,7 +83,8 @@ class RequestHandle:
 
     def _usage(self) -> Usage:
         completion_tokens = sum(len(c.token_ids) for c in self._completions)
-        return Usage(len(self.prompt_ids), completion_tokens, self._cached_tokens)
+        return Usage(len(self.prompt_ids), completion_tokens, self._cached_tokens,
+                     sum(c for c, _ in self._spec_counts), sum(t for _, t in self._spec_counts))
 
     def _finish(self, outcome: RequestOutput | BaseException) -> None:
         self._done.set()

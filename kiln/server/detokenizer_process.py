@@ -7,7 +7,8 @@ tokenizer and forwards READY, so the HTTP process knows both are up. For every N
 one ``SampleText`` per sample (the same incremental detokenizer and stop-string cut the in-process
 Engine uses); each EVENTS batch becomes one OUTPUTS batch:
 
-    [rid, index, text_delta, token_ids, logprobs, finish_reason, error, prompt_tokens, cached_tokens]
+    [rid, index, text_delta, token_ids, logprobs, finish_reason, error, prompt_tokens, cached_tokens,
+     spec_verify_ct, spec_verify_tokens]
 
 where each logprobs entry is ``[token_id, token_bytes, logprob, [[id, bytes, logprob], ...]]``.
 REJECT, STATS and FATAL pass through unchanged.
@@ -47,7 +48,8 @@ class Detokenizer:
         return [self._output(*event) for event in events]
 
     def _output(self, rid: str, index: int, token_ids: list[int], logprobs: list[list[Any]], finish_reason: str | None,
-                error: str | None, prompt_tokens: int, cached_tokens: int) -> list[Any]:
+                error: str | None, prompt_tokens: int, cached_tokens: int, spec_verify_ct: int,
+                spec_verify_tokens: int) -> list[Any]:
         texts = self._texts.get(rid)
         sample = texts[index] if texts is not None else None
         text = sample.push(token_ids, finish_reason is not None) if sample is not None else ""
@@ -58,7 +60,8 @@ class Detokenizer:
         named = [[token, self.token_bytes.bytes_of(token), value,
                   [[alt, self.token_bytes.bytes_of(alt), alt_value] for alt, alt_value in top]]
                  for token, value, top in logprobs]
-        return [rid, index, text, token_ids, named, finish_reason, error, prompt_tokens, cached_tokens]
+        return [rid, index, text, token_ids, named, finish_reason, error, prompt_tokens, cached_tokens, spec_verify_ct,
+                spec_verify_tokens]
 
 
 def run(inbox: zmq.Socket, outbox: zmq.Socket, parent: ipc.ParentWatch) -> int:

@@ -33,6 +33,15 @@ ENGINE_SERIES = (
     ("kiln_prefix_cache_queried_tokens_total", "cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
      "counter"),
     ("kiln_retractions_total", "retractions", "Requests retracted to free KV", "counter"),
+    # Speculative decoding (only when it is on; see runtime/spec/speculator.py).
+    ("kiln_spec_accept_length", "spec_accept_length",
+     "Tokens per request of the last verify step (accepted drafts + the target's own token)", "gauge"),
+    ("kiln_spec_mean_accept_length", "spec_mean_accept_length", "Tokens per request per verify step, since start",
+     "gauge"),
+    ("kiln_spec_verify_steps_total", "spec_verify_steps", "Request-steps that verified drafts", "counter"),
+    ("kiln_spec_verify_tokens_total", "spec_verify_tokens", "Tokens verify steps produced", "counter"),
+    ("kiln_spec_drafted_tokens_total", "spec_drafted_tokens", "Draft tokens verified", "counter"),
+    ("kiln_spec_accepted_drafts_total", "spec_accepted_drafts", "Draft tokens the target accepted", "counter"),
 )
 
 

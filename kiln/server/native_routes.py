@@ -20,7 +20,7 @@ from .context import ServerContext
 from .errors import APIError, invalid
 from .openai_routes import CLIENT_CLOSED
 from .protocol import DetokenizeRequest, GenerateRequest, TokenizeRequest, template_messages
-from .responses import SSE_DONE, Accumulator, Sample, sse
+from .responses import SSE_DONE, Accumulator, Sample, spec_usage, sse
 from .streaming import ClientDisconnected, EventStream, until_disconnect
 from .tokenizer_manager import RequestStream, TokenLogprob, Usage
 
@@ -95,7 +95,7 @@ def _result(rid: str, sample: Sample, usage: Usage, with_logprobs: bool) -> dict
 
 def _meta(rid: str, reason: str | None, completion_tokens: int, usage: Usage) -> dict[str, Any]:
     return {"id": rid, "finish_reason": reason, "prompt_tokens": usage.prompt_tokens,
-            "completion_tokens": completion_tokens, "cached_tokens": usage.cached_tokens}
+            "completion_tokens": completion_tokens, "cached_tokens": usage.cached_tokens, **spec_usage(usage)}
 
 
 async def _generate_events(stream: RequestStream, rid: str) -> AsyncIterator[str]:

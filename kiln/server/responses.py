@@ -15,9 +15,19 @@ from .tokenizer_manager import SampleOutput, TokenLogprob, Usage
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+    body = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    return {**body, **spec_usage(usage)}
+
+
+def spec_usage(usage: Usage) -> dict[str, Any]:
+    """Speculative decoding's extension fields, when it ran: the verify steps (SGLang's meta_info
+    ``spec_verify_ct``) and the mean tokens each gave (accepted drafts + the target's own token)."""
+    if not usage.spec_verify_ct:
+        return {}
+    return {"spec_verify_ct": usage.spec_verify_ct,
+            "spec_accept_length": usage.spec_verify_tokens / usage.spec_verify_ct}
 
 
 def _text(data: bytes) -> str:

@@ -62,6 +62,8 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    spec_verify_ct: int = 0        # speculative decoding: the samples' verify steps (see runtime.outputs.Usage)
+    spec_verify_tokens: int = 0
 
 
 @dataclass
@@ -235,7 +237,8 @@ class TokenizerManager:
             self._on_fatal(message[1])
 
     def _output(self, now: float, rid: str, index: int, text: str, token_ids: list[int], logprobs: list[list[Any]],
-                finish_reason: str | None, error: str | None, prompt_tokens: int, cached_tokens: int) -> None:
+                finish_reason: str | None, error: str | None, prompt_tokens: int, cached_tokens: int,
+                spec_verify_ct: int = 0, spec_verify_tokens: int = 0) -> None:
         live = self._live.get(rid)
         if live is None:
             return  # aborted here already; the scheduler's last words for it
@@ -251,6 +254,9 @@ class TokenizerManager:
         entries = [TokenLogprob(t, b, lp, tuple((a, ab, alp) for a, ab, alp in top)) for t, b, lp, top in logprobs]
         live.stream.put(SampleOutput(live.prompt_index, index, text, token_ids, entries, finish_reason))
         if finish_reason is not None:
+            # The counts are the sample's totals so far: its last event has them all.
+            live.stream.usage.spec_verify_ct += spec_verify_ct
+            live.stream.usage.spec_verify_tokens += spec_verify_tokens
             live.open_samples -= 1
             if live.open_samples == 0:
                 del self._live[rid]

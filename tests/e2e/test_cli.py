@@ -114,6 +114,15 @@ def test_generate_with_stop_string(artifact):
     assert "." not in result.stdout.strip()
 
 
+def test_generate_with_ngram_speculation_prints_the_plain_text(artifact):
+    prompt = ["--prompt", "Count: 1, 2, 3, 4, 5, 6,", "--max-new-tokens", "12", "--kv-cache-tokens", "4096"]
+    plain = kiln("generate", str(artifact), *prompt)
+    ours = kiln("generate", str(artifact), *prompt, "--speculative-algorithm", "ngram",
+                "--speculative-num-draft-tokens", "3", "--speculative-ngram-max-match-window-size", "4")
+    assert ours.returncode == 0, ours.stderr
+    assert ours.stdout == plain.stdout
+
+
 def test_bad_sampling_option_is_one_line(artifact):
     result = kiln("generate", str(artifact), "--prompt", "x", "--top-p", "2")
     assert result.returncode == 2 and "top_p" in result.stderr and "Traceback" not in result.stderr

@@ -242,3 +242,18 @@ def test_an_added_step_field_is_a_captured_graphs_input(tmp_path):
     assert graphs._devices[0][region:region + 2].tolist() == [6, 2]
     eager = core.runner.forward_eager(lists).outputs["hidden_states"]
     torch.testing.assert_close(replayed, eager, atol=2e-2, rtol=2e-2)  # bf16
+
+
+def test_ngram_speculation_with_verify_graphs_matches_plain_decoding(tmp_path):
+    """Speculative verify steps replayed as DecodeGraphs(k) (drafts filled to a full chain) give
+    plain decoding's greedy tokens (f32: the verify rows and single-token rows differ by summation
+    order only, ~1e-6, far from flipping an argmax of random weights)."""
+    _, artifact = compile_random("llama3-8b", 2, torch.float32, tmp_path)
+    prompts = [[7, 8, 9, 7, 8, 9, 7], [100, 200, 100, 200], [5] * 9, [31, 32, 33, 34, 35, 31, 32]]
+    plain = generate(EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=4096,
+                                                             decode_buckets=BUCKETS)), prompts)
+    core = EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=4096, decode_buckets=BUCKETS,
+                                                   speculative_algorithm="ngram", speculative_num_draft_tokens=4))
+    assert core.runner.verify_graphs is not None and core.runner.verify_graphs.k == 5
+    assert generate(core, prompts) == plain
+    assert core.stats()["spec_verify_steps"] > 0

@@ -174,13 +174,10 @@ def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor, kernels: SamplerK
     return kernels.argmax_rows(logits, bitmask=bitmask)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, allowed_mask: torch.Tensor | None,
-           kernels: SamplerKernels) -> SamplerOutput:
-    """Choose each row's next token. ``allowed_mask`` (bool [B, V], or a packed int32 bitmask in the
-    layout of ``bitmask.py``) limits the choice; rows without a constraint should allow every token.
-    A row whose mask allows nothing gets token 0."""
-    raw = logits.float()
-    raw_logprobs = torch.log_softmax(raw, dim=-1) if batch.want_logprobs else None
+def adjusted_scores(raw: torch.Tensor, batch: SamplingBatch, allowed_mask: torch.Tensor | None,
+                    kernels: SamplerKernels) -> torch.Tensor:
+    """A copy of f32 ``raw`` logits with what ``sample`` applies before choosing: the penalties,
+    ``logit_bias`` and ``allowed_mask`` (-inf where not allowed)."""
     scores = apply_penalties(raw, batch) if batch.use_penalties else raw.clone()
     if batch.bias_rows is not None:
         scores.index_put_((batch.bias_rows, batch.bias_ids), batch.bias_values, accumulate=True)
@@ -189,6 +186,17 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, allowed_mask: torch.Tenso
             scores.masked_fill_(~allowed_mask, -math.inf)
         else:
             kernels.apply_bitmask(scores, allowed_mask)
+    return scores
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch, allowed_mask: torch.Tensor | None,
+           kernels: SamplerKernels) -> SamplerOutput:
+    """Choose each row's next token. ``allowed_mask`` (bool [B, V], or a packed int32 bitmask in the
+    layout of ``bitmask.py``) limits the choice; rows without a constraint should allow every token.
+    A row whose mask allows nothing gets token 0."""
+    raw = logits.float()
+    raw_logprobs = torch.log_softmax(raw, dim=-1) if batch.want_logprobs else None
+    scores = adjusted_scores(raw, batch, allowed_mask, kernels)
     tokens = kernels.argmax_rows(scores)
     if not batch.all_greedy:
         # One Triton kernel on a GPU (no sort of the vocabulary), the torch reference elsewhere.

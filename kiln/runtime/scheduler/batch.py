@@ -45,6 +45,30 @@ def build_step_lists(batch: ScheduleBatch, page_size: int) -> StepLists:
     return lists
 
 
+def build_verify_lists(batch: ScheduleBatch, drafts: list[list[int]], page_size: int) -> StepLists:
+    """A verify step's lists: decoding request ``i`` brings its last token and ``drafts[i]`` (whose
+    pages ``Scheduler.reserve_drafts`` gave it) and wants the logits of each, one row per token in
+    ``requests``; then the chunks, as in ``build_step_lists``."""
+    lists = StepLists.empty()
+    for request, draft in zip(batch.decodes, drafts):
+        start, count = request.num_computed, 1 + len(draft)
+        pages = request.pages
+        first_row = len(lists.token_ids)
+        lists.q_start.append(first_row)
+        lists.q_len.append(count)
+        lists.kv_len.append(start + count)
+        lists.page_table.append(pages)
+        lists.token_ids.append((request.output_ids or request.prompt_ids)[-1])
+        lists.token_ids.extend(draft)
+        lists.positions.extend(range(start, start + count))
+        lists.slots.extend(pages[pos // page_size] * page_size + pos % page_size for pos in range(start, start + count))
+        lists.logits_index.extend(range(first_row, first_row + count))
+        lists.requests.extend([request] * count)
+    for chunk in batch.chunks:
+        _append_chunk(lists, chunk, page_size)
+    return lists
+
+
 def _decode_lists(requests: list[Request], page_size: int) -> StepLists:
     """The lists of decoding requests alone (one token each, their last, at position num_computed,
     wanting logits): row ``i`` is request ``i``. Every running request is one of these at every step,

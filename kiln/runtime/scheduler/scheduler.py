@@ -137,6 +137,28 @@ class Scheduler:
                 request.state = DECODING
                 self._share_prompt(request)
 
+    def reserve_drafts(self, request: Request, count: int) -> int:
+        """Pages for up to ``count`` draft tokens after a decoding request's next token (its KV
+        slots in a verify step), as many as the pool gives without retracting anyone: the count
+        covered. (After ``_schedule_decodes``, which gave the next token its page.)"""
+        while count > 0:
+            need = self._pages_needed(request, request.num_computed + 1 + count)
+            if self._reserve(need):
+                request.pages.extend(self.allocator.alloc(need) if need else [])
+                return count
+            count -= 1
+        return 0
+
+    def complete_verify(self, request: Request, accepted: int) -> None:
+        """Records a verify step's accepted drafts (``complete_step`` counted the step's first token):
+        their KV is computed; the pages past the computed tokens (rejected drafts') go back to the
+        pool. Only computed tokens are ever inserted into the radix tree, so rejected drafts never are."""
+        request.num_computed = min(request.num_computed + accepted, request.total_len)
+        keep = -(-request.num_computed // self.config.page_size)
+        if len(request.pages) > keep:
+            self.allocator.free(request.pages[keep:])
+            del request.pages[keep:]
+
     # ---- internals --------------------------------------------------------------------------------
 
     def _schedule_decodes(self) -> list[Request]:

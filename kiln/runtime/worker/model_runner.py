@@ -21,7 +21,7 @@ from .prefill_graphs import PrefillGraphs
 class ModelRunner:
     def __init__(self, artifact: Artifact, device: torch.device | str, num_pages: int,
                  decode_buckets: tuple[int, ...] = (), prefill_graphs: bool = False, rank: int = 0,
-                 reference_fallback: bool = False) -> None:
+                 reference_fallback: bool = False, verify_tokens: int = 1) -> None:
         rt = artifact.runtime
         self.device = torch.device(device)
         self.executor = Executor(artifact, self.device, rank, reference_fallback)
@@ -35,6 +35,12 @@ class ModelRunner:
         buckets = [b for b in decode_buckets if b <= min(bounds["T"], bounds["B"], bounds["N"])]
         self.decode_graphs = DecodeGraphs(self.executor, self.kv_views, buckets, bounds["P"]) if buckets else None
         self.prefill_graphs = PrefillGraphs(self.executor, self.kv_views, bounds) if prefill_graphs else None
+        # Speculative verify steps where every sequence brings verify_tokens tokens (drafts padded to
+        # a full chain): decode graphs of that many tokens a sequence, for the buckets that fit.
+        k = verify_tokens
+        verify_buckets = [b for b in buckets if k * b <= min(bounds["T"], bounds["N"])]
+        self.verify_graphs = DecodeGraphs(self.executor, self.kv_views, verify_buckets, bounds["P"],
+                                          tokens_per_sequence=k) if k > 1 and verify_buckets else None
 
     def forward(self, lists: StepLists, tokens_from: torch.Tensor | None = None) -> StepResult:
         """The step's outputs (logits ``[len(lists.logits_index), V]`` in f32, and any other the
@@ -45,6 +51,8 @@ class ModelRunner:
             return self.decode_graphs.run(lists, tokens_from)
         if tokens_from is not None:
             raise ValueError("input ids from the device need a decode-graph step")
+        if self.verify_graphs is not None and self.verify_graphs.fits(lists):
+            return self.verify_graphs.run(lists)
         if self.prefill_graphs is not None and self.prefill_graphs.fits(lists):
             return self.prefill_graphs.run(lists)
         return self.forward_eager(lists)

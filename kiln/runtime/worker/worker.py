@@ -69,6 +69,9 @@ class RankConfig:
     # collectives in its program) rather than replicated (every rank loads rank 0's weights).
     tensor_parallel: bool = False
     reference_fallback: bool = False  # run torch references where the GPU cannot run the artifact's FP8
+    # Tokens a sequence brings to a speculative verify step (drafts + 1; 1: no speculation): with
+    # decode buckets, uniform verify steps run as decode graphs of that many tokens a sequence.
+    verify_tokens: int = 1
 
     def rank_device(self, rank: int) -> torch.device:
         device = torch.device(self.device)
@@ -78,7 +81,7 @@ class RankConfig:
 
     def build_runner(self, artifact: Artifact, rank: int) -> ModelRunner:
         return ModelRunner(artifact, self.rank_device(rank), self.num_pages, self.decode_buckets, self.prefill_graphs,
-                           rank if self.tensor_parallel else 0, self.reference_fallback)
+                           rank if self.tensor_parallel else 0, self.reference_fallback, self.verify_tokens)
 
 
 class LocalWorker:

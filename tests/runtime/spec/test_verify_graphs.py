@@ -1,0 +1,52 @@
+"""Uniform verify steps through the decode graphs of ``k`` tokens a sequence (what a GPU captures;
+on a CPU the same padded layout runs eagerly): with decode buckets on, every decoding request's
+draft is filled to a full chain so the step fits, and greedy outputs stay those of non-speculative
+decoding. A random llama3 (f32): its greedy text falls into loops, so the n-gram drafts hit."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.compiler.compile import compile_model
+from kiln.compiler.options import CompileOptions
+from kiln.runtime.engine_core import EngineCore
+from kiln.runtime.engine_options import EngineOptions
+from kiln.runtime.sampling import SamplingParams
+from tests.support.hf_models import make_hf_model
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 3], [11, 12, 13, 14, 15, 11, 12, 13, 14, 15, 11], [40, 41, 40]]
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("verify_graphs")
+    options = CompileOptions(dtype="fp32", page_size=4, max_batch_tokens=32, max_batch_size=4, max_seq_len=64)
+    return compile_model(make_hf_model("llama3", directory / "src"), directory / "m.kiln", options)
+
+
+def run(core: EngineCore, max_new_tokens: list[int]) -> list[list[int]]:
+    out = {str(i): [] for i in range(len(PROMPTS))}
+    for i, (prompt, count) in enumerate(zip(PROMPTS, max_new_tokens)):
+        core.add_request(str(i), prompt, SamplingParams(temperature=0, max_new_tokens=count, ignore_eos=True))
+    while core.has_work():
+        for event in core.step():
+            out[event.rid] += event.token_ids
+    return list(out.values())
+
+
+def test_uniform_verify_steps_run_as_decode_graphs_and_match_plain_decoding(artifact, monkeypatch):
+    lengths = [20, 13, 24, 9]
+    plain = run(EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=512)), lengths)
+    core = EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=512, decode_buckets=(1, 2, 4),
+                                                   prefill_graphs=True, speculative_algorithm="ngram",
+                                                   speculative_num_draft_tokens=3))
+    graphs = core.runner.verify_graphs
+    assert graphs is not None and graphs.k == 4
+    verify_steps = []
+    real_run = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda lists, tokens_from=None: verify_steps.append(len(lists.q_len))
+                        or real_run(lists, tokens_from))
+    assert run(core, lengths) == plain
+    stats = core.stats()
+    assert verify_steps and stats["spec_accepted_drafts"] > 0
+    assert stats["kv_pages_held"] == 0
