@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from kiln.runtime.sampling import SamplingParams
 
 from . import errors
+from .body import BodyLimits, checked_route
 from .context import ServerContext
 from .errors import APIError
 from .gate import ASGIApp, Gate
@@ -27,9 +28,12 @@ from .tokenizer_manager import RequestStream
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
-def build_app(ctx: ServerContext, api_key: str | None, max_body_bytes: int) -> ASGIApp:
+def build_app(ctx: ServerContext, api_key: str | None, max_body_bytes: int,
+              body_limits: BodyLimits = BodyLimits()) -> ASGIApp:
     # No interactive docs: the server exposes only the API.
     app = FastAPI(title="kiln", docs_url=None, redoc_url=None, openapi_url=None)
+    # JSON bodies are parsed and checked off the event loop (see body.py).
+    app.router.route_class = checked_route(body_limits)
     errors.install(app)
     add_openai_routes(app, ctx)
     add_native_routes(app, ctx)

@@ -32,7 +32,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         ctx.check_model(body.model)
         ctx.check_n(body.n)
-        prompt_ids = manager.render_chat(template_messages(body.messages))
+        prompt_ids = await manager.render_chat(template_messages(body.messages))
         max_new = body.requested_max_tokens or manager.default_max_tokens(prompt_ids)
         params = body.to_sampling_params(max_new)
         manager.check(prompt_ids, params, "messages", body.max_tokens_param)
@@ -49,7 +49,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         ctx.check_model(body.model)
         ctx.check_n(body.n)
-        prompts = [manager.encode(p, "prompt") if isinstance(p, str) else list(p) for p in body.prompts()]
+        prompts = [await manager.encode(p, "prompt") if isinstance(p, str) else list(p) for p in body.prompts()]
         params = body.to_sampling_params(body.max_tokens)
         for prompt_ids in prompts:
             manager.check(prompt_ids, params, "prompt", "max_tokens")

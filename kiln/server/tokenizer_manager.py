@@ -27,6 +27,7 @@ from .errors import APIError, from_value_error, invalid
 from .metrics import ServerMetrics
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a request the context cannot hold
 
 
 @dataclass(frozen=True)
@@ -131,20 +132,25 @@ class TokenizerManager:
 
     # ---- prompts -------------------------------------------------------------------------------
 
-    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    # Tokenizing and rendering run in a worker thread: a prompt of megabytes must not stall the
+    # event loop (the Rust tokenizer is thread-safe and releases the GIL).
+
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise invalid(param, f"{param}: this model has no tokenizer; send token ids")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        try:
+            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+        except ValueError as exc:  # not valid Unicode
+            raise invalid(param, f"{param}: {str(exc).removeprefix('text: ')}") from None
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    async def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         if self.tokenizer is None:
             raise invalid("messages", "messages: this model has no tokenizer, so it cannot render a chat")
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            # The template writes the special tokens (BOS) itself; the messages' text stays text.
+            return await asyncio.to_thread(self.tokenizer.encode_chat, messages)
         except ValueError as exc:
-            raise invalid("messages", f"messages: {exc}") from None
-        # The template writes the special tokens (BOS) itself.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+            raise invalid("messages", f"messages: {str(exc).removeprefix('messages: ')}") from None
 
     def default_max_tokens(self, prompt_ids: list[int]) -> int:
         """Without max_tokens a chat may use the rest of the context."""
@@ -165,17 +171,17 @@ class TokenizerManager:
         limit = self.info.max_seq_len
         if not prompt_ids:
             raise invalid(prompt_param, f"{prompt_param}: must contain at least one token")
+        if len(prompt_ids) >= limit:
+            raise APIError(400, f"{prompt_param}: {len(prompt_ids)} tokens leave no room in the context of "
+                                f"{limit} tokens", param=prompt_param, code=CONTEXT_LENGTH_EXCEEDED)
         bad = next((t for t in prompt_ids if not 0 <= t < self.info.vocab_size), None)
         if bad is not None:
             raise invalid(prompt_param, f"{prompt_param}: token id {bad} is outside the vocabulary "
                                         f"(0..{self.info.vocab_size - 1})")
-        if len(prompt_ids) >= limit:
-            raise invalid(prompt_param, f"{prompt_param}: {len(prompt_ids)} tokens leave no room in the "
-                                        f"context of {limit} tokens")
         if len(prompt_ids) + params.max_new_tokens > limit:
-            raise invalid(max_tokens_param, f"{max_tokens_param}: the prompt ({len(prompt_ids)} tokens) plus "
-                                            f"{max_tokens_param} ({params.max_new_tokens}) exceeds the context "
-                                            f"length {limit}")
+            raise APIError(400, f"{max_tokens_param}: the prompt ({len(prompt_ids)} tokens) plus {max_tokens_param} "
+                                f"({params.max_new_tokens}) exceeds the context length {limit}",
+                           param=max_tokens_param, code=CONTEXT_LENGTH_EXCEEDED)
         if params.stop and self.tokenizer is None:
             raise invalid("stop", "stop: stop strings need a tokenizer, and this model has none")
 

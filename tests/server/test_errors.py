@@ -39,6 +39,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert isinstance(error["code"], str) and error["code"], "every error has a stable code"
     if param is not None:
         assert error["param"] == param and param.split("[")[0].split(".")[0] in error["message"]
     if status < 500:
