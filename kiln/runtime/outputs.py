@@ -39,6 +39,8 @@ class SampleEvent(NamedTuple):
     error: str | None = None               # set when the request failed (finish_reason "abort")
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs, on the first token's event: prompt tokens 1.. scored.
+    prompt_logprobs: tuple[float, ...] = ()
 
 
 @dataclass

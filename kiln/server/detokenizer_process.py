@@ -47,7 +47,7 @@ class Detokenizer:
         return [self._output(*event) for event in events]
 
     def _output(self, rid: str, index: int, token_ids: list[int], logprobs: list[list[Any]], finish_reason: str | None,
-                error: str | None, prompt_tokens: int, cached_tokens: int) -> list[Any]:
+                error: str | None, prompt_tokens: int, cached_tokens: int, prompt_logprobs: list[float]) -> list[Any]:
         texts = self._texts.get(rid)
         sample = texts[index] if texts is not None else None
         text = sample.push(token_ids, finish_reason is not None) if sample is not None else ""
@@ -58,7 +58,7 @@ class Detokenizer:
         named = [[token, self.token_bytes.bytes_of(token), value,
                   [[alt, self.token_bytes.bytes_of(alt), alt_value] for alt, alt_value in top]]
                  for token, value, top in logprobs]
-        return [rid, index, text, token_ids, named, finish_reason, error, prompt_tokens, cached_tokens]
+        return [rid, index, text, token_ids, named, finish_reason, error, prompt_tokens, cached_tokens, prompt_logprobs]
 
 
 def run(inbox: zmq.Socket, outbox: zmq.Socket, parent: ipc.ParentWatch) -> int:

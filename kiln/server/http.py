@@ -1,9 +1,9 @@
 """The HTTP application: FastAPI routes behind the ``Gate`` middleware.
 
 Routes: ``/v1/chat/completions`` and ``/v1/completions`` (openai_routes), ``/generate``,
-``/tokenize`` and ``/detokenize`` (native_routes), and here ``/v1/models``, ``/health`` (200 while
-the engine is up), ``/health_generate`` (generates one token end to end) and ``/metrics``
-(Prometheus text).
+``/tokenize`` and ``/detokenize`` (native_routes), and here ``/v1/models`` and
+``/v1/models/{id}``, ``/health`` (200 while the engine is up), ``/health_generate`` (generates one
+token end to end), ``/metrics`` (Prometheus text), and FastAPI's ``/openapi.json`` and ``/docs``.
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 def build_app(ctx: ServerContext, api_key: str | None, max_body_bytes: int,
               body_limits: BodyLimits = BodyLimits()) -> ASGIApp:
-    # No interactive docs: the server exposes only the API.
-    app = FastAPI(title="kiln", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kiln", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     # JSON bodies are parsed and checked off the event loop (see body.py).
     app.router.route_class = checked_route(body_limits)
     errors.install(app)
@@ -58,11 +57,18 @@ def build_app(ctx: ServerContext, api_key: str | None, max_body_bytes: int,
             stream.close()
         return JSONResponse({"status": "ok", "tokens": tokens})
 
+    def model_card() -> dict:
+        return {"id": ctx.model_name, "object": "model", "created": manager.info.created, "owned_by": "kiln",
+                "max_model_len": manager.info.max_seq_len}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{
-            "id": ctx.model_name, "object": "model", "created": manager.info.created, "owned_by": "kiln",
-            "max_model_len": manager.info.max_seq_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        ctx.check_model(model_id)
+        return model_card()
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

@@ -122,7 +122,7 @@ def recv_ready(socket: zmq.Socket, timeout_ms: int) -> list[list[Any]]:
 def event_to_wire(event: SampleEvent) -> list[Any]:
     return [event.rid, event.index, list(event.token_ids),
             [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in event.logprobs],
-            event.finish_reason, event.error, event.prompt_tokens, event.cached_tokens]
+            event.finish_reason, event.error, event.prompt_tokens, event.cached_tokens, list(event.prompt_logprobs)]
 
 
 class ParentWatch:

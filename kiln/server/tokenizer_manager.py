@@ -25,6 +25,7 @@ from kiln.runtime.text.tokenizer import Tokenizer
 from . import ipc
 from .errors import APIError, from_value_error, invalid
 from .metrics import ServerMetrics
+from .token_text import TokenBytes
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a request the context cannot hold
@@ -56,6 +57,15 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob]
     finish_reason: str | None
+    prompt_logprobs: list[float] = field(default_factory=list)  # on a sample's first delta, when asked
+
+
+@dataclass(frozen=True)
+class PromptEcho:
+    """A prompt as ``echo`` returns it: its text and each token's bytes."""
+
+    text: str
+    token_bytes: list[bytes]
 
 
 @dataclass
@@ -129,6 +139,7 @@ class TokenizerManager:
         self._on_fatal = on_fatal
         self._live: dict[str, _Live] = {}
         self.failure: str | None = None
+        self.token_bytes = TokenBytes(tokenizer)
 
     # ---- prompts -------------------------------------------------------------------------------
 
@@ -151,6 +162,11 @@ class TokenizerManager:
             return await asyncio.to_thread(self.tokenizer.encode_chat, messages)
         except ValueError as exc:
             raise invalid("messages", f"messages: {str(exc).removeprefix('messages: ')}") from None
+
+    def echo(self, prompt: str | list[int], prompt_ids: list[int]) -> PromptEcho:
+        """The prompt as ``echo`` returns it (its text as given, or its ids decoded)."""
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids) if self.tokenizer else ""
+        return PromptEcho(text, [self.token_bytes.bytes_of(t) for t in prompt_ids])
 
     def default_max_tokens(self, prompt_ids: list[int]) -> int:
         """Without max_tokens a chat may use the rest of the context."""
@@ -241,7 +257,8 @@ class TokenizerManager:
             self._on_fatal(message[1])
 
     def _output(self, now: float, rid: str, index: int, text: str, token_ids: list[int], logprobs: list[list[Any]],
-                finish_reason: str | None, error: str | None, prompt_tokens: int, cached_tokens: int) -> None:
+                finish_reason: str | None, error: str | None, prompt_tokens: int, cached_tokens: int,
+                prompt_logprobs: list[float]) -> None:
         live = self._live.get(rid)
         if live is None:
             return  # aborted here already; the scheduler's last words for it
@@ -255,7 +272,8 @@ class TokenizerManager:
             self._time_tokens(live, index, now, len(token_ids))
         live.stream.note_prompt(live.prompt_index, index, prompt_tokens, cached_tokens)
         entries = [TokenLogprob(t, b, lp, tuple((a, ab, alp) for a, ab, alp in top)) for t, b, lp, top in logprobs]
-        live.stream.put(SampleOutput(live.prompt_index, index, text, token_ids, entries, finish_reason))
+        live.stream.put(SampleOutput(live.prompt_index, index, text, token_ids, entries, finish_reason,
+                                     prompt_logprobs))
         if finish_reason is not None:
             live.open_samples -= 1
             if live.open_samples == 0:
