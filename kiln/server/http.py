@@ -1,6 +1,7 @@
 """The HTTP application: FastAPI routes behind the ``Gate`` middleware.
 
-Routes: ``/v1/chat/completions`` and ``/v1/completions`` (openai_routes), ``/generate``,
+Routes: ``/v1/chat/completions`` and ``/v1/completions`` (openai_routes), ``/v1/responses``
+(responses_api), ``/generate``,
 ``/tokenize`` and ``/detokenize`` (native_routes), and here ``/v1/models`` and
 ``/v1/models/{id}``, ``/health`` (200 while the engine is up), ``/health_generate`` (generates one
 token end to end), ``/metrics`` (Prometheus text), and FastAPI's ``/openapi.json`` and ``/docs``.
@@ -22,6 +23,7 @@ from .errors import APIError
 from .gate import ASGIApp, Gate
 from .native_routes import add_native_routes
 from .openai_routes import add_openai_routes
+from .responses_api import add_responses_route
 from .tokenizer_manager import RequestStream
 
 # /health_generate fails when one token takes longer than this (the engine is stuck or overloaded).
@@ -36,6 +38,7 @@ def build_app(ctx: ServerContext, api_key: str | None, max_body_bytes: int,
     errors.install(app)
     add_openai_routes(app, ctx)
     add_native_routes(app, ctx)
+    add_responses_route(app, ctx)
     manager = ctx.manager
 
     @app.get("/health")

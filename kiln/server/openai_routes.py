@@ -40,7 +40,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return EventStream(_chat_events(stream, rid, created, ctx.model_name, body), stream)
-        acc = await _collect_unless_disconnected(request, stream, params.n)
+        acc = await collect_unless_disconnected(request, stream, params.n)
         if acc is None:
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(chat_response(rid, created, ctx.model_name, acc, stream.usage, body.logprobs))
@@ -60,7 +60,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
             if body.echo:
                 raise invalid("echo", "echo is not supported with stream")
             return EventStream(_completion_events(stream, rid, created, ctx.model_name, body), stream)
-        acc = await _collect_unless_disconnected(request, stream, params.n)
+        acc = await collect_unless_disconnected(request, stream, params.n)
         if acc is None:
             return Response(status_code=CLIENT_CLOSED)
         echoes = [manager.echo(text, ids) for text, ids in zip(texts, prompts)] if body.echo else None
@@ -116,7 +116,7 @@ async def _completion_events(stream: RequestStream, rid: str, created: int, mode
     yield SSE_DONE
 
 
-async def _collect_unless_disconnected(request: Request, stream, n: int) -> Accumulator | None:
+async def collect_unless_disconnected(request: Request, stream, n: int) -> Accumulator | None:
     """The whole response, or None when the client left first (the stream is closed either way,
     which aborts whatever still runs)."""
     try:
