@@ -161,6 +161,7 @@ class EngineCore:
             "kv_pages_cached": self.cache.cached_pages,
             "kv_pages_available": available,
             "kv_pages_held": total - available,
+            "radix_locked_nodes": self.cache.locked_nodes(),
             "kv_usage": (total - self.allocator.free_count) / total if total else 0.0,
             "cache_hit_tokens": self.cache.hit_tokens,
             "cache_queried_tokens": self.cache.queried_tokens,
