@@ -49,6 +49,9 @@ log = logging.getLogger("kiln.server")
 
 CHILD_POLL_S = 0.2
 CHILD_STOP_TIMEOUT_S = 10.0
+# After a child died the server is failing anyway: the survivor gets this long, then SIGKILL, so
+# the server exits within seconds (a scheduler's orderly exit can take longer on a busy machine).
+CHILD_STOP_AFTER_FAILURE_S = 1.0
 # Once told to exit, uvicorn waits this long for open connections before closing them.
 GRACEFUL_CLOSE_S = 5
 
@@ -212,7 +215,7 @@ async def _serve_on(listener: socket.socket, artifact: str, config: ServeConfig)
         loop.remove_signal_handler(signal.SIGTERM)
         for socket in stoppers:
             socket.send(ipc.pack([ipc.SHUTDOWN]))
-        children.stop(CHILD_STOP_TIMEOUT_S)
+        children.stop(CHILD_STOP_TIMEOUT_S if children.exited() is None else CHILD_STOP_AFTER_FAILURE_S)
         receiver.close()
         for socket in stoppers:
             socket.close()
