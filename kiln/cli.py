@@ -164,6 +164,8 @@ def _add_serve(commands) -> None:
     p.add_argument("--world-size", type=int, default=1,
                    help="ranks to run the model on, each in its own process after the first (default 1)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    # Fault injection for tests (EngineOptions.debug_fail_token_id); not for serving.
+    p.add_argument("--debug-fail-token-id", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(run=_run_serve)
 
 
@@ -176,7 +178,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     artifact = ensure_artifact(args.model, compile_options_from(args))
     engine = {"device": args.device, "kv_cache_tokens": args.kv_cache_tokens, "mem_fraction": args.mem_fraction,
               "max_batch_tokens": args.max_batch_tokens, "schedule_policy": args.schedule_policy,
-              "world_size": args.world_size}
+              "world_size": args.world_size, "debug_fail_token_id": args.debug_fail_token_id}
     return serve(str(artifact), ServeConfig(
         host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name or artifact_model_name(artifact),
         max_body_bytes=args.max_body_bytes, max_n=args.max_n, drain_timeout=args.drain_timeout,

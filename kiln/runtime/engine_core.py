@@ -28,7 +28,7 @@ from .engine_options import DEFAULT_CPU_KV_TOKENS, EngineOptions, graph_settings
 from .kvcache.allocator import PageAllocator
 from .kvcache.pool import pages_for_mem_fraction, pages_for_tokens
 from .kvcache.radix import RadixCache
-from .outputs import SampleEvent, TokenLogprob
+from .outputs import INTERNAL_ERROR, SampleEvent, TokenLogprob
 from .sampling import SamplerOutput, SamplingBatch, SamplingParams, SamplingRow, child_seed, masked_argmax, new_seed
 from .scheduler.batch import StepLists, build_step_lists
 from .scheduler.request import DECODING, PENDING, Request, RequestState
@@ -283,6 +283,7 @@ class EngineCore:
         events: list[SampleEvent] = []
         tokens = out.token_ids.tolist()
         logprobs = _token_logprobs(lists.requests, tokens, out) if out.logprobs is not None else repeat(())
+        fail_id = self.options.debug_fail_token_id
         for request, token, token_logprobs in zip(lists.requests, tokens, logprobs):
             if request.done:
                 continue  # aborted meanwhile, or a sibling sample's failure ended the whole request
@@ -291,7 +292,13 @@ class EngineCore:
                 output[-1] = token
             else:
                 output.append(token)
-            reason = finish_reason(request, token)
+            try:
+                if fail_id is not None and fail_id in request.prompt_ids:
+                    raise RuntimeError(f"debug_fail_token_id {fail_id}: injected failure")
+                reason = finish_reason(request, token)
+            except Exception as exc:  # one request's fault (its stop rules, its text) fails it alone
+                events.extend(self.abort(request.rid, f"{INTERNAL_ERROR}{type(exc).__name__}: {exc}"))
+                continue
             if reason is not None:
                 if reason == "error":
                     events.extend(self.abort(request.rid, f"the grammar rejected token {token}"))

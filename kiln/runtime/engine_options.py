@@ -35,6 +35,9 @@ class EngineOptions:
     # The worker processes are started with multiprocessing's spawn, which imports the main module:
     # a script that builds an engine with N > 1 needs an `if __name__ == "__main__":` guard.
     world_size: int = 1
+    # Fault injection for tests: a request whose prompt holds this token id raises inside the core
+    # when its token is applied, which must fail that request alone (see EngineCore._apply).
+    debug_fail_token_id: int | None = None
 
     def resolved_device(self) -> torch.device:
         return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))

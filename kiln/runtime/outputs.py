@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
+# How SampleEvent.error starts when the failure is the engine's fault, not the request's (a
+# server answers it with a 500; a request's own errors, a grammar that fails, are 400s).
+INTERNAL_ERROR = "internal error: "
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     token_id: int

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import zmq
 import zmq.asyncio
 
+from kiln.runtime.outputs import INTERNAL_ERROR
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.text.tokenizer import Tokenizer
 
@@ -263,10 +264,11 @@ class TokenizerManager:
         if live is None:
             return  # aborted here already; the scheduler's last words for it
         if error is not None:
-            # The core fails a single request only for what it asked (a constraint that does not
-            # compile): a client error.
+            # The core fails a single request for what it asked (a constraint that does not
+            # compile: a client error), or for its own fault while serving it alone (a 500).
             del self._live[rid]
-            live.stream.put(invalid("response_format", error))
+            internal = error.startswith(INTERNAL_ERROR)
+            live.stream.put(APIError(500, error) if internal else invalid("response_format", error))
             return
         if token_ids:
             self._time_tokens(live, index, now, len(token_ids))

@@ -342,3 +342,16 @@ def test_prompt_logprobs_match_hf_across_chunks_and_a_cached_prefix(model):
 def test_prompt_logprobs_need_n_1():
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(n=2, prompt_logprobs=True).validate()
+
+
+def test_a_request_that_raises_fails_alone(model, hf_greedy):
+    core = make_core(model, debug_fail_token_id=77)
+    core.add_request("poisoned", [5, 77, 9], GREEDY)
+    core.add_request("fine", PROMPTS[0], GREEDY)
+    events = []
+    while core.has_work():
+        events += core.step()
+    failed = [e for e in events if e.rid == "poisoned" and e.error]
+    assert failed and failed[0].error.startswith("internal error: RuntimeError: debug_fail_token_id 77")
+    assert [t for e in events if e.rid == "fine" for t in e.token_ids] == hf_greedy(PROMPTS[0])
+    assert_no_leaks(core)

@@ -100,3 +100,27 @@ def test_a_dead_child_stops_the_server_within_5s(smollm2_artifact, tmp_path, chi
     finally:
         server.proc.kill()
         server.stop()
+
+
+def test_a_request_that_raises_in_the_engine_fails_alone(smollm2_artifact, tmp_path):
+    poison = 31337  # EngineOptions.debug_fail_token_id: a prompt holding it raises inside the core
+    server = ServerProcess(smollm2_artifact, tmp_path / "serve.log", "--debug-fail-token-id", str(poison),
+                           api_key=None).wait_healthy()
+    try:
+        def complete(prompt) -> httpx.Response:
+            return httpx.post(f"{server.url}/v1/completions", timeout=300, json={
+                "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0})
+
+        async def together() -> list[httpx.Response]:
+            prompts = ["The capital of France is", [504, poison, 260], "One, two, three,", "Hello"]
+            return await asyncio.gather(*(asyncio.to_thread(complete, p) for p in prompts))
+
+        responses = asyncio.run(together())
+        failed = responses[1]
+        assert failed.status_code == 500 and "injected failure" in failed.json()["error"]["message"]
+        assert [r.status_code for i, r in enumerate(responses) if i != 1] == [200, 200, 200]
+        assert "Paris" in responses[0].json()["choices"][0]["text"]
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        assert wait_metric(server, "kiln_kv_pages_held", lambda v: v == 0, timeout=60) == 0
+    finally:
+        assert server.stop() == 0
