@@ -36,3 +36,13 @@ def ensure_artifact(model: str | Path, options) -> Path:
     if is_artifact(target):
         return target
     return compile_model(model, target, options)
+
+
+def artifact_model_name(path: str | Path) -> str:
+    """The model's own name recorded in an artifact (an alias, or the source directory's name); for
+    artifacts compiled before the name was recorded, the same rule applied to the recorded source."""
+    model = json.loads((Path(path) / MANIFEST).read_text())["model"]
+    if model.get("name"):
+        return model["name"]
+    source = Path(model["source"])
+    return source.stem if source.suffix == ".gguf" else source.name

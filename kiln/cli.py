@@ -159,7 +159,8 @@ def _add_serve(commands) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (not on /health)")
-    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL as given)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model's own name, an alias or its "
+                        "source directory's name, as recorded in the artifact)")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body (default 8 MiB)")
     p.add_argument("--max-n", type=int, default=16, help="most samples one request may ask for (default 16)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -176,11 +177,13 @@ def _add_serve(commands) -> None:
                    help="on a GPU that cannot run the model's FP8 (compute capability < 8.9), run the torch "
                         "reference kernels (slow) instead of refusing")
     add_speculative_arguments(p)
+    # Fault injection for tests (EngineOptions.debug_fail_token_id); not for serving.
+    p.add_argument("--debug-fail-token-id", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(run=_run_serve)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from kiln.artifact_cache import ensure_artifact
+    from kiln.artifact_cache import artifact_model_name, ensure_artifact
     from kiln.cli_speculative import speculative_keywords
     from kiln.server.launch import ServeConfig, serve
 
@@ -190,9 +193,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     engine = {"device": args.device, "kv_cache_tokens": args.kv_cache_tokens, "mem_fraction": args.mem_fraction,
               "max_batch_tokens": args.max_batch_tokens, "schedule_policy": args.schedule_policy,
               "world_size": args.world_size, "reference_fallback": args.reference_fallback,
-              **speculative_keywords(args)}
+              "debug_fail_token_id": args.debug_fail_token_id, **speculative_keywords(args)}
     return serve(str(artifact), ServeConfig(
-        host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name or args.model,
+        host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name or artifact_model_name(artifact),
         max_body_bytes=args.max_body_bytes, max_n=args.max_n, drain_timeout=args.drain_timeout,
         log_level=args.log_level, engine=engine))
 

@@ -86,9 +86,14 @@ def _run_chat(args: argparse.Namespace) -> int:
     params = _params(args)
     params.validate()
     messages = [{"role": "system", "content": args.system}] if args.system else []
+    one_shot = args.prompt is not None or not sys.stdin.isatty()
+    turn = (args.prompt if args.prompt is not None else sys.stdin.read().strip()) if one_shot else None
+    if one_shot and not turn.strip():
+        # Nothing to say (an empty --prompt, or stdin at its end): no empty turn is sent.
+        print("kiln chat: no message to send (empty prompt or stdin)", file=sys.stderr)
+        return 0
     with _engine(args) as engine:
-        if args.prompt is not None or not sys.stdin.isatty():
-            turn = args.prompt if args.prompt is not None else sys.stdin.read().strip()
+        if one_shot:
             messages.append({"role": "user", "content": turn})
             _stream(engine, engine.chat_prompt_ids(messages), params)
             return 0

@@ -132,8 +132,11 @@ class Engine:
         return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
 
     def chat_prompt_ids(self, messages: Messages) -> list[int]:
-        """The rendered conversation's token ids; templates write BOS themselves, so none is added."""
-        return self.tokenizer.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        """The conversation's token ids: the template's markup is special tokens, the messages' text is
+        text (see ``Tokenizer.encode_chat``); templates write BOS themselves."""
+        if self.tokenizer is None:
+            raise ValueError("messages: this artifact has no tokenizer, so it cannot render a chat")
+        return self.tokenizer.encode_chat(list(messages), add_generation_prompt=True)
 
     def abort(self, rid: str) -> None:
         self._send("abort", rid)

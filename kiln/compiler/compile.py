@@ -90,6 +90,7 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
             "format_version": FORMAT_VERSION,
             "kiln_version": __version__,
             "model": {
+                "name": model_name(model, source),
                 "source": str(source.path) if isinstance(model, ModelSource) else str(model),
                 "fingerprint": source.fingerprint,
                 "architecture": built.graph.name,
@@ -141,6 +142,16 @@ def _quantization(requested: str | None, source: ModelSource) -> QuantizationMet
                          f"quantization {requested!r} would requantize it. Leave the quantization out or give "
                          f"{checkpoint.method.name!r}")
     return checkpoint.method
+
+
+def model_name(model: str | Path | ModelSource, source: ModelSource) -> str:
+    """The model's own name, which ``kiln serve`` serves it as: an alias as typed, else the source
+    directory's (or GGUF file's) name."""
+    path = Path(source.path if isinstance(model, ModelSource) else model).expanduser()
+    if not path.exists():
+        return str(model)  # an alias
+    path = path.resolve()
+    return path.stem if path.suffix == ".gguf" else path.name
 
 
 def _copy_tokenizer(source: ModelSource, target: Path) -> bool:

@@ -33,7 +33,7 @@ from .kvcache.allocator import PageAllocator
 from .device_support import uses_references
 from .kvcache.pool import pages_for_mem_fraction, pages_for_tokens, pool_dtype
 from .kvcache.radix import RadixCache
-from .outputs import SampleEvent, TokenLogprob
+from .outputs import INTERNAL_ERROR, SampleEvent, TokenLogprob
 from .sampling import SamplerOutput, SamplingBatch, SamplingParams, SamplingRow, child_seed, masked_argmax, new_seed
 from .scheduler.batch import StepLists, build_step_lists
 from .scheduler.request import DECODING, PENDING, Request, RequestState
@@ -80,7 +80,7 @@ class EngineCore:
             max_batch_tokens=min(self.options.max_batch_tokens or bounds["T"], bounds["T"]),
             # Every running request may decode in the same step: one token and one logits row each.
             max_running=min(self.options.max_running or bounds["B"], bounds["B"], bounds["N"], bounds["T"]),
-            page_size=self.page_size, policy=self.options.schedule_policy,
+            page_size=self.page_size, max_logit_rows=bounds["N"], policy=self.options.schedule_policy,
             enable_prefix_cache=self.options.enable_prefix_cache), self.allocator, self.cache)
         self.eos_ids: set[int] = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
         self.constraints = Constraints(self.tokenizer, self.vocab_size, self.eos_ids)
@@ -184,6 +184,7 @@ class EngineCore:
             "kv_pages_cached": self.cache.cached_pages,
             "kv_pages_available": available,
             "kv_pages_held": total - available,
+            "radix_locked_nodes": self.cache.locked_nodes(),
             "kv_usage": (total - self.allocator.free_count) / total if total else 0.0,
             "cache_hit_tokens": self.cache.hit_tokens,
             "cache_queried_tokens": self.cache.queried_tokens,
@@ -210,10 +211,13 @@ class EngineCore:
         result = self.worker.forward(lists)
         logits, greedy = result.logits, result.greedy
         self.scheduler.complete_step(batch)
+        if lists.prompt_rows:
+            _score_prompt_rows(lists, logits)
+            logits = logits[:len(lists.requests)]
         if not lists.requests:
             return events
         requests = lists.requests
-        if greedy is not None and all(sampled_on_device(r) for r in requests):
+        if greedy is not None and not lists.prompt_rows and all(sampled_on_device(r) for r in requests):
             by_argmax = _graph_argmax_serves(requests)
             tokens = greedy if by_argmax else self._device_tokens(requests, logits, greedy)
             if self.overlap:
@@ -305,6 +309,7 @@ class EngineCore:
         events: list[SampleEvent] = []
         tokens = out.token_ids.tolist()
         logprobs = _token_logprobs(lists.requests, tokens, out) if out.logprobs is not None else repeat(())
+        fail_id = self.options.debug_fail_token_id
         for request, token, token_logprobs in zip(lists.requests, tokens, logprobs):
             if request.done:
                 continue  # aborted meanwhile, or a sibling sample's failure ended the whole request
@@ -313,7 +318,13 @@ class EngineCore:
                 output[-1] = token
             else:
                 output.append(token)
-            reason = finish_reason(request, token)
+            try:
+                if fail_id is not None and fail_id in request.prompt_ids:
+                    raise RuntimeError(f"debug_fail_token_id {fail_id}: injected failure")
+                reason = finish_reason(request, token)
+            except Exception as exc:  # one request's fault (its stop rules, its text) fails it alone
+                events.extend(self.abort(request.rid, f"{INTERNAL_ERROR}{type(exc).__name__}: {exc}"))
+                continue
             if reason is not None:
                 if reason == "error":
                     events.extend(self.abort(request.rid, f"the grammar rejected token {token}"))
@@ -321,8 +332,9 @@ class EngineCore:
                 self.scheduler.finish(request, reason)
                 self.forget_if_done(request.rid)
             # (SampleEvent directly, not through _event: a call per sample costs ~10% of this loop.)
+            scored = tuple(request.prompt_logprobs) if request.prompt_logprobs and len(output) == 1 else ()
             events.append(SampleEvent(request.rid, request.index, (token,), token_logprobs, reason, None,
-                                      len(request.prompt_ids), request.cached_tokens))
+                                      len(request.prompt_ids), request.cached_tokens, scored))
         return events
 
     def _release_constrained(self) -> list[SampleEvent]:
@@ -365,6 +377,17 @@ def _token_logprobs(requests: list[Request], tokens: list[int], out: SamplerOutp
         top = tuple(zip(top_ids[row][:k], top_values[row][:k])) if k else ()
         rows.append((TokenLogprob(token, chosen[row], top),))
     return rows
+
+
+def _score_prompt_rows(lists: StepLists, logits: torch.Tensor) -> None:
+    """Records, for each prompt-scoring row, the logprob of the prompt token that follows it."""
+    first = len(lists.requests)
+    rows = logits[first:first + len(lists.prompt_rows)].float().log_softmax(dim=-1)
+    targets = torch.tensor([r.prompt_ids[p + 1] for r, p in lists.prompt_rows], device=rows.device)
+    values = rows.gather(1, targets[:, None])[:, 0].tolist()
+    for (request, position), value in zip(lists.prompt_rows, values):
+        del request.prompt_logprobs[position:]  # positions computed again after a retraction
+        request.prompt_logprobs.append(value)
 
 
 def _argmax_row(request: Request) -> bool:

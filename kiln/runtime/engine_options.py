@@ -50,6 +50,9 @@ class EngineOptions:
     # The n-gram lookup's suffix lengths: the longest suffix of min..max tokens found earlier wins.
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
+    # Fault injection for tests: a request whose prompt holds this token id raises inside the core
+    # when its token is applied, which must fail that request alone (see EngineCore._apply).
+    debug_fail_token_id: int | None = None
 
     def resolved_device(self) -> torch.device:
         return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))

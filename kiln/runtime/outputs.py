@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
+# How SampleEvent.error starts when the failure is the engine's fault, not the request's (a
+# server answers it with a 500; a request's own errors, a grammar that fails, are 400s).
+INTERNAL_ERROR = "internal error: "
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     token_id: int
@@ -51,6 +56,8 @@ class SampleEvent(NamedTuple):
     # This sample's verify steps so far and the tokens they gave it (speculative decoding; see Usage).
     spec_verify_ct: int = 0
     spec_verify_tokens: int = 0
+    # With SamplingParams.prompt_logprobs, on the first token's event: prompt tokens 1.. scored.
+    prompt_logprobs: tuple[float, ...] = ()
 
 
 @dataclass

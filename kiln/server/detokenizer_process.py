@@ -49,7 +49,7 @@ class Detokenizer:
 
     def _output(self, rid: str, index: int, token_ids: list[int], logprobs: list[list[Any]], finish_reason: str | None,
                 error: str | None, prompt_tokens: int, cached_tokens: int, spec_verify_ct: int,
-                spec_verify_tokens: int) -> list[Any]:
+                spec_verify_tokens: int, prompt_logprobs: list[float]) -> list[Any]:
         texts = self._texts.get(rid)
         sample = texts[index] if texts is not None else None
         text = sample.push(token_ids, finish_reason is not None) if sample is not None else ""
@@ -61,7 +61,7 @@ class Detokenizer:
                   [[alt, self.token_bytes.bytes_of(alt), alt_value] for alt, alt_value in top]]
                  for token, value, top in logprobs]
         return [rid, index, text, token_ids, named, finish_reason, error, prompt_tokens, cached_tokens, spec_verify_ct,
-                spec_verify_tokens]
+                spec_verify_tokens, prompt_logprobs]
 
 
 def run(inbox: zmq.Socket, outbox: zmq.Socket, parent: ipc.ParentWatch) -> int:

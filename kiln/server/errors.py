@@ -4,13 +4,17 @@ Every failure the server reports goes through ``APIError`` (raised by the routes
 handlers installed here (FastAPI's validation errors, Starlette's HTTP errors, anything
 unexpected). Client errors are deterministic, so they carry ``x-should-retry: false`` and the
 official clients do not resend them.
+
+Every error names a stable ``code``: the raiser's (``context_length_exceeded``, ``invalid_unicode``,
+``model_not_found``...), else one for its kind (``missing_required_parameter``, ``invalid_type``,
+``invalid_value``) or its status (``not_found``, ``service_unavailable``...), never null.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import fields
-from typing import Any
+from typing import Any, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,6 +31,8 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_server_error",
           503: "service_unavailable"}
+_STATUS_CODES = {400: "invalid_value", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+                 413: "request_too_large", 500: "internal_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -42,7 +48,8 @@ class APIError(Exception):
         return _TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "internal_server_error")
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        code = self.code or _STATUS_CODES.get(self.status, "internal_error" if self.status >= 500 else "invalid_request")
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": code}}
 
     def response(self) -> JSONResponse:
         # 4xx are the request's fault (retrying cannot help); 5xx may be transient (a restart, a drain).
@@ -71,11 +78,31 @@ def from_value_error(exc: ValueError, renames: dict[str, str] | None = None) -> 
 def _param_of(location: tuple[Any, ...]) -> str | None:
     """``messages[0].content`` from pydantic's ("body", "messages", 0, "content"); union member tags
     (``str``, ``list[int]``) are left out, they are not the request's field names."""
-    parts = [p for p in location if p != "body" and not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
+    return param_path([p for p in location
+                       if p != "body" and not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))])
+
+
+def param_path(parts: Sequence[str | int]) -> str | None:
+    """``messages[0].content`` for ("messages", 0, "content")."""
     text = ""
     for part in parts:
         text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
     return text or None
+
+
+def _validation_problem(param: str | None, problem: dict[str, Any]) -> APIError:
+    """pydantic's complaint in kiln's words: the parameter first, a code for the kind of problem."""
+    kind = str(problem.get("type", ""))
+    if param is None:
+        # The body itself: absent, or not a JSON object.
+        missing = kind == "missing"
+        message = "the request body is required: a JSON object" if missing else \
+            f"the request body must be a JSON object: {problem.get('msg')}"
+        return APIError(400, message, code="missing_required_parameter" if missing else "invalid_type")
+    if kind == "missing":
+        return APIError(400, f"{param}: this parameter is required", param=param, code="missing_required_parameter")
+    code = "invalid_type" if kind.endswith(("_type", "_parsing")) or kind in _TYPE_TAGS else "invalid_value"
+    return APIError(400, f"{param}: {problem.get('msg')}", param=param, code=code)
 
 
 def install(app: FastAPI) -> None:
@@ -87,12 +114,10 @@ def install(app: FastAPI) -> None:
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         problems = exc.errors() or [{"loc": (), "msg": "invalid request"}]
         if any(p.get("type") == "json_invalid" for p in problems):
-            return invalid(None, "the request body is not valid JSON").response()
+            return APIError(400, "the request body is not valid JSON", code="invalid_json").response()
         # A union reports one error per member; the deepest one says most (content[0].type, not "a string").
         first = max(problems, key=lambda p: len(p.get("loc", ())))
-        param = _param_of(first.get("loc", ()))
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-        return invalid(param, message).response()
+        return _validation_problem(_param_of(first.get("loc", ())), first).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -1,9 +1,10 @@
 """The HTTP application: FastAPI routes behind the ``Gate`` middleware.
 
-Routes: ``/v1/chat/completions`` and ``/v1/completions`` (openai_routes), ``/generate``,
-``/tokenize`` and ``/detokenize`` (native_routes), and here ``/v1/models``, ``/health`` (200 while
-the engine is up), ``/health_generate`` (generates one token end to end) and ``/metrics``
-(Prometheus text).
+Routes: ``/v1/chat/completions`` and ``/v1/completions`` (openai_routes), ``/v1/responses``
+(responses_api), ``/generate``,
+``/tokenize`` and ``/detokenize`` (native_routes), and here ``/v1/models`` and
+``/v1/models/{id}``, ``/health`` (200 while the engine is up), ``/health_generate`` (generates one
+token end to end), ``/metrics`` (Prometheus text), and FastAPI's ``/openapi.json`` and ``/docs``.
 """
 
 from __future__ import annotations
@@ -16,23 +17,28 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from kiln.runtime.sampling import SamplingParams
 
 from . import errors
+from .body import BodyLimits, checked_route
 from .context import ServerContext
 from .errors import APIError
 from .gate import ASGIApp, Gate
 from .native_routes import add_native_routes
 from .openai_routes import add_openai_routes
+from .responses_api import add_responses_route
 from .tokenizer_manager import RequestStream
 
 # /health_generate fails when one token takes longer than this (the engine is stuck or overloaded).
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
-def build_app(ctx: ServerContext, api_key: str | None, max_body_bytes: int) -> ASGIApp:
-    # No interactive docs: the server exposes only the API.
-    app = FastAPI(title="kiln", docs_url=None, redoc_url=None, openapi_url=None)
+def build_app(ctx: ServerContext, api_key: str | None, max_body_bytes: int,
+              body_limits: BodyLimits = BodyLimits()) -> ASGIApp:
+    app = FastAPI(title="kiln", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+    # JSON bodies are parsed and checked off the event loop (see body.py).
+    app.router.route_class = checked_route(body_limits)
     errors.install(app)
     add_openai_routes(app, ctx)
     add_native_routes(app, ctx)
+    add_responses_route(app, ctx)
     manager = ctx.manager
 
     @app.get("/health")
@@ -54,11 +60,18 @@ def build_app(ctx: ServerContext, api_key: str | None, max_body_bytes: int) -> A
             stream.close()
         return JSONResponse({"status": "ok", "tokens": tokens})
 
+    def model_card() -> dict:
+        return {"id": ctx.model_name, "object": "model", "created": manager.info.created, "owned_by": "kiln",
+                "max_model_len": manager.info.max_seq_len}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{
-            "id": ctx.model_name, "object": "model", "created": manager.info.created, "owned_by": "kiln",
-            "max_model_len": manager.info.max_seq_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        ctx.check_model(model_id)
+        return model_card()
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

@@ -5,9 +5,10 @@
            ^                                                                           |
            +---------------------------- outputs, stats, ready ------------------------+
 
-Start-up: compile the model if needed (``ensure_artifact``), start both children (``python -m``
-with a JSON argument: no pickled state crosses), wait for READY (the model is loaded and the
-detokenizer has its tokenizer), and only then bind the port. While serving, a watcher notices a
+Start-up: compile the model if needed (``ensure_artifact``), bind the port (a busy port fails at
+once, before the model loads), start both children (``python -m`` with a JSON argument: no pickled
+state crosses), wait for READY (the model is loaded and the detokenizer has its tokenizer), and
+only then listen on the port. While serving, a watcher notices a
 child that exits: the server logs it, fails requests in flight with 500 and exits non-zero.
 SIGTERM drains: new requests get 503, those in flight may finish for up to ``drain_timeout``
 seconds (then they fail with 503), and the server exits 0. SIGINT (or a second SIGTERM) stops at
@@ -23,6 +24,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +49,9 @@ log = logging.getLogger("kiln.server")
 
 CHILD_POLL_S = 0.2
 CHILD_STOP_TIMEOUT_S = 10.0
+# After a child died the server is failing anyway: the survivor gets this long, then SIGKILL, so
+# the server exits within seconds (a scheduler's orderly exit can take longer on a busy machine).
+CHILD_STOP_AFTER_FAILURE_S = 1.0
 # Once told to exit, uvicorn waits this long for open connections before closing them.
 GRACEFUL_CLOSE_S = 5
 
@@ -154,7 +159,31 @@ def serve(artifact: str, config: ServeConfig) -> int:
     return asyncio.run(_serve(artifact, config))
 
 
+def bind_port(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound but not yet listening (uvicorn listens once the model is ready)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 async def _serve(artifact: str, config: ServeConfig) -> int:
+    try:
+        listener = bind_port(config.host, config.port)
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s (is another server using the port? pick one with --port)",
+                  config.host, config.port, exc.strerror or exc)
+        return 1
+    with listener:
+        return await _serve_on(listener, artifact, config)
+
+
+async def _serve_on(listener: socket.socket, artifact: str, config: ServeConfig) -> int:
     ipc_dir = tempfile.mkdtemp(prefix="kiln-")
     context = zmq.Context()
     receiver = zmq.asyncio.Context.shadow(context.underlying).socket(zmq.PULL)
@@ -178,7 +207,7 @@ async def _serve(artifact: str, config: ServeConfig) -> int:
             log.error("%s", exc)
             return 1
         loop.remove_signal_handler(signal.SIGTERM)
-        return await _run_http(config, facts, receiver, sender, children)
+        return await _run_http(config, facts, listener, receiver, sender, children)
     except asyncio.CancelledError:
         log.info("stopped during start-up")
         return 128 + signal.SIGTERM
@@ -186,7 +215,7 @@ async def _serve(artifact: str, config: ServeConfig) -> int:
         loop.remove_signal_handler(signal.SIGTERM)
         for socket in stoppers:
             socket.send(ipc.pack([ipc.SHUTDOWN]))
-        children.stop(CHILD_STOP_TIMEOUT_S)
+        children.stop(CHILD_STOP_TIMEOUT_S if children.exited() is None else CHILD_STOP_AFTER_FAILURE_S)
         receiver.close()
         for socket in stoppers:
             socket.close()
@@ -207,8 +236,8 @@ async def _wait_ready(receiver: zmq.asyncio.Socket, children: Children) -> dict[
             raise StartupError(f"the {gone[0]} process exited with code {gone[1]} during start-up")
 
 
-async def _run_http(config: ServeConfig, facts: dict[str, Any], receiver: zmq.asyncio.Socket, sender: zmq.Socket,
-                    children: Children) -> int:
+async def _run_http(config: ServeConfig, facts: dict[str, Any], listener: socket.socket,
+                    receiver: zmq.asyncio.Socket, sender: zmq.Socket, children: Children) -> int:
     tokenizer = Tokenizer.from_dir(facts["tokenizer_dir"]) if facts["tokenizer_dir"] else None
     info = ModelInfo(config.served_model_name, facts["vocab_size"], facts["max_seq_len"], int(time.time()))
     metrics = ServerMetrics()
@@ -234,7 +263,7 @@ async def _run_http(config: ServeConfig, facts: dict[str, Any], receiver: zmq.as
     tasks[0].add_done_callback(lambda t: t.cancelled() or fatal(f"the output receiver failed: {t.exception()!r}"))
     log.info("model ready; serving it as %r", config.served_model_name)
     try:
-        await server.serve()
+        await server.serve(sockets=[listener])
     finally:
         for task in tasks:
             task.cancel()

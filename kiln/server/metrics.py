@@ -27,6 +27,8 @@ ENGINE_SERIES = (
     ("kiln_kv_pages_cached", "kv_pages_cached", "KV pages held by the radix prefix cache", "gauge"),
     ("kiln_kv_pages_available", "kv_pages_available", "KV pages free or evictable from the prefix cache", "gauge"),
     ("kiln_kv_pages_held", "kv_pages_held", "KV pages pinned by running requests (0 when idle)", "gauge"),
+    ("kiln_radix_locked_nodes", "radix_locked_nodes", "Prefix-cache nodes locked by running requests (0 when idle)",
+     "gauge"),
     ("kiln_prefix_cache_hit_rate", "cache_hit_rate", "Prompt tokens found in the prefix cache / tokens looked up",
      "gauge"),
     ("kiln_prefix_cache_hit_tokens_total", "cache_hit_tokens", "Prompt tokens found in the prefix cache", "counter"),

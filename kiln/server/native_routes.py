@@ -33,7 +33,7 @@ def add_native_routes(app: FastAPI, ctx: ServerContext) -> None:
         if (body.text is None) == (body.input_ids is None):
             raise invalid("text", "give exactly one of text and input_ids")
         param = "text" if body.text is not None else "input_ids"
-        prompt_ids = manager.encode(body.text, "text") if body.text is not None else list(body.input_ids)
+        prompt_ids = await manager.encode(body.text, "text") if body.text is not None else list(body.input_ids)
         params = body.to_sampling_params()
         ctx.check_n(params.n)
         manager.check(prompt_ids, params, param, "max_new_tokens")
@@ -58,9 +58,9 @@ def add_native_routes(app: FastAPI, ctx: ServerContext) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise invalid("prompt", "give exactly one of prompt and messages")
         if body.messages is not None:
-            tokens = manager.render_chat(template_messages(body.messages))
+            tokens = await manager.render_chat(template_messages(body.messages))
         else:
-            tokens = manager.encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
+            tokens = await manager.encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": manager.info.max_seq_len}
 
     @app.post("/detokenize")

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from .context import ServerContext
-from .errors import APIError
+from .errors import APIError, invalid
 from .protocol import ChatCompletionRequest, CompletionRequest, template_messages
 from .responses import (SSE_DONE, Accumulator, chat_logprobs, chat_response, chunk, completion_logprobs,
                         completion_response, finish_reason, sse)
@@ -32,7 +32,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         ctx.check_model(body.model)
         ctx.check_n(body.n)
-        prompt_ids = manager.render_chat(template_messages(body.messages))
+        prompt_ids = await manager.render_chat(template_messages(body.messages))
         max_new = body.requested_max_tokens or manager.default_max_tokens(prompt_ids)
         params = body.to_sampling_params(max_new)
         manager.check(prompt_ids, params, "messages", body.max_tokens_param)
@@ -40,7 +40,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return EventStream(_chat_events(stream, rid, created, ctx.model_name, body), stream)
-        acc = await _collect_unless_disconnected(request, stream, params.n)
+        acc = await collect_unless_disconnected(request, stream, params.n)
         if acc is None:
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(chat_response(rid, created, ctx.model_name, acc, stream.usage, body.logprobs))
@@ -49,19 +49,23 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         ctx.check_model(body.model)
         ctx.check_n(body.n)
-        prompts = [manager.encode(p, "prompt") if isinstance(p, str) else list(p) for p in body.prompts()]
-        params = body.to_sampling_params(body.max_tokens)
+        texts = body.prompts()
+        prompts = [await manager.encode(p, "prompt") if isinstance(p, str) else list(p) for p in texts]
+        params = body.to_sampling_params(body.generated_tokens)
         for prompt_ids in prompts:
             manager.check(prompt_ids, params, "prompt", "max_tokens")
         stream = manager.submit(prompts, params)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
+            if body.echo:
+                raise invalid("echo", "echo is not supported with stream")
             return EventStream(_completion_events(stream, rid, created, ctx.model_name, body), stream)
-        acc = await _collect_unless_disconnected(request, stream, params.n)
+        acc = await collect_unless_disconnected(request, stream, params.n)
         if acc is None:
             return Response(status_code=CLIENT_CLOSED)
+        echoes = [manager.echo(text, ids) for text, ids in zip(texts, prompts)] if body.echo else None
         return JSONResponse(completion_response(rid, created, ctx.model_name, acc, stream.usage,
-                                                body.logprobs is not None))
+                                                body.logprobs is not None, echoes, body.max_tokens > 0))
 
 
 
@@ -73,9 +77,9 @@ async def _collect(stream: RequestStream, acc: Accumulator) -> Accumulator:
 
 async def _chat_events(stream: RequestStream, rid: str, created: int, model: str,
                        body: ChatCompletionRequest) -> AsyncIterator[str]:
-    first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-             for i in range(body.n)]
-    yield sse(chunk(rid, "chat.completion.chunk", created, model, first))
+    for index in range(body.n):  # one chunk per choice, as OpenAI streams them
+        first = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        yield sse(chunk(rid, "chat.completion.chunk", created, model, [first]))
     try:
         async for out in stream:
             if not (out.text or out.logprobs or out.finish_reason):
@@ -112,7 +116,7 @@ async def _completion_events(stream: RequestStream, rid: str, created: int, mode
     yield SSE_DONE
 
 
-async def _collect_unless_disconnected(request: Request, stream, n: int) -> Accumulator | None:
+async def collect_unless_disconnected(request: Request, stream, n: int) -> Accumulator | None:
     """The whole response, or None when the client left first (the stream is closed either way,
     which aborts whatever still runs)."""
     try:

@@ -129,7 +129,8 @@ Prompt = Union[str, list[str], list[int], list[list[int]]]
 
 class CompletionRequest(_Sampling):
     prompt: Prompt
-    max_tokens: int = Field(16, ge=1)  # OpenAI's default for completions
+    # OpenAI's default for completions; 0 only with echo (score the prompt, generate nothing).
+    max_tokens: int = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -144,14 +145,24 @@ class CompletionRequest(_Sampling):
             raise invalid("prompt", "prompt must not be empty")
         return list(prompt)
 
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens the engine generates: max_tokens 0 (echo alone) still runs one step, whose token
+        is dropped, since that step is what computes the prompt's logprobs."""
+        return max(1, self.max_tokens)
+
     def to_sampling_params(self, max_new_tokens: int) -> SamplingParams:
-        if self.echo:
-            raise invalid("echo", "echo is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise invalid("max_tokens", "max_tokens: 0 is allowed only with echo (to score the prompt)")
+        if self.echo and self.logprobs is not None and self.n != 1:
+            raise invalid("n", "n must be 1 with echo and logprobs (the prompt is scored once)")
         if self.suffix:
             raise invalid("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise invalid("best_of", "best_of must equal n (ranking extra samples is not supported)")
-        return self.sampling_params(max_new_tokens, self.logprobs is not None, self.logprobs or 0)
+        params = self.sampling_params(max_new_tokens, self.logprobs is not None, self.logprobs or 0)
+        params.prompt_logprobs = self.echo and self.logprobs is not None
+        return params
 
 
 class GenerateRequest(BaseModel):

@@ -11,7 +11,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from .tokenizer_manager import SampleOutput, TokenLogprob, Usage
+from kiln import __version__
+
+from .tokenizer_manager import PromptEcho, SampleOutput, TokenLogprob, Usage
+
+# OpenAI's system_fingerprint names the backend configuration that answered; clients compare it
+# to tell whether answers may differ for reasons other than sampling.
+SYSTEM_FINGERPRINT = f"kiln-{__version__}"
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
@@ -41,8 +47,23 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
         for e in entries]}
 
 
-def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
-    tokens, offsets, top = [], [], []
+def completion_logprobs(entries: list[TokenLogprob], text_offset: int, echo: PromptEcho | None = None,
+                        prompt_logprobs: list[float] = ()) -> dict[str, Any]:
+    """OpenAI's completion logprobs; with ``echo``, the prompt's tokens lead, the first scored None
+    (nothing precedes it) and the others by ``prompt_logprobs``."""
+    tokens: list[str] = []
+    offsets: list[int] = []
+    values: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    if echo is not None:
+        for position, data in enumerate(echo.token_bytes):
+            token = _text(data)
+            value = prompt_logprobs[position - 1] if 0 < position <= len(prompt_logprobs) else None
+            tokens.append(token)
+            offsets.append(text_offset)
+            text_offset += len(token)
+            values.append(value)
+            top.append(None if value is None else {token: value})
     for entry in entries:
         token = _text(entry.token_bytes)
         tokens.append(token)
@@ -52,8 +73,8 @@ def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict[s
         alternatives = {_text(b): lp for _, b, lp in entry.top}
         alternatives.setdefault(token, entry.logprob)
         top.append(alternatives)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": top,
-            "text_offset": offsets}
+    values += [e.logprob for e in entries]
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top, "text_offset": offsets}
 
 
 @dataclass
@@ -62,6 +83,7 @@ class Sample:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[float] = field(default_factory=list)
 
 
 class Accumulator:
@@ -79,6 +101,7 @@ class Accumulator:
         sample.text += output.text
         sample.token_ids += output.token_ids
         sample.logprobs += output.logprobs
+        sample.prompt_logprobs += output.prompt_logprobs
         if output.finish_reason is not None:
             sample.finish_reason = finish_reason(output.finish_reason)
         return sample
@@ -99,21 +122,32 @@ def chat_response(rid: str, created: int, model: str, acc: Accumulator, usage: U
                 "logprobs": chat_logprobs(s.logprobs) if with_logprobs else None,
                 "finish_reason": s.finish_reason} for i, s in acc.ordered()]
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": usage_body(usage)}
+            "usage": usage_body(usage), "system_fingerprint": SYSTEM_FINGERPRINT}
 
 
 def completion_response(rid: str, created: int, model: str, acc: Accumulator, usage: Usage,
-                        with_logprobs: bool) -> dict[str, Any]:
-    choices = [{"index": i, "text": s.text,
-                "logprobs": completion_logprobs(s.logprobs, 0) if with_logprobs else None,
-                "finish_reason": s.finish_reason} for i, s in acc.ordered()]
+                        with_logprobs: bool, echoes: list[PromptEcho] | None = None,
+                        keep_generated: bool = True) -> dict[str, Any]:
+    """``echoes``: each prompt's echo (``echo``); ``keep_generated`` False drops the one token a
+    ``max_tokens`` 0 request generated (it ran only to score the prompt)."""
+    choices = []
+    for i, s in acc.ordered():
+        echo = echoes[i // acc.n] if echoes else None
+        entries = s.logprobs if keep_generated else []
+        text = (echo.text if echo else "") + (s.text if keep_generated else "")
+        choices.append({"index": i, "text": text,
+                        "logprobs": completion_logprobs(entries, 0, echo, s.prompt_logprobs) if with_logprobs else None,
+                        "finish_reason": s.finish_reason if keep_generated else "length"})
+    if not keep_generated:
+        usage = Usage(usage.prompt_tokens, 0, usage.cached_tokens)
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-            "usage": usage_body(usage)}
+            "usage": usage_body(usage), "system_fingerprint": SYSTEM_FINGERPRINT}
 
 
 def chunk(rid: str, obj: str, created: int, model: str, choices: list[dict[str, Any]],
           usage: Usage | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+    body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
+                            "system_fingerprint": SYSTEM_FINGERPRINT}
     if usage is not None:
         body["usage"] = usage_body(usage)
     return body

@@ -19,14 +19,17 @@ from typing import Any, Callable
 import zmq
 import zmq.asyncio
 
+from kiln.runtime.outputs import INTERNAL_ERROR
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.text.tokenizer import Tokenizer
 
 from . import ipc
 from .errors import APIError, from_value_error, invalid
 from .metrics import ServerMetrics
+from .token_text import TokenBytes
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a request the context cannot hold
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,15 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob]
     finish_reason: str | None
+    prompt_logprobs: list[float] = field(default_factory=list)  # on a sample's first delta, when asked
+
+
+@dataclass(frozen=True)
+class PromptEcho:
+    """A prompt as ``echo`` returns it: its text and each token's bytes."""
+
+    text: str
+    token_bytes: list[bytes]
 
 
 @dataclass
@@ -130,23 +142,34 @@ class TokenizerManager:
         self._on_fatal = on_fatal
         self._live: dict[str, _Live] = {}
         self.failure: str | None = None
+        self.token_bytes = TokenBytes(tokenizer)
 
     # ---- prompts -------------------------------------------------------------------------------
 
-    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    # Tokenizing and rendering run in a worker thread: a prompt of megabytes must not stall the
+    # event loop (the Rust tokenizer is thread-safe and releases the GIL).
+
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise invalid(param, f"{param}: this model has no tokenizer; send token ids")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        try:
+            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+        except ValueError as exc:  # not valid Unicode
+            raise invalid(param, f"{param}: {str(exc).removeprefix('text: ')}") from None
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    async def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         if self.tokenizer is None:
             raise invalid("messages", "messages: this model has no tokenizer, so it cannot render a chat")
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            # The template writes the special tokens (BOS) itself; the messages' text stays text.
+            return await asyncio.to_thread(self.tokenizer.encode_chat, messages)
         except ValueError as exc:
-            raise invalid("messages", f"messages: {exc}") from None
-        # The template writes the special tokens (BOS) itself.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+            raise invalid("messages", f"messages: {str(exc).removeprefix('messages: ')}") from None
+
+    def echo(self, prompt: str | list[int], prompt_ids: list[int]) -> PromptEcho:
+        """The prompt as ``echo`` returns it (its text as given, or its ids decoded)."""
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids) if self.tokenizer else ""
+        return PromptEcho(text, [self.token_bytes.bytes_of(t) for t in prompt_ids])
 
     def default_max_tokens(self, prompt_ids: list[int]) -> int:
         """Without max_tokens a chat may use the rest of the context."""
@@ -167,17 +190,17 @@ class TokenizerManager:
         limit = self.info.max_seq_len
         if not prompt_ids:
             raise invalid(prompt_param, f"{prompt_param}: must contain at least one token")
+        if len(prompt_ids) >= limit:
+            raise APIError(400, f"{prompt_param}: {len(prompt_ids)} tokens leave no room in the context of "
+                                f"{limit} tokens", param=prompt_param, code=CONTEXT_LENGTH_EXCEEDED)
         bad = next((t for t in prompt_ids if not 0 <= t < self.info.vocab_size), None)
         if bad is not None:
             raise invalid(prompt_param, f"{prompt_param}: token id {bad} is outside the vocabulary "
                                         f"(0..{self.info.vocab_size - 1})")
-        if len(prompt_ids) >= limit:
-            raise invalid(prompt_param, f"{prompt_param}: {len(prompt_ids)} tokens leave no room in the "
-                                        f"context of {limit} tokens")
         if len(prompt_ids) + params.max_new_tokens > limit:
-            raise invalid(max_tokens_param, f"{max_tokens_param}: the prompt ({len(prompt_ids)} tokens) plus "
-                                            f"{max_tokens_param} ({params.max_new_tokens}) exceeds the context "
-                                            f"length {limit}")
+            raise APIError(400, f"{max_tokens_param}: the prompt ({len(prompt_ids)} tokens) plus {max_tokens_param} "
+                                f"({params.max_new_tokens}) exceeds the context length {limit}",
+                           param=max_tokens_param, code=CONTEXT_LENGTH_EXCEEDED)
         if params.stop and self.tokenizer is None:
             raise invalid("stop", "stop: stop strings need a tokenizer, and this model has none")
 
@@ -238,21 +261,23 @@ class TokenizerManager:
 
     def _output(self, now: float, rid: str, index: int, text: str, token_ids: list[int], logprobs: list[list[Any]],
                 finish_reason: str | None, error: str | None, prompt_tokens: int, cached_tokens: int,
-                spec_verify_ct: int = 0, spec_verify_tokens: int = 0) -> None:
+                spec_verify_ct: int, spec_verify_tokens: int, prompt_logprobs: list[float]) -> None:
         live = self._live.get(rid)
         if live is None:
             return  # aborted here already; the scheduler's last words for it
         if error is not None:
-            # The core fails a single request only for what it asked (a constraint that does not
-            # compile): a client error.
+            # The core fails a single request for what it asked (a constraint that does not
+            # compile: a client error), or for its own fault while serving it alone (a 500).
             del self._live[rid]
-            live.stream.put(invalid("response_format", error))
+            internal = error.startswith(INTERNAL_ERROR)
+            live.stream.put(APIError(500, error) if internal else invalid("response_format", error))
             return
         if token_ids:
             self._time_tokens(live, index, now, len(token_ids))
         live.stream.note_prompt(live.prompt_index, index, prompt_tokens, cached_tokens)
         entries = [TokenLogprob(t, b, lp, tuple((a, ab, alp) for a, ab, alp in top)) for t, b, lp, top in logprobs]
-        live.stream.put(SampleOutput(live.prompt_index, index, text, token_ids, entries, finish_reason))
+        live.stream.put(SampleOutput(live.prompt_index, index, text, token_ids, entries, finish_reason,
+                                     prompt_logprobs))
         if finish_reason is not None:
             # The counts are the sample's totals so far: its last event has them all.
             live.stream.usage.spec_verify_ct += spec_verify_ct

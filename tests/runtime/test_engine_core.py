@@ -314,3 +314,44 @@ def test_overlapped_sampled_steps_give_the_same_results(model):
     assert core.overlapped_steps > 5
     assert results[1] == results[0]
     assert len(results[0]) == 6
+
+
+def test_prompt_logprobs_match_hf_across_chunks_and_a_cached_prefix(model):
+    import torch
+
+    hf = load_hf(model[0])
+    prompt = list(range(200, 230))  # 30 tokens: more than the 16 logits rows a step returns (N)
+    core = make_core(model, max_batch_tokens=24)
+    run_all(core, {"warm": (prompt[:20] + [1], GREEDY)})  # the prefix is now cached
+    scored = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True, prompt_logprobs=True)
+    core.add_request("scored", prompt, scored)
+    core.add_request("other", PROMPTS[2], GREEDY)  # sharing the steps
+    events = []
+    while core.has_work():
+        events += core.step()
+    first = next(e for e in events if e.rid == "scored" and e.token_ids)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0].float()
+    expected = logits[:-1].log_softmax(-1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
+    assert len(first.prompt_logprobs) == len(prompt) - 1
+    assert max(abs(a - b) for a, b in zip(first.prompt_logprobs, expected)) < 1e-4  # f32, summation order
+    assert all(not e.prompt_logprobs for e in events if e is not first)
+    assert_no_leaks(core)
+
+
+def test_prompt_logprobs_need_n_1():
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(n=2, prompt_logprobs=True).validate()
+
+
+def test_a_request_that_raises_fails_alone(model, hf_greedy):
+    core = make_core(model, debug_fail_token_id=77)
+    core.add_request("poisoned", [5, 77, 9], GREEDY)
+    core.add_request("fine", PROMPTS[0], GREEDY)
+    events = []
+    while core.has_work():
+        events += core.step()
+    failed = [e for e in events if e.rid == "poisoned" and e.error]
+    assert failed and failed[0].error.startswith("internal error: RuntimeError: debug_fail_token_id 77")
+    assert [t for e in events if e.rid == "fine" for t in e.token_ids] == hf_greedy(PROMPTS[0])
+    assert_no_leaks(core)

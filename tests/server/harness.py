@@ -26,13 +26,16 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, artifact: Path, log_path: Path, *extra: str, api_key: str | None = API_KEY) -> None:
-        self.port = free_port()
+    def __init__(self, artifact: Path, log_path: Path, *extra: str, api_key: str | None = API_KEY,
+                 served_model_name: str | None = MODEL, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = log_path
         args = [sys.executable, "-m", "kiln", "serve", str(artifact), "--port", str(self.port), "--device", "cpu",
-                "--kv-cache-tokens", "8192", "--served-model-name", MODEL, *extra]
+                "--kv-cache-tokens", "8192", *extra]
+        if served_model_name:
+            args += ["--served-model-name", served_model_name]
         if api_key:
             args += ["--api-key", api_key]
         self._log = open(log_path, "wb")

@@ -39,6 +39,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert isinstance(error["code"], str) and error["code"], "every error has a stable code"
     if param is not None:
         assert error["param"] == param and param.split("[")[0].split(".")[0] in error["message"]
     if status < 500:
@@ -58,7 +59,8 @@ def test_invalid_chat_parameters_are_400s_naming_the_parameter(http, change, par
     ({"prompt": [], "max_tokens": 4}, "prompt"),
     ({"prompt": [49152], "max_tokens": 4}, "prompt"),  # token id outside the vocabulary
     ({"prompt": "hi", "max_tokens": 4, "logprobs": 99}, "logprobs"),
-    ({"prompt": "hi", "max_tokens": 4, "echo": True}, "echo"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
+    ({"prompt": "hi", "max_tokens": 4, "echo": True, "stream": True}, "echo"),
 ])
 def test_invalid_completion_requests(http, body, param):
     assert_error(http.post("/v1/completions", json={"model": MODEL, **body}), 400, param)

@@ -188,6 +188,16 @@ class RadixCache:
     def reset(self) -> int:
         return self.evict(self.evictable_pages)
 
+    def locked_nodes(self) -> int:
+        """Nodes some running request holds a lock on (0 when idle; a walk of the tree, for metrics)."""
+        count = 0
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            count += node.parent is not None and node.lock_count > 0
+            stack.extend(node.children.values())
+        return count
+
     def check_invariants(self, held_pages: Iterable[int] = ()) -> None:
         """Assert the tree is consistent and every usable page has exactly one owner: the tree, the
         allocator's free list, or ``held_pages`` (the pages callers hold outside the tree)."""

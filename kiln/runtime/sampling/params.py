@@ -42,6 +42,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False  # report the chosen token's logprob
     top_logprobs: int = 0  # and this many most likely alternatives
+    prompt_logprobs: bool = False  # each prompt token's logprob given the tokens before it (n = 1 only)
     n: int = 1
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
@@ -91,13 +92,15 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, list) or not all(self._is_token_id(t, vocab_size)
                                                                 for t in self.stop_token_ids):
             fail("stop_token_ids", "must be a list of token ids in the vocabulary")
-        for name in ("ignore_eos", "logprobs", "skip_special_tokens"):
+        for name in ("ignore_eos", "logprobs", "skip_special_tokens", "prompt_logprobs"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be a boolean")
         if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             fail("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         if not _is_int(self.n) or self.n < 1:
             fail("n", "must be an integer >= 1")
+        if self.prompt_logprobs is True and self.n != 1:
+            fail("prompt_logprobs", "needs n = 1 (the samples of n > 1 share one computed prompt)")
         if not isinstance(self.logit_bias, dict):
             fail("logit_bias", "must map token ids to numbers")
         for token_id, bias in self.logit_bias.items():

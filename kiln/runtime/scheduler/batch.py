@@ -7,18 +7,20 @@ from __future__ import annotations
 from kiln.step_schema import STEP_SCHEMA, StepSchema
 
 from .request import Request
-from .scheduler import ScheduleBatch, ScheduledChunk
+from .scheduler import ScheduleBatch, ScheduledChunk, prompt_logprob_positions
 
 
 class StepLists:
     """One step's inputs as host lists: ``lists.<field>`` for each step-schema field the scheduler
     fills (a 2-D field, the page table, as ragged rows), and ``requests``, the request each logits
-    row belongs to. A field left out is padding throughout (its schema padding value): a feature's
+    row belongs to. Rows past those, ``prompt_rows``, score prompt tokens for requests that asked
+    for prompt logprobs: ``(request, position)`` whose logits give token ``position + 1``'s logprob. A field left out is padding throughout (its schema padding value): a feature's
     input only the steps that use it fill. (Columns are plain attributes: the decode path reads
     them every step.)"""
 
     def __init__(self, requests: list[Request] | None = None, **columns: list) -> None:
         self.requests: list[Request] = requests if requests is not None else []
+        self.prompt_rows: list[tuple[Request, int]] = []
         self.__dict__.update(columns)
 
     @staticmethod
@@ -33,15 +35,23 @@ class StepLists:
         return isinstance(other, StepLists) and self.__dict__ == other.__dict__
 
     def __repr__(self) -> str:
-        columns = {k: v for k, v in self.__dict__.items() if k != "requests"}
+        columns = {k: v for k, v in self.__dict__.items() if k not in ("requests", "prompt_rows")}
         return f"StepLists({columns}, requests={len(self.requests)})"
 
 
 def build_step_lists(batch: ScheduleBatch, page_size: int) -> StepLists:
     """The step's lists, rows in batch order: the decoding requests, then the chunks."""
     lists = _decode_lists(batch.decodes, page_size)
+    prompt_rows: list[int] = []
     for chunk in batch.chunks:
         _append_chunk(lists, chunk, page_size)
+        positions = prompt_logprob_positions(chunk)
+        if positions:
+            first_row = len(lists.token_ids) - (chunk.end - chunk.start)
+            prompt_rows.extend(first_row + p - chunk.start for p in positions)
+            lists.prompt_rows.extend((chunk.request, p) for p in positions)
+    # The sampled rows first (the sampler reads rows 0..len(requests)), then the prompt-scoring ones.
+    lists.logits_index.extend(prompt_rows)
     return lists
 
 

@@ -64,6 +64,9 @@ class Request:
     prompt_inserted: bool = False    # the computed prompt is in the radix tree
     retractions: int = 0
     finish_reason: str | None = None
+    # With params.prompt_logprobs: the logprob of prompt token i + 1 given tokens 0..i, filled as
+    # the prompt's chunks run (every prompt position is computed: no prefix comes from the cache).
+    prompt_logprobs: list[float] = field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:

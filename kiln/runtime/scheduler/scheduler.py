@@ -41,6 +41,7 @@ class SchedulerConfig:
     max_batch_tokens: int
     max_running: int
     page_size: int
+    max_logit_rows: int = 1 << 30   # rows of logits a step returns (the artifact's N bound)
     policy: str = "fcfs"
     enable_prefix_cache: bool = True
 
@@ -111,15 +112,17 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         # (Only when some running request does not decode: most steps, none prefills.)
         prefilling = [r for r in self.running if r.state == PREFILLING] if len(decodes) < len(self.running) else []
+        rows = len(decodes)
         for request in prefilling:
-            if budget <= 0:
+            if budget <= 0 or rows >= self.config.max_logit_rows:
                 break
-            chunk = self._prefill_chunk(request, budget)
+            chunk = self._prefill_chunk(request, budget, self.config.max_logit_rows - rows)
             if chunk is None:
                 break
             chunks.append(chunk)
             budget -= chunk.end - chunk.start
-        chunks.extend(self._admit(budget))
+            rows += logit_rows(chunk)
+        chunks.extend(self._admit(budget, rows))
         if not decodes and not chunks and self.running:
             # Nothing fits and nothing runs to free memory: make room by retracting the youngest.
             self._retract(max(self.running, key=lambda r: r.arrival))
@@ -176,7 +179,9 @@ class Scheduler:
             request.pages.extend(self.allocator.alloc(1))
         return decodes
 
-    def _prefill_chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
+    def _prefill_chunk(self, request: Request, budget: int, row_room: int) -> ScheduledChunk | None:
+        if request.params.prompt_logprobs:
+            budget = min(budget, row_room)  # a logits row for every position it computes
         end = request.num_computed + min(request.remaining, budget)
         need = self._pages_needed(request, end)
         if not self._reserve(need):
@@ -184,17 +189,17 @@ class Scheduler:
         request.pages.extend(self.allocator.alloc(need) if need else [])
         return ScheduledChunk(request, request.num_computed, end, end == request.total_len)
 
-    def _admit(self, budget: int) -> list[ScheduledChunk]:
+    def _admit(self, budget: int, rows: int) -> list[ScheduledChunk]:
         chunks = []
         for request in self._admission_order():
-            if budget <= 0 or len(self.running) >= self.config.max_running:
+            if budget <= 0 or len(self.running) >= self.config.max_running or rows >= self.config.max_logit_rows:
                 break
             if request.leader is not None and not (request.leader.prompt_inserted or request.leader.done):
                 continue  # share the leader's prompt pages once they are cached
             if self._shares_with_admitted(request, [c.request for c in chunks]):
                 continue  # computing it now would repeat an admitted request's prefix: wait for its cache entry
             self._attach_prefix(request)
-            chunk = self._prefill_chunk(request, budget)
+            chunk = self._prefill_chunk(request, budget, self.config.max_logit_rows - rows)
             if chunk is None:
                 self._release(request, keep_in_cache=False)
                 break
@@ -203,6 +208,7 @@ class Scheduler:
             request.state = RequestState.PREFILLING
             chunks.append(chunk)
             budget -= chunk.end - chunk.start
+            rows += logit_rows(chunk)
         return chunks
 
     def _admission_order(self) -> list[Request]:
@@ -231,8 +237,11 @@ class Scheduler:
     def _attach_prefix(self, request: Request) -> None:
         if not self.config.enable_prefix_cache:
             return
-        # Leave the last token out: its logits are needed, so it is always computed.
-        match = self.cache.match_prefix(request.namespace, request.all_ids[:-1])
+        # Leave the last token out: its logits are needed, so it is always computed. A request that
+        # wants its prompt's logprobs computes every position: it matches nothing.
+        scored = len(request.prompt_logprobs) >= len(request.prompt_ids) - 1
+        wanted = request.all_ids[:-1] if scored or not request.params.prompt_logprobs else []
+        match = self.cache.match_prefix(request.namespace, wanted)
         self.cache.lock(match.node)
         request.prefix = match
         request.pages = list(match.pages)
@@ -285,6 +294,19 @@ class Scheduler:
         if short > 0 and self.config.enable_prefix_cache:
             self.cache.evict(short)
         return self.allocator.free_count >= pages
+
+
+def prompt_logprob_positions(chunk: ScheduledChunk) -> range:
+    """The chunk's positions whose logits score the next prompt token (those before the prompt's
+    last token, which is sampled from): empty unless its request wants prompt logprobs."""
+    request = chunk.request
+    if not request.params.prompt_logprobs:
+        return range(0)
+    return range(chunk.start, min(chunk.end, len(request.prompt_ids) - 1))
+
+
+def logit_rows(chunk: ScheduledChunk) -> int:
+    return len(prompt_logprob_positions(chunk)) + (1 if chunk.wants_logits else 0)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -7,6 +7,10 @@ imported here, it is slow to import), and optionally ``tokenizer_config.json`` (
 they do in transformers), ``special_tokens_map.json`` (older special-token layout),
 ``generation_config.json`` (end-of-sequence ids, one or a list) and ``config.json`` (the model
 type, used to pick a built-in chat template when none ships).
+
+Text is untrusted: ``encode`` refuses text that is not valid Unicode and, unless asked otherwise,
+tokenizes special-token strings in it as plain text; ``encode_chat`` makes the chat template's
+markup the only special tokens of a conversation (see ``user_text``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import tokenizers
 from tokenizers import processors
 
 from .chat_template import builtin_template, render_chat_template
+from .user_text import SpecialTokenMask, require_unicode
 
 _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
              (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
@@ -76,6 +81,9 @@ class Tokenizer:
                  pad_token: str | None = None, extra_eos_token_ids: Sequence[int] = (),
                  chat_template: str | None = None, clean_up_tokenization_spaces: bool = False) -> None:
         self.backend = backend
+        # The same tokenizer with special tokens matched as text, for what users write.
+        self._text_backend = tokenizers.Tokenizer.from_str(backend.to_str())
+        self._text_backend.encode_special_tokens = True
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.pad_token = pad_token
@@ -136,11 +144,34 @@ class Tokenizer:
                                                        set(backend.get_vocab(with_added_tokens=True)), bos)
         return tokenizer
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``. ``add_special_tokens`` adds what the tokenizer's post-processor adds
-        (BOS for Llama-style tokenizers); pass False for prompts rendered by a chat template, which
-        already hold their special tokens."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        (BOS for Llama-style tokenizers). Special-token strings in ``text`` (``<|im_start|>``) are
+        tokenized as text unless ``parse_special_tokens``: only trusted text may hold control
+        tokens. Raises ``ValueError`` for text that is not valid Unicode."""
+        require_unicode(text, "text")
+        backend = self.backend if parse_special_tokens else self._text_backend
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """Token ids of a conversation: the template's markup becomes special tokens, whatever the
+        messages, tools and template variables say stays text (a message cannot forge a turn)."""
+        mask = SpecialTokenMask(self.special_tokens)
+        masked = mask.mask([list(messages), tools, template_kwargs])
+        text = self.apply_chat_template(masked[0], add_generation_prompt, masked[1], masked[2])
+        require_unicode(text, "messages")
+        if not mask.replaced:
+            # The common case: the text is exactly what transformers renders and tokenizes.
+            return self.backend.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        for piece, special in mask.split(text):
+            if special:
+                ids.append(self.token_to_id(piece))
+            else:
+                ids += self._text_backend.encode(mask.unmask(piece), add_special_tokens=False).ids
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -166,8 +197,8 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             tools: Sequence[Mapping[str, Any]] | None = None,
                             template_kwargs: Mapping[str, Any] | None = None) -> str:
-        """The prompt text for a conversation (see ``chat_template.render_chat_template``). Encode it
-        with ``add_special_tokens=False``: the template writes BOS itself where the model wants it."""
+        """The prompt text for a conversation (see ``chat_template.render_chat_template``). To tokenize
+        a conversation use ``encode_chat``, which keeps the messages' text from becoming markup."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template and none of the built-in ones fits it")
         return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,

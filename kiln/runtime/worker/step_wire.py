@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..scheduler.batch import StepLists
 
 # Attributes that hold host objects, not step data; workers get them empty.
-HOST_ONLY = frozenset({"requests"})
+HOST_ONLY = frozenset({"requests", "prompt_rows"})
 
 
 def encode(lists: StepLists) -> bytes:

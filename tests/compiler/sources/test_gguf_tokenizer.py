@@ -56,9 +56,9 @@ def test_encodes_like_transformers_and_decodes_back(text: str, converted_tokeniz
 
 
 def test_special_tokens_stay_whole(smollm2_dir: Path, converted_tokenizer) -> None:
-    assert converted_tokenizer.encode("<|im_start|>", add_special_tokens=False) == [1]
-    assert converted_tokenizer.encode("<|im_end|>", add_special_tokens=False) == [2]
-    ids = converted_tokenizer.encode("<|im_start|>user\nHi<|im_end|>")
+    assert converted_tokenizer.encode("<|im_start|>", add_special_tokens=False, parse_special_tokens=True) == [1]
+    assert converted_tokenizer.encode("<|im_end|>", add_special_tokens=False, parse_special_tokens=True) == [2]
+    ids = converted_tokenizer.encode("<|im_start|>user\nHi<|im_end|>", parse_special_tokens=True)
     assert converted_tokenizer.decode(ids, skip_special_tokens=True) == "user\nHi"
     added = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json")).get_added_tokens_decoder().values()
     special = {token.content for token in added if token.special}

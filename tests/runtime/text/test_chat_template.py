@@ -32,7 +32,7 @@ def test_smollm2_template_matches_transformers(smollm2, hf_smollm2, add_generati
         ours = smollm2.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         theirs = hf_smollm2.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         assert ours == theirs
-        assert smollm2.encode(ours, add_special_tokens=False) == hf_smollm2.apply_chat_template(
+        assert smollm2.encode_chat(messages, add_generation_prompt) == hf_smollm2.apply_chat_template(
             messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False)
 
 

@@ -126,7 +126,7 @@ def test_special_tokens_skipped_or_kept(sentencepiece):
 
 
 def test_smollm2_streams_chat_output_after_prompt(smollm2):
-    prompt = smollm2.encode(smollm2.apply_chat_template([{"role": "user", "content": "Hi"}]), add_special_tokens=False)
+    prompt = smollm2.encode_chat([{"role": "user", "content": "Hi"}])
     output = smollm2.encode("Bonjour ! 👋 Ça va ?", add_special_tokens=False) + [smollm2.eos_token_id]
     deltas = stream(smollm2, output, prompt_ids=prompt)
     assert "".join(deltas) == "Bonjour ! 👋 Ça va ?"
