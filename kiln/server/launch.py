@@ -42,6 +42,7 @@ from .gate import ServerState
 from .http import build_app
 from .metrics import ServerMetrics
 from .tokenizer_manager import ModelInfo, TokenizerManager
+from .tools import resolve_parser
 
 log = logging.getLogger("kiln.server")
 
@@ -61,6 +62,7 @@ class ServeConfig:
     max_n: int = 16
     drain_timeout: float = 30.0
     log_level: str = "info"
+    tool_call_parser: str | None = None  # None: the one the chat template implies
     engine: dict[str, Any] = field(default_factory=dict)  # EngineOptions fields
 
 
@@ -226,7 +228,8 @@ async def _run_http(config: ServeConfig, facts: dict[str, Any], receiver: zmq.as
         fatal(message)
 
     manager = TokenizerManager(tokenizer, info, sender, metrics, on_fatal=fatal)
-    app = build_app(ServerContext(manager, state, metrics, config.max_n), config.api_key, config.max_body_bytes)
+    ctx = ServerContext(manager, state, metrics, config.max_n, resolve_parser(config.tool_call_parser, tokenizer))
+    app = build_app(ctx, config.api_key, config.max_body_bytes)
     server = KilnServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                        access_log=False, lifespan="off", timeout_graceful_shutdown=GRACEFUL_CLOSE_S),
                         state, manager, config.drain_timeout)

@@ -21,6 +21,8 @@ from .responses import (SSE_DONE, Accumulator, chat_logprobs, chat_response, chu
                         completion_response, finish_reason, sse)
 from .streaming import ClientDisconnected, EventStream, until_disconnect
 from .tokenizer_manager import RequestStream
+from .tools.request import ToolRequest
+from .tools.streaming import tool_chat_events
 
 CLIENT_CLOSED = 499
 
@@ -32,18 +34,24 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         ctx.check_model(body.model)
         ctx.check_n(body.n)
-        prompt_ids = manager.render_chat(template_messages(body.messages))
+        tools = ToolRequest.of(body, ctx.tool_call_parser)
+        prompt_ids = manager.render_chat(template_messages(body.messages), tools.template_tools if tools else None)
         max_new = body.requested_max_tokens or manager.default_max_tokens(prompt_ids)
         params = body.to_sampling_params(max_new)
+        if tools is not None:
+            tools.constrain(params)
         manager.check(prompt_ids, params, "messages", body.max_tokens_param)
         stream = manager.submit([prompt_ids], params, body.max_tokens_param)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream and tools is not None:
+            return EventStream(tool_chat_events(stream, rid, created, ctx.model_name, body, tools), stream)
         if body.stream:
             return EventStream(_chat_events(stream, rid, created, ctx.model_name, body), stream)
         acc = await _collect_unless_disconnected(request, stream, params.n)
         if acc is None:
             return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse(chat_response(rid, created, ctx.model_name, acc, stream.usage, body.logprobs))
+        response = chat_response(rid, created, ctx.model_name, acc, stream.usage, body.logprobs)
+        return JSONResponse(tools.rewrite_response(response) if tools is not None else response)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

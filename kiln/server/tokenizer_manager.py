@@ -136,11 +136,11 @@ class TokenizerManager:
             raise invalid(param, f"{param}: this model has no tokenizer; send token ids")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         if self.tokenizer is None:
             raise invalid("messages", "messages: this model has no tokenizer, so it cannot render a chat")
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         except ValueError as exc:
             raise invalid("messages", f"messages: {exc}") from None
         # The template writes the special tokens (BOS) itself.
