@@ -94,8 +94,15 @@ class HermesParser(ToolCallParser):
         calls, content, pos = [], [], 0
         for match in self._CALL.finditer(text):
             content.append(text[pos:match.start()])
-            calls.append(_call(json.loads(match.group(1))))
             pos = match.end()
+            if not match.group(0).endswith("</tool_call>"):
+                # The output ended inside this call (max_tokens): the calls before it still stand.
+                try:
+                    calls.append(_call(json.loads(match.group(1))))
+                except ValueError:
+                    pass
+                break
+            calls.append(_call(json.loads(match.group(1))))
         content.append(text[pos:])
         return "".join(content).strip(), calls
 
