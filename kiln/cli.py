@@ -165,6 +165,8 @@ def _add_serve(commands) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3", "mistral", "pythonic"],
                    help="how the model writes tool calls (default: from its chat template; hermes for the built-in one)")
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="also serve the gRPC API (kiln/server/grpc/kiln.proto) on this port")
     p.set_defaults(run=_run_serve)
 
 
@@ -181,7 +183,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     return serve(str(artifact), ServeConfig(
         host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name or args.model,
         max_body_bytes=args.max_body_bytes, max_n=args.max_n, drain_timeout=args.drain_timeout,
-        log_level=args.log_level, tool_call_parser=args.tool_call_parser, engine=engine))
+        log_level=args.log_level, tool_call_parser=args.tool_call_parser,
+        grpc_port=args.grpc_port, engine=engine))
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ class ServeConfig:
     drain_timeout: float = 30.0
     log_level: str = "info"
     tool_call_parser: str | None = None  # None: the one the chat template implies
+    grpc_port: int | None = None  # also serve kiln.proto's gRPC API on this port
     engine: dict[str, Any] = field(default_factory=dict)  # EngineOptions fields
 
 
@@ -235,10 +236,23 @@ async def _run_http(config: ServeConfig, facts: dict[str, Any], receiver: zmq.as
                         state, manager, config.drain_timeout)
     tasks = [asyncio.ensure_future(manager.receive_loop(receiver)), asyncio.ensure_future(children.watch(child_exited))]
     tasks[0].add_done_callback(lambda t: t.cancelled() or fatal(f"the output receiver failed: {t.exception()!r}"))
-    log.info("model ready; serving it as %r", config.served_model_name)
+    grpc_server = None
     try:
+        if config.grpc_port is not None:
+            from .grpc.servicer import start_grpc_server
+
+            try:
+                grpc_server = await start_grpc_server(ctx, config.host, config.grpc_port, config.api_key,
+                                                      config.max_body_bytes)
+            except OSError as error:
+                log.error("%s", error)
+                return 1
+            log.info("gRPC on %s:%d", config.host, config.grpc_port)
+        log.info("model ready; serving it as %r", config.served_model_name)
         await server.serve()
     finally:
+        if grpc_server is not None:
+            await grpc_server.stop(GRACEFUL_CLOSE_S)
         for task in tasks:
             task.cancel()
     return server.exit_code

@@ -17,11 +17,17 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.harness import MODEL
+from tests.server.harness import API_KEY, MODEL
 
 CASES = json.loads((Path(__file__).parent / "data" / "tool_schemas.json").read_text())
 TOOLS = {case["tool"]["function"]["name"]: case["tool"] for case in CASES}
 WEATHER = TOOLS["get_weather"]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    """The official client, patient: a batch of constrained generations on a loaded CPU takes a while."""
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=900)
 
 
 def _check_call(call, offered: list[str]) -> dict:
