@@ -48,9 +48,14 @@ class ToolCallParser:
     needs_special_tokens: ClassVar[bool] = False
 
     def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
-        """The text outside calls and the calls; ``ValueError`` when text after an opening is not
-        well-formed calls."""
+        """The text outside calls (as it is, whitespace kept) and the calls; ``ValueError`` when text
+        after an opening is not well-formed calls."""
         raise NotImplementedError
+
+    def call_start(self, text: str, start: int = 0) -> int | None:
+        """Where the first opening in ``text`` (from ``start`` on) is, or None."""
+        found = [i for i in (text.find(s, start) for s in self.starts) if i >= 0]
+        return min(found) if found else None
 
     def complete_until(self, text: str) -> int:
         """How much of ``text`` (from an opening on) holds only finished calls, for streaming them
@@ -104,7 +109,7 @@ class HermesParser(ToolCallParser):
                 break
             calls.append(_call(json.loads(match.group(1))))
         content.append(text[pos:])
-        return "".join(content).strip(), calls
+        return "".join(content), calls
 
     def complete_until(self, text: str) -> int:
         end = text.rfind("</tool_call>")
@@ -130,9 +135,9 @@ class Llama3JsonParser(ToolCallParser):
     def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
         match = self._OPEN.search(text)
         if match is None:
-            return text.strip(), []
+            return text, []
         values, rest = _json_objects(text[match.end():], "; ")
-        return (text[:match.start()] + rest).strip(), [_call(v, "parameters") for v in values]
+        return text[:match.start()] + rest, [_call(v, "parameters") for v in values]
 
     def _tags(self, functions: Sequence[FunctionSpec]) -> list[Format]:
         return [formats.tag(f'{{"name": {json.dumps(f.name)}, "parameters": ', formats.json_value(f.parameters), "}")
@@ -153,13 +158,13 @@ class MistralParser(ToolCallParser):
     def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
         start = text.find("[TOOL_CALLS]")
         if start < 0:
-            return text.strip(), []
+            return text, []
         after = text[start + len("[TOOL_CALLS]"):].lstrip()
         values, end = json.JSONDecoder().raw_decode(after)
         rest = after[end:]
         if not isinstance(values, list):
             raise ValueError("[TOOL_CALLS] must be followed by a JSON array of calls")
-        return (text[:start] + rest).strip(), [_call(v) for v in values]
+        return text[:start] + rest, [_call(v) for v in values]
 
     def _calls(self, functions: Sequence[FunctionSpec], parallel: bool) -> Format:
         tags = [formats.tag(f'{{"name": {json.dumps(f.name)}, "arguments": ', formats.json_value(f.parameters), "}")
@@ -187,7 +192,7 @@ class PythonicParser(ToolCallParser):
     def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
         start = text.find("[")
         if start < 0:
-            return text.strip(), []
+            return text, []
         for end in [m.start() for m in re.finditer(r"\]", text[start:])]:
             try:
                 tree = ast.parse(text[start:start + end + 1].strip(), mode="eval").body
@@ -195,8 +200,8 @@ class PythonicParser(ToolCallParser):
                 continue
             if isinstance(tree, ast.List) and tree.elts and all(isinstance(e, ast.Call) for e in tree.elts):
                 calls = [self._call(e) for e in tree.elts]
-                return (text[:start] + text[start + end + 1:]).strip(), calls
-        return text.strip(), []
+                return text[:start] + text[start + end + 1:], calls
+        return text, []
 
     def _call(self, node: ast.Call) -> ParsedCall:
         if node.args:

@@ -101,17 +101,24 @@ class ToolRequest:
 
     def result(self, text: str) -> ToolResult:
         """The content and calls of a whole output."""
-        if self.choice == "none":
+        start = self.parser.call_start(text) if self.choice != "none" else None
+        if start is None:
             return ToolResult(text, [])
-        try:
-            content, parsed = self.parser.parse(text)
-        except ValueError as error:
-            log.warning("output holds a malformed tool call (%s); returning it as text", error)
-            return ToolResult(text, [])
-        calls = self.valid_calls(parsed)
+        rest, calls = self.read_calls(text[start:])
         if not calls:
             return ToolResult(text, [])
+        content = text[:start] + rest
         return ToolResult(content if content.strip() else None, [tool_call_body(c) for c in calls])
+
+    def read_calls(self, region: str) -> tuple[str, list[ParsedCall]]:
+        """The valid calls in the call part of an output (from its opening on), and the text after
+        them when it is more than whitespace (whitespace between and after calls is layout)."""
+        try:
+            rest, parsed = self.parser.parse(region)
+        except ValueError as error:
+            log.warning("output holds a malformed tool call (%s); returning it as text", error)
+            return region, []
+        return (rest if rest.strip() else ""), self.valid_calls(parsed)
 
     def rewrite_response(self, response: dict[str, Any]) -> dict[str, Any]:
         """A chat completion body with each choice's calls moved from its text into ``tool_calls``."""

@@ -46,10 +46,9 @@ class ToolCallStream:
         if self.tools.choice == "none":
             return self._content(len(self.text))
         if self.call_start is None:
-            found = [i for i in (self.text.find(s, self.content_sent) for s in self.tools.parser.starts) if i >= 0]
-            if not found:
+            self.call_start = self.tools.parser.call_start(self.text, self.content_sent)
+            if self.call_start is None:
                 return self._content(len(self.text) - _held_back(self.text, self.tools.parser.starts))
-            self.call_start = min(found)
             deltas = self._content(self.call_start)
         else:
             deltas = []
@@ -69,14 +68,14 @@ class ToolCallStream:
             return self._content(len(self.text))
         region = self.text[self.call_start:]
         try:
-            content, calls = self.tools.parser.parse(region)
+            rest, calls = self.tools.parser.parse(region)
         except ValueError:
-            content, calls = region, []
+            rest, calls = region, []
         deltas = self._calls(calls[self.calls_seen:])
         if self.calls_sent == 0:
             deltas += [{"content": region}]  # no call after all: the text was content
-        elif content.strip():
-            deltas += [{"content": content}]
+        elif rest.strip():
+            deltas += [{"content": rest}]
         return deltas
 
     def _content(self, upto: int) -> list[Delta]:
