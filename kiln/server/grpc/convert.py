@@ -35,9 +35,10 @@ def sampling_fields(sampling: pb.SamplingParams) -> dict[str, Any]:
 
 
 def completion_body(request: pb.GenerateRequest) -> dict[str, Any]:
-    prompt = request.text if request.WhichOneof("prompt") == "text" else list(request.input_ids.ids)
-    if request.WhichOneof("prompt") is None:
+    kind = request.WhichOneof("prompt")
+    if kind is None:
         raise invalid("prompt", "give the prompt as text or input_ids")
+    prompt = request.text if kind == "text" else list(request.input_ids.ids)
     return {"model": request.model or None, "prompt": prompt, **sampling_fields(request.sampling)}
 
 
