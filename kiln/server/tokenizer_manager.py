@@ -243,7 +243,8 @@ class TokenizerManager:
             # The core fails a single request only for what it asked (a constraint that does not
             # compile): a client error.
             del self._live[rid]
-            live.stream.put(invalid("response_format", error))
+            # Tool calls are the only structural tags the server builds: a schema xgrammar refuses.
+            live.stream.put(invalid("tools" if "structural_tag" in error else "response_format", error))
             return
         if token_ids:
             self._time_tokens(live, index, now, len(token_ids))
