@@ -8,13 +8,13 @@ import importlib
 import json
 import sys
 
-import grpc
 import httpx
 import pytest
-from grpc_tools import protoc
 
 from tests.server.harness import API_KEY, MODEL, ServerProcess, free_port
-from tests.server.grpc.test_proto import PACKAGE_ROOT
+from tests.server.grpc.test_proto import PACKAGE_ROOT, protoc
+
+grpc = pytest.importorskip("grpc", reason="grpcio is not installed: run scripts/setup-env test")
 
 AUTH = (("authorization", f"Bearer {API_KEY}"),)
 TIMEOUT_S = 600

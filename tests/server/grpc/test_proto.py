@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from grpc_tools import protoc
+import pytest
 
 import kiln
+
+# grpcio-tools is a test dependency (pyproject's [test] extra; scripts/setup-env test installs it).
+protoc = pytest.importorskip("grpc_tools.protoc", reason="grpcio-tools is not installed: run scripts/setup-env test")
 
 PACKAGE_ROOT = Path(kiln.__file__).parent.parent
 GENERATED = ("kiln_pb2.py", "kiln_pb2_grpc.py")
