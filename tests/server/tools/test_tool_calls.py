@@ -85,7 +85,7 @@ def _assemble(chunks) -> tuple[str, dict[int, dict], str | None]:
 def test_auto_calls_a_tool_and_streaming_gives_the_same_call(client):
     ask = dict(model=MODEL, messages=[{"role": "user", "content": "Respond with a <tool_call> that calls get_weather "
                                                                   "for London."}],
-               tools=[WEATHER], tool_choice="auto", temperature=0, max_tokens=60)
+               tools=[WEATHER], tool_choice="auto", parallel_tool_calls=False, temperature=0, max_tokens=60)
     with ThreadPoolExecutor(2) as pool:
         whole = pool.submit(client.chat.completions.create, **ask)
         streamed = pool.submit(lambda: _assemble(client.chat.completions.create(**ask, stream=True)))
