@@ -179,6 +179,10 @@ def _add_serve(commands) -> None:
     add_speculative_arguments(p)
     # Fault injection for tests (EngineOptions.debug_fail_token_id); not for serving.
     p.add_argument("--debug-fail-token-id", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3", "mistral", "pythonic"],
+                   help="how the model writes tool calls (default: from its chat template; hermes for the built-in one)")
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="also serve the gRPC API (kiln/server/grpc/kiln.proto) on this port")
     p.set_defaults(run=_run_serve)
 
 
@@ -197,7 +201,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     return serve(str(artifact), ServeConfig(
         host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name or artifact_model_name(artifact),
         max_body_bytes=args.max_body_bytes, max_n=args.max_n, drain_timeout=args.drain_timeout,
-        log_level=args.log_level, engine=engine))
+        log_level=args.log_level, tool_call_parser=args.tool_call_parser,
+        grpc_port=args.grpc_port, engine=engine))
 
 
 if __name__ == "__main__":

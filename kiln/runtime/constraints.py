@@ -20,6 +20,7 @@ import torch
 from kiln.kernels.bitmask import allocate_bitmask
 
 from .sampling import SamplingParams
+from .sampling.params import CONSTRAINT_FIELDS
 from .scheduler.request import Request
 from .text.tokenizer import Tokenizer
 
@@ -28,7 +29,7 @@ GRAMMAR = "grammar"
 
 def constraint_of(params: SamplingParams) -> tuple[str, Any] | None:
     """The (kind, constraint) a request asks for, if any."""
-    for kind in ("json_schema", "regex", "ebnf"):
+    for kind in CONSTRAINT_FIELDS:
         value = getattr(params, kind)
         if value is not None:
             return kind, value

@@ -16,6 +16,7 @@ class ServerContext:
     state: ServerState
     metrics: ServerMetrics
     max_n: int
+    tool_call_parser: str = "hermes"  # how tool calls read in this model's output (--tool-call-parser)
 
     @property
     def model_name(self) -> str:

@@ -44,6 +44,7 @@ from .gate import ServerState
 from .http import build_app
 from .metrics import ServerMetrics
 from .tokenizer_manager import ModelInfo, TokenizerManager
+from .tools import resolve_parser
 
 log = logging.getLogger("kiln.server")
 
@@ -66,6 +67,8 @@ class ServeConfig:
     max_n: int = 16
     drain_timeout: float = 30.0
     log_level: str = "info"
+    tool_call_parser: str | None = None  # None: the one the chat template implies
+    grpc_port: int | None = None  # also serve kiln.proto's gRPC API on this port
     engine: dict[str, Any] = field(default_factory=dict)  # EngineOptions fields
 
 
@@ -255,16 +258,30 @@ async def _run_http(config: ServeConfig, facts: dict[str, Any], listener: socket
         fatal(message)
 
     manager = TokenizerManager(tokenizer, info, sender, metrics, on_fatal=fatal)
-    app = build_app(ServerContext(manager, state, metrics, config.max_n), config.api_key, config.max_body_bytes)
+    ctx = ServerContext(manager, state, metrics, config.max_n, resolve_parser(config.tool_call_parser, tokenizer))
+    app = build_app(ctx, config.api_key, config.max_body_bytes)
     server = KilnServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                        access_log=False, lifespan="off", timeout_graceful_shutdown=GRACEFUL_CLOSE_S),
                         state, manager, config.drain_timeout)
     tasks = [asyncio.ensure_future(manager.receive_loop(receiver)), asyncio.ensure_future(children.watch(child_exited))]
     tasks[0].add_done_callback(lambda t: t.cancelled() or fatal(f"the output receiver failed: {t.exception()!r}"))
-    log.info("model ready; serving it as %r", config.served_model_name)
+    grpc_server = None
     try:
+        if config.grpc_port is not None:
+            from .grpc.servicer import start_grpc_server
+
+            try:
+                grpc_server = await start_grpc_server(ctx, config.host, config.grpc_port, config.api_key,
+                                                      config.max_body_bytes)
+            except OSError as error:
+                log.error("%s", error)
+                return 1
+            log.info("gRPC on %s:%d", config.host, config.grpc_port)
+        log.info("model ready; serving it as %r", config.served_model_name)
         await server.serve(sockets=[listener])
     finally:
+        if grpc_server is not None:
+            await grpc_server.stop(GRACEFUL_CLOSE_S)
         for task in tasks:
             task.cancel()
     return server.exit_code

@@ -16,11 +16,13 @@ from fastapi.responses import JSONResponse
 
 from .context import ServerContext
 from .errors import APIError, invalid
-from .protocol import ChatCompletionRequest, CompletionRequest, template_messages
+from .chat_request import prepare_chat
+from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import (SSE_DONE, Accumulator, chat_logprobs, chat_response, chunk, completion_logprobs,
                         completion_response, finish_reason, sse)
 from .streaming import ClientDisconnected, EventStream, until_disconnect
 from .tokenizer_manager import RequestStream
+from .tools.streaming import tool_chat_events
 
 CLIENT_CLOSED = 499
 
@@ -32,18 +34,19 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         ctx.check_model(body.model)
         ctx.check_n(body.n)
-        prompt_ids = await manager.render_chat(template_messages(body.messages))
-        max_new = body.requested_max_tokens or manager.default_max_tokens(prompt_ids)
-        params = body.to_sampling_params(max_new)
-        manager.check(prompt_ids, params, "messages", body.max_tokens_param)
-        stream = manager.submit([prompt_ids], params, body.max_tokens_param)
+        chat = await prepare_chat(ctx, body)
+        params, tools = chat.params, chat.tools
+        stream = manager.submit([chat.prompt_ids], params, body.max_tokens_param)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream and tools is not None:
+            return EventStream(tool_chat_events(stream, rid, created, ctx.model_name, body, tools), stream)
         if body.stream:
             return EventStream(_chat_events(stream, rid, created, ctx.model_name, body), stream)
         acc = await collect_unless_disconnected(request, stream, params.n)
         if acc is None:
             return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse(chat_response(rid, created, ctx.model_name, acc, stream.usage, body.logprobs))
+        response = chat_response(rid, created, ctx.model_name, acc, stream.usage, body.logprobs)
+        return JSONResponse(tools.rewrite_response(response) if tools is not None else response)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -19,6 +19,7 @@ from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.sampling.params import MAX_TOP_LOGPROBS
 
 from .errors import invalid
+from .tools.protocol import ToolFields
 
 
 class StreamOptions(BaseModel):
@@ -103,7 +104,7 @@ class _Sampling(BaseModel):
             regex=self.regex, ebnf=self.ebnf)
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(_Sampling, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)

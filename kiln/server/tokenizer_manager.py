@@ -157,12 +157,12 @@ class TokenizerManager:
         except ValueError as exc:  # not valid Unicode
             raise invalid(param, f"{param}: {str(exc).removeprefix('text: ')}") from None
 
-    async def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         if self.tokenizer is None:
             raise invalid("messages", "messages: this model has no tokenizer, so it cannot render a chat")
         try:
             # The template writes the special tokens (BOS) itself; the messages' text stays text.
-            return await asyncio.to_thread(self.tokenizer.encode_chat, messages)
+            return await asyncio.to_thread(self.tokenizer.encode_chat, messages, True, tools)
         except ValueError as exc:
             raise invalid("messages", f"messages: {str(exc).removeprefix('messages: ')}") from None
 
@@ -270,7 +270,9 @@ class TokenizerManager:
             # compile: a client error), or for its own fault while serving it alone (a 500).
             del self._live[rid]
             internal = error.startswith(INTERNAL_ERROR)
-            live.stream.put(APIError(500, error) if internal else invalid("response_format", error))
+            # Tool calls are the only structural tags the server builds: a schema xgrammar refuses.
+            param = "tools" if "structural_tag" in error else "response_format"
+            live.stream.put(APIError(500, error) if internal else invalid(param, error))
             return
         if token_ids:
             self._time_tokens(live, index, now, len(token_ids))

@@ -16,6 +16,8 @@ from typing import Any
 GREEDY_TEMPERATURE = 1e-5
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
+# The output constraints a request may give (at most one), as the grammar compiler names their kinds.
+CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 def _is_int(value: Any) -> bool:
@@ -50,6 +52,7 @@ class SamplingParams:
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: dict[str, Any] | None = None  # xgrammar's structural tag (tool calls use one)
 
     def __post_init__(self) -> None:
         # The OpenAI API lets `stop` be one string and JSON object keys are strings: accept both
@@ -114,9 +117,11 @@ class SamplingParams:
         for name in ("regex", "ebnf"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 fail(name, "must be a string")
-        constraints = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
+        if self.structural_tag is not None and not isinstance(self.structural_tag, dict):
+            fail("structural_tag", "must be a structural tag object")
+        constraints = [n for n in CONSTRAINT_FIELDS if getattr(self, n) is not None]
         if len(constraints) > 1:
-            raise ValueError(f"only one of json_schema, regex and ebnf may be given (got {', '.join(constraints)})")
+            raise ValueError(f"only one of {', '.join(CONSTRAINT_FIELDS)} may be given (got {', '.join(constraints)})")
 
     @staticmethod
     def _is_token_id(value: Any, vocab_size: int | None) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -25,6 +26,7 @@ from tokenizers import processors
 
 from .chat_template import builtin_template, render_chat_template
 from .user_text import SpecialTokenMask, require_unicode
+from .tool_templates import builtin_tool_template, mentions_tools, uses_tools
 
 _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
              (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
@@ -194,14 +196,26 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         return [self.backend.id_to_token(i) for i in ids]
 
+    @cached_property
+    def tool_chat_template(self) -> str | None:
+        """The template for conversations with tools: the model's own when it renders them, else a
+        built-in one that fits the vocabulary (``tool_templates``), else None."""
+        if self.chat_template is not None and mentions_tools(self.chat_template):
+            return self.chat_template
+        return builtin_tool_template(self.backend.get_vocab(with_added_tokens=True))
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             tools: Sequence[Mapping[str, Any]] | None = None,
                             template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The prompt text for a conversation (see ``chat_template.render_chat_template``). To tokenize
         a conversation use ``encode_chat``, which keeps the messages' text from becoming markup."""
-        if self.chat_template is None:
+        template = self.tool_chat_template if uses_tools(messages, tools) else self.chat_template
+        if template is None:
+            if uses_tools(messages, tools):
+                raise ValueError("this model's chat template has no tools section and no built-in tool template "
+                                 "fits its tokens (the built-in one is ChatML's, with <|im_start|> and <|im_end|>)")
             raise ValueError("this tokenizer has no chat template and none of the built-in ones fits it")
-        return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+        return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
                                     tools=tools, bos_token=self.bos_token, eos_token=self.eos_token,
                                     extra_context=template_kwargs)
 

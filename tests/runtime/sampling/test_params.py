@@ -69,7 +69,7 @@ def test_token_ids_unbounded_without_vocab_size():
 
 
 def test_only_one_constraint():
-    with pytest.raises(ValueError, match="only one of json_schema, regex and ebnf.*json_schema, regex"):
+    with pytest.raises(ValueError, match="only one of json_schema, regex, ebnf, structural_tag.*json_schema, regex"):
         SamplingParams(json_schema="{}", regex="a+").validate()
     SamplingParams(regex="a+").validate()
     SamplingParams(ebnf='root ::= "a"').validate()
