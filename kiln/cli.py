@@ -19,10 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     _add_compile(commands)
     _add_fetch(commands)
-    from kiln import cli_bench, cli_generate
+    from kiln import cli_bench, cli_generate, cli_plan
 
     cli_generate.add_parsers(commands)
     cli_bench.add_parser(commands)
+    cli_plan.add_parser(commands)
     _add_serve(commands)
     args = parser.parse_args(argv)
     try:
