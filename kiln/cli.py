@@ -163,12 +163,16 @@ def _add_serve(commands) -> None:
     p.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"])
     p.add_argument("--world-size", type=int, default=1,
                    help="ranks to run the model on, each in its own process after the first (default 1)")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel replicas, each its own scheduler process, engine and KV cache (on GPUs its "
+                        "own devices), behind one endpoint with a cache-aware router (default 1)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(run=_run_serve)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
     from kiln.artifact_cache import ensure_artifact
+    from kiln.server.ipc import exit_now
     from kiln.server.launch import ServeConfig, serve
 
     if args.device == "cpu" and args.backend is None:
@@ -177,10 +181,12 @@ def _run_serve(args: argparse.Namespace) -> int:
     engine = {"device": args.device, "kv_cache_tokens": args.kv_cache_tokens, "mem_fraction": args.mem_fraction,
               "max_batch_tokens": args.max_batch_tokens, "schedule_policy": args.schedule_policy,
               "world_size": args.world_size}
-    return serve(str(artifact), ServeConfig(
+    config = ServeConfig(
         host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name or args.model,
         max_body_bytes=args.max_body_bytes, max_n=args.max_n, drain_timeout=args.drain_timeout,
-        log_level=args.log_level, engine=engine))
+        log_level=args.log_level, engine=engine, dp=args.dp)
+    # Its child processes are gone; the interpreter's teardown would only delay a prompt exit.
+    exit_now(serve(str(artifact), config))
 
 
 if __name__ == "__main__":
