@@ -29,7 +29,8 @@ def plan_text(plan: Plan) -> str:
         f"  KV        {_gb(plan.usable_bytes_per_rank - plan.weight_bytes_per_rank)} left: {kv_per_token:,} B a token "
         f"(layers x 2 x {plan.kv_heads_per_rank} KV head(s) x head_dim x dtype) -> {plan.kv_tokens:,} tokens",
         f"  request   {plan.max_seq_len:,} tokens x {plan.concurrency} sequence(s) = {plan.requested_kv_tokens:,} "
-        f"tokens: {'fits' if fits else 'does not fit'} ({plan.requested_kv_tokens / max(plan.kv_tokens, 1):.0%} of the room)",
+        f"tokens: {'fits' if fits else 'does not fit'} "
+        f"({plan.requested_kv_tokens / max(plan.kv_tokens, 1):.0%} of the room)",
         f"decode step at batch {plan.concurrency}, every sequence at full context:",
         f"  memory    {_gb(plan.decode_bytes_per_step)} read a step (weights + KV, stages in turn) at "
         f"{assumed['memory_efficiency']:.0%} of {assumed['memory_bandwidth'] / 1e12:g} TB/s",
@@ -37,7 +38,8 @@ def plan_text(plan: Plan) -> str:
         f"{plan.allreduce_s * 1e3:.3f} ms over NVLink (ring, {assumed['nvlink_efficiency']:.0%} of "
         f"{assumed['nvlink_bandwidth'] / 1e9:g} GB/s one way, plus {assumed['collective_latency_s'] * 1e6:g} us "
         "a collective)",
-        f"  step      {plan.decode_step_s * 1e3:.3f} ms -> ~{plan.tokens_per_s:,.0f} tokens/s over {plan.dp} replica(s)",
+        f"  step      {plan.decode_step_s * 1e3:.3f} ms -> ~{plan.tokens_per_s:,.0f} tokens/s over "
+        f"{plan.dp} replica(s)",
     ]
     lines += [f"note: {note}" for note in plan.notes]
     return "\n".join(lines)

@@ -4,9 +4,9 @@
 
 It waits for the scheduler's READY (which names the artifact's tokenizer directory), loads the
 tokenizer and forwards READY, so the HTTP process knows both are up; with several data-parallel
-replicas it serves them all (request ids are unique across them) and forwards each one's READY. For every NEW request it keeps
-one ``SampleText`` per sample (the same incremental detokenizer and stop-string cut the in-process
-Engine uses); each EVENTS batch becomes one OUTPUTS batch:
+replicas it serves them all (request ids are unique across them) and forwards each one's READY.
+For every NEW request it keeps one ``SampleText`` per sample (the same incremental detokenizer and
+stop-string cut the in-process Engine uses); each EVENTS batch becomes one OUTPUTS batch:
 
     [rid, index, text_delta, token_ids, logprobs, finish_reason, error, prompt_tokens, cached_tokens]
 

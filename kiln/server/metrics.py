@@ -157,7 +157,8 @@ class ServerMetrics:
     def _router_lines(self) -> list[str]:
         routed, hits = self.router_prompt_tokens.values[()], self.router_hit_tokens.values[()]
         lines = []
-        for metric in (self.replica_requests, self.replica_in_flight, self.router_prompt_tokens, self.router_hit_tokens):
+        for metric in (self.replica_requests, self.replica_in_flight, self.router_prompt_tokens,
+                       self.router_hit_tokens):
             lines += metric.render()
         return lines + ["# HELP kiln_router_prefix_hit_rate Prompt tokens found in the chosen replica's prefixes / "
                         "tokens routed", "# TYPE kiln_router_prefix_hit_rate gauge",

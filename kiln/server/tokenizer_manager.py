@@ -5,8 +5,8 @@ A route turns its body into prompt token ids and ``SamplingParams``, checks them
 calls ``submit``, which sends one ADD per prompt to the scheduler process and returns a
 ``RequestStream``; with several data-parallel replicas the ``CacheAwareRouter`` picks each
 prompt's replica (an ABORT goes to the same one). The receive loop (``dispatch``) routes the
-detokenizer's OUTPUTS to their streams and records latency metrics. Closing a stream before it finished (the client went away,
-an error) aborts what is left, so the scheduler frees its KV at once.
+detokenizer's OUTPUTS to their streams and records latency metrics. Closing a stream before it
+finished (the client went away, an error) aborts what is left, so the scheduler frees its KV at once.
 """
 
 from __future__ import annotations
