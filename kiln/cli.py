@@ -19,10 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     _add_compile(commands)
     _add_fetch(commands)
-    from kiln import cli_bench, cli_generate
+    from kiln import cli_bench, cli_generate, cli_plan
 
     cli_generate.add_parsers(commands)
     cli_bench.add_parser(commands)
+    cli_plan.add_parser(commands)
     _add_serve(commands)
     args = parser.parse_args(argv)
     try:
@@ -172,6 +173,9 @@ def _add_serve(commands) -> None:
     p.add_argument("--world-size", type=int, default=1,
                    help="ranks to run a one-rank artifact on, each a full copy in its own process after the first "
                         "(default 1; a tensor-parallel artifact runs on its --tp ranks)")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel replicas, each its own scheduler process, engine and KV cache (on GPUs its "
+                        "own devices), behind one endpoint with a cache-aware router (default 1)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--reference-fallback", action="store_true",
                    help="on a GPU that cannot run the model's FP8 (compute capability < 8.9), run the torch "
@@ -189,6 +193,7 @@ def _add_serve(commands) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     from kiln.artifact_cache import artifact_model_name, ensure_artifact
     from kiln.cli_speculative import speculative_keywords
+    from kiln.server.ipc import exit_now
     from kiln.server.launch import ServeConfig, serve
 
     if args.device == "cpu" and args.backend is None:
@@ -198,11 +203,14 @@ def _run_serve(args: argparse.Namespace) -> int:
               "max_batch_tokens": args.max_batch_tokens, "schedule_policy": args.schedule_policy,
               "world_size": args.world_size, "reference_fallback": args.reference_fallback,
               "debug_fail_token_id": args.debug_fail_token_id, **speculative_keywords(args)}
-    return serve(str(artifact), ServeConfig(
-        host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name or artifact_model_name(artifact),
+    config = ServeConfig(
+        host=args.host, port=args.port, api_key=args.api_key,
+        served_model_name=args.served_model_name or artifact_model_name(artifact),
         max_body_bytes=args.max_body_bytes, max_n=args.max_n, drain_timeout=args.drain_timeout,
-        log_level=args.log_level, tool_call_parser=args.tool_call_parser,
-        grpc_port=args.grpc_port, engine=engine))
+        log_level=args.log_level, tool_call_parser=args.tool_call_parser, grpc_port=args.grpc_port,
+        engine=engine, dp=args.dp)
+    # Its child processes are gone; the interpreter's teardown would only delay a prompt exit.
+    exit_now(serve(str(artifact), config))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
     python -m kiln.server.detokenizer_process '{"ipc_dir": ..., "parent_pid": ...}'
 
 It waits for the scheduler's READY (which names the artifact's tokenizer directory), loads the
-tokenizer and forwards READY, so the HTTP process knows both are up. For every NEW request it keeps
-one ``SampleText`` per sample (the same incremental detokenizer and stop-string cut the in-process
-Engine uses); each EVENTS batch becomes one OUTPUTS batch:
+tokenizer and forwards READY, so the HTTP process knows both are up; with several data-parallel
+replicas it serves them all (request ids are unique across them) and forwards each one's READY.
+For every NEW request it keeps one ``SampleText`` per sample (the same incremental detokenizer and
+stop-string cut the in-process Engine uses); each EVENTS batch becomes one OUTPUTS batch:
 
     [rid, index, text_delta, token_ids, logprobs, finish_reason, error, prompt_tokens, cached_tokens,
      spec_verify_ct, spec_verify_tokens]
@@ -74,8 +75,9 @@ def run(inbox: zmq.Socket, outbox: zmq.Socket, parent: ipc.ParentWatch) -> int:
             elif kind == ipc.NEW and detokenizer is not None:
                 detokenizer.add(*message[1:])
             elif kind == ipc.READY:
-                directory = message[1].get("tokenizer_dir")
-                detokenizer = Detokenizer(Tokenizer.from_dir(directory) if directory else None)
+                if detokenizer is None:  # the replicas serve one artifact: its tokenizer, loaded once
+                    directory = message[1].get("tokenizer_dir")
+                    detokenizer = Detokenizer(Tokenizer.from_dir(directory) if directory else None)
                 outbox.send(ipc.pack(message))
             elif kind in (ipc.REJECT, ipc.STATS, ipc.FATAL):
                 outbox.send(ipc.pack(message))
@@ -99,4 +101,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ipc.exit_now(main())

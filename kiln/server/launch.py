@@ -1,9 +1,15 @@
 """``kiln serve``: starts the processes, waits for the model, serves HTTP, and stops cleanly.
 
-    HTTP process (this one)        scheduler process              detokenizer process
+    HTTP process (this one)        scheduler process(es)          detokenizer process
     FastAPI + TokenizerManager --> EngineCore loop ------------> SampleText per sample --+
+      (+ router with --dp N)       (one per replica)                                   |
            ^                                                                           |
            +---------------------------- outputs, stats, ready ------------------------+
+
+With ``dp`` > 1 there are that many scheduler processes (data-parallel replicas, each its own
+engine core and KV cache), one inbox each, and the tokenizer manager's cache-aware router
+(``router.py``) picks one for each prompt; they share the detokenizer. A replica that exits ends
+the server like any child.
 
 Start-up: compile the model if needed (``ensure_artifact``), bind the port (a busy port fails at
 once, before the model loads), start both children (``python -m`` with a JSON argument: no pickled
@@ -43,6 +49,7 @@ from .context import ServerContext
 from .gate import ServerState
 from .http import build_app
 from .metrics import ServerMetrics
+from .router import CacheAwareRouter, RouterOptions
 from .tokenizer_manager import ModelInfo, TokenizerManager
 from .tools import resolve_parser
 
@@ -70,6 +77,11 @@ class ServeConfig:
     tool_call_parser: str | None = None  # None: the one the chat template implies
     grpc_port: int | None = None  # also serve kiln.proto's gRPC API on this port
     engine: dict[str, Any] = field(default_factory=dict)  # EngineOptions fields
+    dp: int = 1                                            # data-parallel replicas
+    router: RouterOptions = RouterOptions()
+
+    def scheduler_name(self, replica: int) -> str:
+        return "scheduler" if self.dp == 1 else f"replica {replica} scheduler"
 
 
 class StartupError(RuntimeError):
@@ -158,6 +170,9 @@ class KilnServer(uvicorn.Server):
 
 def serve(artifact: str, config: ServeConfig) -> int:
     """Runs the server until it is stopped; returns the process exit code."""
+    if config.dp < 1:
+        raise ValueError(f"dp must be at least 1, got {config.dp}")
+    config.router.validate()
     logging.basicConfig(level=config.log_level.upper(), format="kiln: %(message)s")
     return asyncio.run(_serve(artifact, config))
 
@@ -192,59 +207,64 @@ async def _serve_on(listener: socket.socket, artifact: str, config: ServeConfig)
     receiver = zmq.asyncio.Context.shadow(context.underlying).socket(zmq.PULL)
     receiver.setsockopt(zmq.LINGER, 0)
     receiver.bind(ipc.address(ipc_dir, ipc.HTTP_SOCKET))
-    sender = ipc.push_socket(context, ipc.address(ipc_dir, ipc.SCHEDULER_SOCKET))
+    senders = [ipc.push_socket(context, ipc.address(ipc_dir, ipc.scheduler_socket(i))) for i in range(config.dp)]
     # Each child is told to stop directly: a dead scheduler could not pass the word on.
-    stoppers = [sender, ipc.push_socket(context, ipc.address(ipc_dir, ipc.DETOKENIZER_SOCKET))]
+    stoppers = [*senders, ipc.push_socket(context, ipc.address(ipc_dir, ipc.DETOKENIZER_SOCKET))]
     children = Children()
     loop = asyncio.get_running_loop()
     # Until uvicorn installs its handlers, SIGTERM cancels start-up (and the cleanup below runs).
     loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     try:
         child_config = {"ipc_dir": ipc_dir, "parent_pid": os.getpid(), "log_level": config.log_level}
-        children.start("scheduler", "kiln.server.scheduler_process",
-                       {**child_config, "artifact": artifact, "engine": config.engine})
+        for replica in range(config.dp):
+            children.start(config.scheduler_name(replica), "kiln.server.scheduler_process",
+                           {**child_config, "artifact": artifact, "engine": config.engine, "replica": replica})
         children.start("detokenizer", "kiln.server.detokenizer_process", child_config)
         try:
-            facts = await _wait_ready(receiver, children)
+            facts = await _wait_ready(receiver, children, config.dp)
         except StartupError as exc:
             log.error("%s", exc)
             return 1
         loop.remove_signal_handler(signal.SIGTERM)
-        return await _run_http(config, facts, listener, receiver, sender, children)
+        return await _run_http(config, facts, listener, receiver, senders, children)
     except asyncio.CancelledError:
         log.info("stopped during start-up")
         return 128 + signal.SIGTERM
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
-        for socket in stoppers:
-            socket.send(ipc.pack([ipc.SHUTDOWN]))
+        for stopper in stoppers:
+            stopper.send(ipc.pack([ipc.SHUTDOWN]))
         children.stop(CHILD_STOP_TIMEOUT_S if children.exited() is None else CHILD_STOP_AFTER_FAILURE_S)
         receiver.close()
-        for socket in stoppers:
-            socket.close()
+        for stopper in stoppers:
+            stopper.close(linger=0)  # the children are gone: a SHUTDOWN still queued (a dead child's) has no reader
         context.term()
         shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
-async def _wait_ready(receiver: zmq.asyncio.Socket, children: Children) -> dict[str, Any]:
-    log.info("loading the model")
-    while True:
+async def _wait_ready(receiver: zmq.asyncio.Socket, children: Children, replicas: int) -> list[dict[str, Any]]:
+    """Every replica's model facts, in replica order, once all of them are READY."""
+    log.info("loading the model" + (f" into {replicas} replicas" if replicas > 1 else ""))
+    facts: dict[int, dict[str, Any]] = {}
+    while len(facts) < replicas:
         if await receiver.poll(int(CHILD_POLL_S * 1000)):
             message = ipc.unpack(await receiver.recv())
             if message[0] == ipc.READY:
-                return message[1]
-            if message[0] == ipc.FATAL:
+                facts[message[1]["replica"]] = message[1]
+            elif message[0] == ipc.FATAL:
                 raise StartupError(message[1])
         elif (gone := children.exited()) is not None:
             raise StartupError(f"the {gone[0]} process exited with code {gone[1]} during start-up")
+    return [facts[replica] for replica in range(replicas)]
 
 
-async def _run_http(config: ServeConfig, facts: dict[str, Any], listener: socket.socket,
-                    receiver: zmq.asyncio.Socket, sender: zmq.Socket, children: Children) -> int:
+async def _run_http(config: ServeConfig, replica_facts: list[dict[str, Any]], listener: socket.socket,
+                    receiver: zmq.asyncio.Socket, senders: list[zmq.Socket], children: Children) -> int:
+    facts = replica_facts[0]  # the replicas serve one artifact
     tokenizer = Tokenizer.from_dir(facts["tokenizer_dir"]) if facts["tokenizer_dir"] else None
     info = ModelInfo(config.served_model_name, facts["vocab_size"], facts["max_seq_len"], int(time.time()))
-    metrics = ServerMetrics()
-    metrics.engine_stats = facts["stats"]
+    metrics = ServerMetrics(config.dp)
+    metrics.replica_stats.update((f["replica"], f["stats"]) for f in replica_facts)
     state = ServerState()
     server: KilnServer | None = None
 
@@ -257,7 +277,8 @@ async def _run_http(config: ServeConfig, facts: dict[str, Any], listener: socket
         manager.failure = message
         fatal(message)
 
-    manager = TokenizerManager(tokenizer, info, sender, metrics, on_fatal=fatal)
+    manager = TokenizerManager(tokenizer, info, senders, metrics, on_fatal=fatal,
+                               router=CacheAwareRouter(config.dp, metrics, config.router))
     ctx = ServerContext(manager, state, metrics, config.max_n, resolve_parser(config.tool_call_parser, tokenizer))
     app = build_app(ctx, config.api_key, config.max_body_bytes)
     server = KilnServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,

@@ -2,9 +2,12 @@
 
 The HTTP process counts what it sees (requests by endpoint and status, prompt and generated
 tokens, time to first token, inter-token latency, end-to-end latency); the engine's gauges
-(running and waiting requests, KV pool use, prefix-cache hits) come from the scheduler process's
-latest published ``EngineCore.stats()``. Everything runs on the event loop's thread, so no locks.
-A few dozen lines here spare the server a dependency.
+(running and waiting requests, KV pool use, prefix-cache hits) come from each scheduler process's
+latest published ``EngineCore.stats()``. With several data-parallel replicas (``kiln serve --dp``)
+the engine series are their sums (ratios recomputed from the sums), followed by each replica's
+own with a ``replica`` label, and the router's series follow: requests routed to each replica,
+requests in flight on each, and its prefix hit rate. Everything runs on the event loop's thread,
+so no locks. A few dozen lines here spare the server a dependency.
 """
 
 from __future__ import annotations
@@ -45,6 +48,22 @@ ENGINE_SERIES = (
     ("kiln_spec_drafted_tokens_total", "spec_drafted_tokens", "Draft tokens verified", "counter"),
     ("kiln_spec_accepted_drafts_total", "spec_accepted_drafts", "Draft tokens the target accepted", "counter"),
 )
+# Engine stats that are ratios: (numerator, denominator) keys, so that replicas combine by their sums.
+RATIO_STATS = {"kv_usage": ("kv_pages_used", "kv_pages_total"),
+               "cache_hit_rate": ("cache_hit_tokens", "cache_queried_tokens")}
+
+
+def combine_stats(replicas: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """Several replicas' ``EngineCore.stats()`` as one engine's: sums, and ratios of the sums."""
+    combined: dict[str, float] = {}
+    for stats in replicas:
+        for key, value in stats.items():
+            if key not in RATIO_STATS:
+                combined[key] = combined.get(key, 0) + value
+    for key, (numerator, denominator) in RATIO_STATS.items():
+        if denominator in combined:
+            combined[key] = combined[numerator] / combined[denominator] if combined[denominator] else 0.0
+    return combined
 
 
 def _number(value: float) -> str:
@@ -78,6 +97,16 @@ class Counter:
         return lines
 
 
+class Gauge(Counter):
+    def set(self, value: float, **labels: str) -> None:
+        self.values[tuple(str(labels[n]) for n in self.label_names)] = value
+
+    def render(self) -> list[str]:
+        lines = super().render()
+        lines[1] = f"# TYPE {self.name} gauge"
+        return lines
+
+
 class Histogram:
     def __init__(self, name: str, help_text: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
         self.name, self.help, self.bounds = name, help_text, buckets
@@ -101,21 +130,47 @@ class Histogram:
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, replicas: int = 1) -> None:
+        self.replicas = replicas
         self.requests = Counter("kiln_requests_total", "HTTP requests by endpoint and status", ("endpoint", "status"))
         self.prompt_tokens = Counter("kiln_prompt_tokens_total", "Prompt tokens of finished requests")
         self.generation_tokens = Counter("kiln_generation_tokens_total", "Tokens generated")
         self.ttft = Histogram("kiln_time_to_first_token_seconds", "Time from arrival to the first token")
         self.itl = Histogram("kiln_inter_token_latency_seconds", "Time between a sample's successive tokens")
         self.e2e = Histogram("kiln_e2e_request_latency_seconds", "Time from arrival to the last token")
-        self.engine_stats: Mapping[str, float] = {}
+        self.replica_stats: dict[int, Mapping[str, float]] = {}  # the latest EngineCore.stats() of each replica
+        self.replica_requests = Counter("kiln_dp_requests_total", "Requests routed to each data-parallel replica",
+                                        ("replica",))
+        self.replica_in_flight = Gauge("kiln_dp_requests_in_flight", "Requests in flight on each replica",
+                                       ("replica",))
+        self.router_prompt_tokens = Counter("kiln_router_prompt_tokens_total", "Prompt tokens the router routed")
+        self.router_hit_tokens = Counter("kiln_router_prefix_hit_tokens_total",
+                                         "Prompt tokens whose prefix the router had sent to the chosen replica")
+
+    @property
+    def engine_stats(self) -> Mapping[str, float]:
+        return combine_stats(self.replica_stats.values())
 
     def render(self) -> str:
         lines: list[str] = []
         for metric in (self.requests, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e):
             lines += metric.render()
+        combined = self.engine_stats
+        per_replica = sorted(self.replica_stats.items()) if self.replicas > 1 else []
         for name, key, help_text, kind in ENGINE_SERIES:
-            if key in self.engine_stats:
-                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}",
-                          f"{name} {_number(self.engine_stats[key])}"]
+            if key in combined:
+                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {_number(combined[key])}"]
+                lines += [f'{name}{{replica="{replica}"}} {_number(stats[key])}' for replica, stats in per_replica]
+        if self.replicas > 1:
+            lines += self._router_lines()
         return "\n".join(lines) + "\n"
+
+    def _router_lines(self) -> list[str]:
+        routed, hits = self.router_prompt_tokens.values[()], self.router_hit_tokens.values[()]
+        lines = []
+        for metric in (self.replica_requests, self.replica_in_flight, self.router_prompt_tokens,
+                       self.router_hit_tokens):
+            lines += metric.render()
+        return lines + ["# HELP kiln_router_prefix_hit_rate Prompt tokens found in the chosen replica's prefixes / "
+                        "tokens routed", "# TYPE kiln_router_prefix_hit_rate gauge",
+                        f"kiln_router_prefix_hit_rate {_number(hits / routed if routed else 0.0)}"]

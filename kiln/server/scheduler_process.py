@@ -1,6 +1,11 @@
 """The scheduler process: runs ``EngineCore`` in a loop.
 
-    python -m kiln.server.scheduler_process '{"artifact": ..., "engine": {...}, "ipc_dir": ..., "parent_pid": ...}'
+    python -m kiln.server.scheduler_process '{"artifact": ..., "engine": {...}, "replica": 0, "ipc_dir": ...,
+                                              "parent_pid": ...}'
+
+With ``kiln serve --dp N`` there are N of these, replicas 0..N-1, each with its own engine core, KV
+cache and inbox (``ipc.scheduler_socket(replica)``); on GPUs replica i runs on its own devices
+(``replica_options``). Its STATS and READY name its replica.
 
 It loads the model, reports READY (or FATAL when loading fails), then repeats: take every waiting
 ADD/ABORT, run one step while there is work, send the step's events to the detokenizer, and publish
@@ -14,12 +19,14 @@ SIGINT/SIGTERM are left to the parent, which drains before stopping its children
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
+import torch
 import zmq
 
 from kiln.runtime.engine_core import EngineCore
@@ -34,8 +41,10 @@ STATS_INTERVAL_S = 0.25
 
 
 class SchedulerLoop:
-    def __init__(self, core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, parent: ipc.ParentWatch) -> None:
+    def __init__(self, core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, parent: ipc.ParentWatch,
+                 replica: int = 0) -> None:
         self.core = core
+        self.replica = replica
         self.inbox = inbox
         self.outbox = outbox
         self.parent = parent
@@ -91,7 +100,7 @@ class SchedulerLoop:
     def _publish_stats(self) -> None:
         now = time.monotonic()
         if self._stats_dirty and now - self._stats_sent_at >= STATS_INTERVAL_S:
-            self._send([ipc.STATS, self.core.stats()])
+            self._send([ipc.STATS, self.core.stats(), self.replica])
             self._stats_sent_at = now
             self._stats_dirty = False
 
@@ -101,16 +110,18 @@ class SchedulerLoop:
 
 def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
-    with ipc.worker_process(args, "scheduler", ipc.SCHEDULER_SOCKET, ipc.DETOKENIZER_SOCKET) as (config, inbox, outbox):
+    replica = json.loads(args[0]).get("replica", 0)
+    with ipc.worker_process(args, "scheduler", ipc.scheduler_socket(replica),
+                            ipc.DETOKENIZER_SOCKET) as (config, inbox, outbox):
         try:
-            core = EngineCore(config["artifact"], EngineOptions(**config["engine"]))
+            core = EngineCore(config["artifact"], replica_options(EngineOptions(**config["engine"]), replica))
         except Exception as exc:  # any load failure is reported the same way: a message and exit 1
             outbox.send(ipc.pack([ipc.FATAL, f"loading {config['artifact']} failed: {exc}"]))
             log.error("loading the model failed: %s", exc)
             return 1
-        outbox.send(ipc.pack([ipc.READY, model_facts(core)]))
+        outbox.send(ipc.pack([ipc.READY, {**model_facts(core), "replica": replica}]))
         try:
-            SchedulerLoop(core, inbox, outbox, ipc.ParentWatch(config["parent_pid"])).run()
+            SchedulerLoop(core, inbox, outbox, ipc.ParentWatch(config["parent_pid"]), replica).run()
         except Exception as exc:
             log.exception("a step failed")
             outbox.send(ipc.pack([ipc.FATAL, f"the scheduler failed: {type(exc).__name__}: {exc}"]))
@@ -118,6 +129,20 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             core.close()
         return 0
+
+
+def replica_options(options: EngineOptions, replica: int) -> EngineOptions:
+    """The engine options of data-parallel replica ``replica``: on GPUs, its own ``world_size`` devices
+    after those of the replicas before it (from the device given, cuda:0 by default); on the CPU the same."""
+    device = options.resolved_device()
+    if device.type != "cuda" or replica == 0:
+        return options
+    first = (device.index or 0) + replica * options.world_size
+    last = first + options.world_size - 1
+    if last >= torch.cuda.device_count():
+        raise ValueError(f"replica {replica} of {options.world_size} rank(s) needs cuda:{last}, and this host has "
+                         f"{torch.cuda.device_count()} GPUs; lower --dp")
+    return replace(options, device=f"cuda:{first}")
 
 
 def model_facts(core: EngineCore) -> dict[str, Any]:
@@ -128,4 +153,4 @@ def model_facts(core: EngineCore) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ipc.exit_now(main())

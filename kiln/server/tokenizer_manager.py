@@ -3,9 +3,10 @@ bookkeeping of requests in flight.
 
 A route turns its body into prompt token ids and ``SamplingParams``, checks them (``check``) and
 calls ``submit``, which sends one ADD per prompt to the scheduler process and returns a
-``RequestStream``. The receive loop (``dispatch``) routes the detokenizer's OUTPUTS to their
-streams and records latency metrics. Closing a stream before it finished (the client went away,
-an error) aborts what is left, so the scheduler frees its KV at once.
+``RequestStream``; with several data-parallel replicas the ``CacheAwareRouter`` picks each
+prompt's replica (an ABORT goes to the same one). The receive loop (``dispatch``) routes the
+detokenizer's OUTPUTS to their streams and records latency metrics. Closing a stream before it
+finished (the client went away, an error) aborts what is left, so the scheduler frees its KV at once.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from . import ipc
 from .errors import APIError, from_value_error, invalid
 from .metrics import ServerMetrics
 from .token_text import TokenBytes
+from .router import CacheAwareRouter
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a request the context cannot hold
@@ -86,6 +88,7 @@ class _Live:
     prompt_index: int
     open_samples: int
     arrival: float
+    replica: int
     last_token_at: dict[int, float] = field(default_factory=dict)
 
 
@@ -133,12 +136,14 @@ class RequestStream:
 
 
 class TokenizerManager:
-    def __init__(self, tokenizer: Tokenizer | None, info: ModelInfo, sender: zmq.Socket, metrics: ServerMetrics,
-                 on_fatal: Callable[[str], None]) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, info: ModelInfo, senders: list[zmq.Socket], metrics: ServerMetrics,
+                 on_fatal: Callable[[str], None], router: CacheAwareRouter) -> None:
+        """``senders``: one socket per replica's scheduler, in replica order; ``router`` chooses among them."""
         self.tokenizer = tokenizer
         self.info = info
         self.metrics = metrics
-        self._sender = sender
+        self._senders = senders
+        self._router = router
         self._on_fatal = on_fatal
         self._live: dict[str, _Live] = {}
         self.failure: str | None = None
@@ -215,29 +220,37 @@ class TokenizerManager:
         now = time.monotonic()
         for index, prompt_ids in enumerate(prompts):
             rid = uuid.uuid4().hex
-            self._live[rid] = _Live(stream, index, params.n, now)
+            replica = self._router.route(prompt_ids)
+            self._live[rid] = _Live(stream, index, params.n, now, replica)
             stream.rids.append(rid)
-            self._send([ipc.ADD, rid, prompt_ids, wire_params])
+            self._send(replica, [ipc.ADD, rid, prompt_ids, wire_params])
         return stream
 
     def release(self, stream: RequestStream) -> None:
         """Forgets a stream's requests, aborting those still running."""
         for rid in stream.rids:
-            if self._live.pop(rid, None) is not None and self.failure is None:
-                self._send([ipc.ABORT, rid])
+            live = self._forget(rid)
+            if live is not None and self.failure is None:
+                self._send(live.replica, [ipc.ABORT, rid])
 
     @property
     def in_flight(self) -> int:
         return len(self._live)
 
     def fail_all(self, status: int, message: str) -> None:
-        for live in list(self._live.values()):
-            live.stream.put(APIError(status, message))
-        self._live.clear()
+        for rid in list(self._live):
+            self._forget(rid).stream.put(APIError(status, message))
 
-    def _send(self, message: list[Any]) -> None:
+    def _forget(self, rid: str) -> _Live | None:
+        """Ends a request's bookkeeping here (its replica's load with it); None if it had ended."""
+        live = self._live.pop(rid, None)
+        if live is not None:
+            self._router.finished(live.replica)
+        return live
+
+    def _send(self, replica: int, message: list[Any]) -> None:
         # A PUSH socket without a high-water mark queues and returns: safe on the event loop.
-        self._sender.send(ipc.pack(message))
+        self._senders[replica].send(ipc.pack(message))
 
     # ---- from the detokenizer ------------------------------------------------------------------
 
@@ -248,9 +261,9 @@ class TokenizerManager:
             for output in message[1]:
                 self._output(now, *output)
         elif kind == ipc.STATS:
-            self.metrics.engine_stats = message[1]
+            self.metrics.replica_stats[message[2]] = message[1]
         elif kind == ipc.REJECT:
-            live = self._live.pop(message[1], None)
+            live = self._forget(message[1])
             if live is not None:
                 renames = {"max_new_tokens": live.stream.max_tokens_param}
                 live.stream.put(from_value_error(ValueError(message[2]), renames))
@@ -268,7 +281,7 @@ class TokenizerManager:
         if error is not None:
             # The core fails a single request for what it asked (a constraint that does not
             # compile: a client error), or for its own fault while serving it alone (a 500).
-            del self._live[rid]
+            self._forget(rid)
             internal = error.startswith(INTERNAL_ERROR)
             # Tool calls are the only structural tags the server builds: a schema xgrammar refuses.
             param = "tools" if "structural_tag" in error else "response_format"
@@ -286,7 +299,7 @@ class TokenizerManager:
             live.stream.usage.spec_verify_tokens += spec_verify_tokens
             live.open_samples -= 1
             if live.open_samples == 0:
-                del self._live[rid]
+                self._forget(rid)
                 self.metrics.prompt_tokens.inc(prompt_tokens)
                 self.metrics.e2e.observe(now - live.arrival)
 

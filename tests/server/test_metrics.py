@@ -1,0 +1,34 @@
+"""/metrics rendering: replicas' engine stats combine into one engine's (sums; ratios of the sums)
+and, with several replicas, each one's series follow with a ``replica`` label."""
+
+from __future__ import annotations
+
+from kiln.server.metrics import ServerMetrics, combine_stats
+
+REPLICA_0 = {"running": 2, "kv_pages_total": 100, "kv_pages_used": 30, "kv_usage": 0.3, "cache_hit_tokens": 10,
+             "cache_queried_tokens": 40, "cache_hit_rate": 0.25}
+REPLICA_1 = {"running": 1, "kv_pages_total": 100, "kv_pages_used": 10, "kv_usage": 0.1, "cache_hit_tokens": 30,
+             "cache_queried_tokens": 40, "cache_hit_rate": 0.75}
+
+
+def test_replicas_combine_by_sums_and_ratios_of_sums():
+    combined = combine_stats([REPLICA_0, REPLICA_1])
+    assert combined == {"running": 3, "kv_pages_total": 200, "kv_pages_used": 40, "kv_usage": 0.2,
+                        "cache_hit_tokens": 40, "cache_queried_tokens": 80, "cache_hit_rate": 0.5}
+    assert combine_stats([REPLICA_0]) == REPLICA_0
+
+
+def test_each_replica_has_its_labelled_series_beside_the_sum():
+    metrics = ServerMetrics(replicas=2)
+    metrics.replica_stats.update({0: REPLICA_0, 1: REPLICA_1})
+    lines = metrics.render().splitlines()
+    assert lines.index("kiln_num_requests_running 3") + 2 == lines.index('kiln_num_requests_running{replica="1"} 1')
+    assert "kiln_prefix_cache_hit_rate 0.5" in lines and 'kiln_prefix_cache_hit_rate{replica="0"} 0.25' in lines
+    assert "kiln_router_prefix_hit_rate 0.0" in lines
+
+
+def test_one_replica_renders_as_before():
+    metrics = ServerMetrics()
+    metrics.replica_stats[0] = REPLICA_0
+    text = metrics.render()
+    assert "kiln_num_requests_running 2\n" in text and "replica=" not in text and "kiln_router" not in text
