@@ -116,11 +116,12 @@ def load_weight(w_ptr, s_ptr, cols, N, w_st, s_st, k0, K, WEIGHT: tl.constexpr, 
         ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         s = tl.load(s_ptr + cols.to(tl.int64)[:, None] * s_st + ks[None, :],
                     mask=col_mask & (ks < K // 32)[None, :], other=127)
-        return w, s
-    k = k0 + tl.arange(0, BLOCK_K)
-    # other=0.0: an integer fill cannot be cast to fp8.
-    w = tl.load(w_ptr + rows + k[None, :], mask=col_mask & (k < K)[None, :], other=0.0)
-    return w, w
+    else:  # an else, not a fall-through: compiled Triton types both returns of a function otherwise
+        k = k0 + tl.arange(0, BLOCK_K)
+        # other=0.0: an integer fill cannot be cast to fp8.
+        w = tl.load(w_ptr + rows + k[None, :], mask=col_mask & (k < K)[None, :], other=0.0)
+        s = w
+    return w, s
 
 
 @triton.jit
