@@ -334,7 +334,7 @@ class EngineCore:
             # (SampleEvent directly, not through _event: a call per sample costs ~10% of this loop.)
             scored = tuple(request.prompt_logprobs) if request.prompt_logprobs and len(output) == 1 else ()
             events.append(SampleEvent(request.rid, request.index, (token,), token_logprobs, reason, None,
-                                      len(request.prompt_ids), request.cached_tokens, scored))
+                                      len(request.prompt_ids), request.cached_tokens, prompt_logprobs=scored))
         return events
 
     def _release_constrained(self) -> list[SampleEvent]:
