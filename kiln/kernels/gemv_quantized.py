@@ -136,8 +136,10 @@ def decode_weight(w, s, WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl
         # magnitudes over 2^115) would overflow f32 here and occur in no weight.
         factor = tl.exp2(s.to(tl.float32) - 113.0)
         blocks = tl.reshape(half.to(tl.float32), [BLOCK_N, BLOCK_K // 32, 32]) * factor[:, :, None]
-        return tl.reshape(blocks, [BLOCK_N, BLOCK_K])
-    return w.to(tl.float32)
+        values = tl.reshape(blocks, [BLOCK_N, BLOCK_K])
+    else:  # not a fall-through: compiled Triton types both returns otherwise (the packed tile is half as wide)
+        values = w.to(tl.float32)
+    return values
 
 
 @triton.jit
