@@ -201,7 +201,7 @@ def _notes(shape: ModelShape, layout: Layout, dp: int) -> list[str]:
     if shape.is_moe:
         split = (f"ep={layout.ep}: {shape.num_experts // layout.ep} whole experts a rank" if layout.ep > 1 else
                  f"the {shape.num_experts} experts do not divide by tp={layout.tp}: each is split like the dense FFN")
-        notes.append(f"MoE: {split}; kiln cannot run MoE models yet")
+        notes.append(f"MoE: {split}; kiln has no expert parallelism yet (--ep): it runs MoE models on one rank")
     elif shape.architecture not in supported_architectures():
         notes.append(f"kiln cannot compile {shape.architecture} yet; supported: {', '.join(supported_architectures())}")
     if layout.pp > 1:

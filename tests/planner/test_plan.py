@@ -97,7 +97,8 @@ def test_tp_beyond_the_kv_heads_replicates_them():
 def test_mixtral_gets_expert_parallelism():
     plan = make_plan(ModelShape.from_hf(MIXTRAL_8X7B), PlanRequest(gpus=8))
     assert (plan.tp, plan.ep, plan.dp) == (2, 2, 4)
-    assert plan.notes[0] == "MoE: ep=2: 4 whole experts a rank; kiln cannot run MoE models yet"
+    assert plan.notes[0] == ("MoE: ep=2: 4 whole experts a rank; kiln has no expert parallelism yet (--ep): it runs MoE models "
+                             "on one rank")
     # At batch 1 a step reads 2 of the 8 experts of each layer, not all of them.
     assert plan.decode_bytes_per_step < 0.4 * plan.weight_bytes_per_rank
 
