@@ -40,7 +40,7 @@ from .scheduler.request import DECODING, PENDING, Request, RequestState
 from .scheduler.scheduler import Scheduler, SchedulerConfig
 from .spec.config import SpecConfig
 from .spec.speculator import Speculator
-from .text.stop_rules import STOP_RULES, StopRules, finish_reason, sampled_on_device
+from .text.stop_rules import STOP_RULES, StopRules, finish_reason, matched_stop, sampled_on_device
 from .text.tokenizer import Tokenizer
 from .worker.executor import graph_blockers
 from .worker.ranks import start_worker
@@ -333,8 +333,10 @@ class EngineCore:
                 self.forget_if_done(request.rid)
             # (SampleEvent directly, not through _event: a call per sample costs ~10% of this loop.)
             scored = tuple(request.prompt_logprobs) if request.prompt_logprobs and len(output) == 1 else ()
+            matched = matched_stop(request) if reason == "stop" else None
             events.append(SampleEvent(request.rid, request.index, (token,), token_logprobs, reason, None,
-                                      len(request.prompt_ids), request.cached_tokens, prompt_logprobs=scored))
+                                      len(request.prompt_ids), request.cached_tokens, prompt_logprobs=scored,
+                                      matched_stop=matched))
         return events
 
     def _release_constrained(self) -> list[SampleEvent]:

@@ -58,6 +58,9 @@ class SampleEvent(NamedTuple):
     spec_verify_tokens: int = 0
     # With SamplingParams.prompt_logprobs, on the first token's event: prompt tokens 1.. scored.
     prompt_logprobs: tuple[float, ...] = ()
+    # On a "stop" event: what ended the sample (SGLang's matched_stop): the stop token id (EOS among
+    # them), the stop string, or the stop regex's pattern.
+    matched_stop: int | str | None = None
 
 
 @dataclass
@@ -68,6 +71,7 @@ class Completion:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     stop_string: str | None = None
+    matched_stop: int | str | None = None  # see SampleEvent.matched_stop
 
 
 @dataclass

@@ -53,6 +53,7 @@ class RequestHandle:
             self._spec_counts[event.index] = (event.spec_verify_ct, event.spec_verify_tokens)
         if finished:
             completion.finish_reason = event.finish_reason
+            completion.matched_stop = event.matched_stop
             completion.stop_string = self._texts[event.index].stop_string if self._texts else None
         all_done = all(c.finish_reason is not None for c in self._completions)
         usage = self._usage() if all_done else None

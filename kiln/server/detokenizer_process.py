@@ -9,7 +9,7 @@ For every NEW request it keeps one ``SampleText`` per sample (the same increment
 stop-string cut the in-process Engine uses); each EVENTS batch becomes one OUTPUTS batch:
 
     [rid, index, text_delta, token_ids, logprobs, finish_reason, error, prompt_tokens, cached_tokens,
-     spec_verify_ct, spec_verify_tokens]
+     spec_verify_ct, spec_verify_tokens, prompt_logprobs, matched_stop]
 
 where each logprobs entry is ``[token_id, token_bytes, logprob, [[id, bytes, logprob], ...]]``.
 REJECT, STATS and FATAL pass through unchanged.
@@ -50,7 +50,7 @@ class Detokenizer:
 
     def _output(self, rid: str, index: int, token_ids: list[int], logprobs: list[list[Any]], finish_reason: str | None,
                 error: str | None, prompt_tokens: int, cached_tokens: int, spec_verify_ct: int,
-                spec_verify_tokens: int, prompt_logprobs: list[float]) -> list[Any]:
+                spec_verify_tokens: int, prompt_logprobs: list[float], matched_stop: int | str | None) -> list[Any]:
         texts = self._texts.get(rid)
         sample = texts[index] if texts is not None else None
         text = sample.push(token_ids, finish_reason is not None) if sample is not None else ""
@@ -62,7 +62,7 @@ class Detokenizer:
                   [[alt, self.token_bytes.bytes_of(alt), alt_value] for alt, alt_value in top]]
                  for token, value, top in logprobs]
         return [rid, index, text, token_ids, named, finish_reason, error, prompt_tokens, cached_tokens, spec_verify_ct,
-                spec_verify_tokens, prompt_logprobs]
+                spec_verify_tokens, prompt_logprobs, matched_stop]
 
 
 def run(inbox: zmq.Socket, outbox: zmq.Socket, parent: ipc.ParentWatch) -> int:

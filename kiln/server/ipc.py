@@ -128,7 +128,7 @@ def event_to_wire(event: SampleEvent) -> list[Any]:
     return [event.rid, event.index, list(event.token_ids),
             [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in event.logprobs],
             event.finish_reason, event.error, event.prompt_tokens, event.cached_tokens, event.spec_verify_ct,
-            event.spec_verify_tokens, list(event.prompt_logprobs)]
+            event.spec_verify_tokens, list(event.prompt_logprobs), event.matched_stop]
 
 
 def exit_now(code: int) -> NoReturn:

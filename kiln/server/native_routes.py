@@ -1,8 +1,8 @@
 """kiln's own endpoints: ``/generate`` (SamplingParams as they are), ``/tokenize`` and ``/detokenize``.
 
 ``/generate`` takes ``{"text" | "input_ids", "sampling_params": {...}, "stream": bool}`` and
-answers, per sample, ``{"text", "output_ids", "meta_info": {id, finish_reason, prompt_tokens,
-completion_tokens, cached_tokens}}`` (``logprobs`` too when asked): one object for n = 1, a list
+answers, per sample, ``{"text", "output_ids", "meta_info": {id, finish_reason, matched_stop,
+prompt_tokens, completion_tokens, cached_tokens}}`` (``logprobs`` too when asked): one object for n = 1, a list
 otherwise. Streaming sends one SSE event per delta, ``{"index", "text", "output_ids",
 "finish_reason"}`` (text and ids are the new part; ``meta_info`` on the last of each sample), then
 ``data: [DONE]``. ``/tokenize`` and ``/detokenize`` follow vLLM's shapes.
@@ -87,14 +87,16 @@ def _logprobs(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
 
 def _result(rid: str, sample: Sample, usage: Usage, with_logprobs: bool) -> dict[str, Any]:
     result: dict[str, Any] = {"text": sample.text, "output_ids": sample.token_ids,
-                              "meta_info": _meta(rid, sample.finish_reason, len(sample.token_ids), usage)}
+                              "meta_info": _meta(rid, sample.finish_reason, sample.matched_stop, len(sample.token_ids),
+                                                 usage)}
     if with_logprobs:
         result["logprobs"] = _logprobs(sample.logprobs)
     return result
 
 
-def _meta(rid: str, reason: str | None, completion_tokens: int, usage: Usage) -> dict[str, Any]:
-    return {"id": rid, "finish_reason": reason, "prompt_tokens": usage.prompt_tokens,
+def _meta(rid: str, reason: str | None, matched_stop: int | str | None, completion_tokens: int,
+          usage: Usage) -> dict[str, Any]:
+    return {"id": rid, "finish_reason": reason, "matched_stop": matched_stop, "prompt_tokens": usage.prompt_tokens,
             "completion_tokens": completion_tokens, "cached_tokens": usage.cached_tokens, **spec_usage(usage)}
 
 
@@ -108,7 +110,7 @@ async def _generate_events(stream: RequestStream, rid: str) -> AsyncIterator[str
             if out.logprobs:
                 event["logprobs"] = _logprobs(out.logprobs)
             if out.finish_reason is not None:
-                event["meta_info"] = _meta(rid, out.finish_reason, produced[out.index], stream.usage)
+                event["meta_info"] = _meta(rid, out.finish_reason, out.matched_stop, produced[out.index], stream.usage)
             yield sse(event)
     except APIError as exc:
         yield sse(exc.body())

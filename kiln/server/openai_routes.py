@@ -90,6 +90,8 @@ async def _chat_events(stream: RequestStream, rid: str, created: int, model: str
             choice = {"index": out.index, "delta": {"content": out.text} if out.text else {},
                       "logprobs": chat_logprobs(out.logprobs) if body.logprobs and out.logprobs else None,
                       "finish_reason": finish_reason(out.finish_reason)}
+            if out.finish_reason is not None:
+                choice["matched_stop"] = out.matched_stop
             yield sse(chunk(rid, "chat.completion.chunk", created, model, [choice]))
         if body.include_usage:
             yield sse(chunk(rid, "chat.completion.chunk", created, model, [], stream.usage))
@@ -111,6 +113,8 @@ async def _completion_events(stream: RequestStream, rid: str, created: int, mode
             logprobs = completion_logprobs(out.logprobs, offset) if body.logprobs is not None else None
             choice = {"index": index, "text": out.text, "logprobs": logprobs,
                       "finish_reason": finish_reason(out.finish_reason)}
+            if out.finish_reason is not None:
+                choice["matched_stop"] = out.matched_stop
             yield sse(chunk(rid, "text_completion", created, model, [choice]))
         if body.include_usage:
             yield sse(chunk(rid, "text_completion", created, model, [], stream.usage))

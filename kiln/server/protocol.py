@@ -5,7 +5,7 @@ Field ranges that do not depend on the model are checked here, so FastAPI report
 naming the field; checks that need the model (vocabulary, context length) are the tokenizer
 manager's. Besides OpenAI's fields, chat and completion requests take a few common extensions
 (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
-``skip_special_tokens``), as vLLM and SGLang do. Unknown fields are ignored, as OpenAI clients send
+``skip_special_tokens``, SGLang's ``stop_regex``), as vLLM and SGLang do. Unknown fields are ignored, as OpenAI clients send
 some (``user``, ``service_tier``) that do not change generation.
 """
 
@@ -82,6 +82,7 @@ class _Sampling(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    stop_regex: Union[str, list[str], None] = None
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     # Constraints beyond OpenAI's, as SGLang takes them.
@@ -97,6 +98,7 @@ class _Sampling(BaseModel):
             max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty, seed=self.seed, stop=_stop_list(self.stop),
+            stop_regex=_stop_list(self.stop_regex),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
             top_logprobs=top_logprobs, n=self.n, logit_bias=_token_bias(self.logit_bias),
             skip_special_tokens=self.skip_special_tokens,

@@ -1,7 +1,8 @@
 """OpenAI response bodies: chat completions, completions and their stream chunks, logprobs, usage.
 
 Plain dicts (JSON-ready) built from the tokenizer manager's ``SampleOutput``s; the routes decide
-when to send them. ``Accumulator`` folds a stream's deltas into whole samples for non-streaming
+when to send them. Each choice carries SGLang's ``matched_stop`` beside its finish reason: the stop
+string or stop regex pattern that ended it, the stop token id (EOS among them), or null. ``Accumulator`` folds a stream's deltas into whole samples for non-streaming
 responses.
 """
 
@@ -84,6 +85,7 @@ class Sample:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_logprobs: list[float] = field(default_factory=list)
+    matched_stop: int | str | None = None
 
 
 class Accumulator:
@@ -104,6 +106,7 @@ class Accumulator:
         sample.prompt_logprobs += output.prompt_logprobs
         if output.finish_reason is not None:
             sample.finish_reason = finish_reason(output.finish_reason)
+            sample.matched_stop = output.matched_stop
         return sample
 
     def ordered(self) -> list[tuple[int, Sample]]:
@@ -120,7 +123,7 @@ def chat_response(rid: str, created: int, model: str, acc: Accumulator, usage: U
                   with_logprobs: bool) -> dict[str, Any]:
     choices = [{"index": i, "message": {"role": "assistant", "content": s.text},
                 "logprobs": chat_logprobs(s.logprobs) if with_logprobs else None,
-                "finish_reason": s.finish_reason} for i, s in acc.ordered()]
+                "finish_reason": s.finish_reason, "matched_stop": s.matched_stop} for i, s in acc.ordered()]
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": usage_body(usage), "system_fingerprint": SYSTEM_FINGERPRINT}
 
@@ -137,7 +140,8 @@ def completion_response(rid: str, created: int, model: str, acc: Accumulator, us
         text = (echo.text if echo else "") + (s.text if keep_generated else "")
         choices.append({"index": i, "text": text,
                         "logprobs": completion_logprobs(entries, 0, echo, s.prompt_logprobs) if with_logprobs else None,
-                        "finish_reason": s.finish_reason if keep_generated else "length"})
+                        "finish_reason": s.finish_reason if keep_generated else "length",
+                        "matched_stop": s.matched_stop if keep_generated else None})
     if not keep_generated:
         usage = Usage(usage.prompt_tokens, 0, usage.cached_tokens)
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,

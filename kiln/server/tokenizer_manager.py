@@ -61,6 +61,7 @@ class SampleOutput:
     logprobs: list[TokenLogprob]
     finish_reason: str | None
     prompt_logprobs: list[float] = field(default_factory=list)  # on a sample's first delta, when asked
+    matched_stop: int | str | None = None  # on a "stop" delta: the stop token id, string or regex that ended it
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,8 @@ class TokenizerManager:
                            param=max_tokens_param, code=CONTEXT_LENGTH_EXCEEDED)
         if params.stop and self.tokenizer is None:
             raise invalid("stop", "stop: stop strings need a tokenizer, and this model has none")
+        if params.stop_regex and self.tokenizer is None:
+            raise invalid("stop_regex", "stop_regex: stop regexes need a tokenizer, and this model has none")
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -274,7 +277,8 @@ class TokenizerManager:
 
     def _output(self, now: float, rid: str, index: int, text: str, token_ids: list[int], logprobs: list[list[Any]],
                 finish_reason: str | None, error: str | None, prompt_tokens: int, cached_tokens: int,
-                spec_verify_ct: int, spec_verify_tokens: int, prompt_logprobs: list[float]) -> None:
+                spec_verify_ct: int, spec_verify_tokens: int, prompt_logprobs: list[float],
+                matched_stop: int | str | None) -> None:
         live = self._live.get(rid)
         if live is None:
             return  # aborted here already; the scheduler's last words for it
@@ -292,7 +296,7 @@ class TokenizerManager:
         live.stream.note_prompt(live.prompt_index, index, prompt_tokens, cached_tokens)
         entries = [TokenLogprob(t, b, lp, tuple((a, ab, alp) for a, ab, alp in top)) for t, b, lp, top in logprobs]
         live.stream.put(SampleOutput(live.prompt_index, index, text, token_ids, entries, finish_reason,
-                                     prompt_logprobs))
+                                     prompt_logprobs, matched_stop))
         if finish_reason is not None:
             # The counts are the sample's totals so far: its last event has them all.
             live.stream.usage.spec_verify_ct += spec_verify_ct

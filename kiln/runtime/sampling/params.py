@@ -8,6 +8,7 @@ Checks that need the model's context length (prompt + ``max_new_tokens``) are th
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     seed: int | None = None  # None: the engine draws one when the request is created
     stop: list[str] = field(default_factory=list)
+    # Python ``re`` patterns searched in the output text as it grows (SGLang's extension); the
+    # first match ends the sample, cut where the match begins, as a stop string cuts it.
+    stop_regex: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False  # report the chosen token's logprob
@@ -59,6 +63,8 @@ class SamplingParams:
         # spellings here so every caller need not.
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.stop_regex, str):
+            self.stop_regex = [self.stop_regex]
         if isinstance(self.logit_bias, dict):
             self.logit_bias = {int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k: v
                                for k, v in self.logit_bias.items()}
@@ -92,6 +98,13 @@ class SamplingParams:
             fail("seed", "must be an integer or null")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             fail("stop", "must be a list of non-empty strings")
+        if not isinstance(self.stop_regex, list) or not all(isinstance(s, str) and s for s in self.stop_regex):
+            fail("stop_regex", "must be a list of non-empty regular expressions")
+        for pattern in self.stop_regex:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"stop_regex {pattern!r} is not a valid Python regular expression: {exc}") from None
         if not isinstance(self.stop_token_ids, list) or not all(self._is_token_id(t, vocab_size)
                                                                 for t in self.stop_token_ids):
             fail("stop_token_ids", "must be a list of token ids in the vocabulary")

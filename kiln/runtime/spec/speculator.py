@@ -34,7 +34,7 @@ from ..sampling import SamplingBatch, SamplingRow
 from ..scheduler.batch import build_verify_lists
 from ..scheduler.request import Request
 from ..scheduler.scheduler import ScheduleBatch
-from ..text.stop_rules import STOP_RULES, finish_reason
+from ..text.stop_rules import STOP_RULES, finish_reason, matched_stop
 from .config import SpecConfig
 from .ngram import NgramDrafter
 from .verify import accept, row_choices
@@ -107,7 +107,8 @@ class Speculator:
                 core.forget_if_done(request.rid)
             verify_ct, verify_tokens = request.extras.get(SPEC_COUNTS, (0, 0))
             events.append(SampleEvent(request.rid, request.index, tuple(kept), logprobs, reason, None,
-                                      len(request.prompt_ids), request.cached_tokens, verify_ct, verify_tokens))
+                                      len(request.prompt_ids), request.cached_tokens, verify_ct, verify_tokens,
+                                      matched_stop=matched_stop(request) if reason == "stop" else None))
         self.verify_steps += len(batch.decodes)
         self.verify_tokens += step_tokens
         self.drafted_tokens += sum(map(len, drafts))

@@ -17,11 +17,15 @@ before the bad one and never takes text back.
 ``StopChecker`` watches that text for stop strings: it says when one occurred (the output is cut
 before it) and holds back a tail that could still become one, so a client never sees text that a
 stop string later removes. It matches on Python strings, whose units are whole characters, and the
-detokenizer never emits part of a character, so a cut never falls inside one.
+detokenizer never emits part of a character, so a cut never falls inside one. It also searches stop
+regexes (``re`` patterns) in the whole text after each delta, since a match may need text yet to
+come; no tail can be held back for a pattern, so a match that begins in text already streamed cuts
+the output where the streamed text ends.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -88,8 +92,8 @@ class IncrementalDetokenizer:
 
 @dataclass(frozen=True)
 class StopUpdate:
-    """What to stream after one delta: ``text`` (may be empty), and whether a stop string ended
-    the output (``stop_string`` says which)."""
+    """What to stream after one delta: ``text`` (may be empty), and whether a stop string or stop
+    regex ended the output (``stop_string`` says which: the string, or the regex's pattern)."""
 
     text: str
     stopped: bool = False
@@ -104,6 +108,18 @@ def find_stop(text: str, stop_strings: Sequence[str], start: int = 0) -> tuple[i
         index = text.find(stop, max(0, start - len(stop) + 1))
         if index != -1 and (best is None or index < best[0]):
             best = (index, stop)
+    return best
+
+
+def find_stop_regex(text: str, patterns: Sequence[re.Pattern[str]]) -> tuple[int, str] | None:
+    """The earliest match of any pattern in the whole of ``text``, as (index where it begins, the
+    pattern's text), or None. The whole text each time: a match may begin in older text and need
+    the newest to complete."""
+    best: tuple[int, str] | None = None
+    for pattern in patterns:
+        match = pattern.search(text)
+        if match is not None and (best is None or match.start() < best[0]):
+            best = (match.start(), pattern.pattern)
     return best
 
 
@@ -128,12 +144,15 @@ class StopChecker:
     held-back tail.
     """
 
-    def __init__(self, stop_strings: Sequence[str]) -> None:
+    def __init__(self, stop_strings: Sequence[str], stop_regexes: Sequence[str] = ()) -> None:
         if any(not stop for stop in stop_strings):
             raise ValueError("stop strings must not be empty")
         self.stop_strings = tuple(stop_strings)
+        # Compiled once per sample (``re`` also caches them across the samples of a request).
+        self.stop_patterns = tuple(re.compile(pattern) for pattern in stop_regexes)
         self.text = ""
         self.stopped = False
+        self.stop_string: str | None = None
         self._streamed = 0
 
     def push(self, delta: str) -> StopUpdate:
@@ -142,10 +161,16 @@ class StopChecker:
         start = len(self.text)
         self.text += delta
         hit = find_stop(self.text, self.stop_strings, start)
+        if self.stop_patterns:
+            regex_hit = find_stop_regex(self.text, self.stop_patterns)
+            if regex_hit is not None and (hit is None or regex_hit[0] < hit[0]):
+                # What was streamed stays streamed: the cut falls no earlier than its end.
+                hit = (max(regex_hit[0], self._streamed), regex_hit[1])
         if hit is not None:
             cut, stop = hit
             self.text = self.text[:cut]
             self.stopped = True
+            self.stop_string = stop
             return StopUpdate(self._release(len(self.text)), stopped=True, stop_string=stop)
         return StopUpdate(self._release(len(self.text) - partial_stop_length(self.text, self.stop_strings)))
 

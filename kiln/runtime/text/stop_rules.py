@@ -1,6 +1,8 @@
 """When a sample stops, decided token by token inside the engine core: the grammar's end, stop
-token ids, EOS (unless ignored), stop strings (detected on the detokenized text; the output side
-cuts the text itself), max_new_tokens and the context length."""
+token ids, EOS (unless ignored), stop strings and stop regexes (detected on the detokenized text;
+the output side cuts the text itself), max_new_tokens and the context length. What ended a stopped
+sample (the token id, the stop string or the regex's pattern) is its rules' ``matched``: SGLang's
+``matched_stop``."""
 
 from __future__ import annotations
 
@@ -14,14 +16,15 @@ STOP_RULES = "stop"
 
 
 class StopWatch:
-    """Stop-string detection for one sample."""
+    """Stop-string and stop-regex detection for one sample."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
-        self._checker = StopChecker(params.stop)
+        self._checker = StopChecker(params.stop, params.stop_regex)
 
-    def push(self, token: int) -> bool:
-        return self._checker.push(self._detok.add(token)).stopped
+    def push(self, token: int) -> str | None:
+        """The stop string (or regex pattern) that this token completed, or None."""
+        return self._checker.push(self._detok.add(token)).stop_string
 
 
 class StopRules:
@@ -35,25 +38,39 @@ class StopRules:
         self.token_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_ids))
         # Output tokens at which the sample ends: max_new_tokens, or fewer where the context ends.
         self.max_output = min(params.max_new_tokens, max_seq_len - len(prompt_ids))
-        self.watch = StopWatch(tokenizer, prompt_ids, params) if params.stop else None
+        self.watch = StopWatch(tokenizer, prompt_ids, params) if params.stop or params.stop_regex else None
+        # What ended the sample, once it stopped: a stop token id, a stop string or a regex pattern.
+        self.matched: int | str | None = None
 
 
 def finish_reason(request: Request, token: int) -> str | None:
     """Why ``request`` ends with ``token`` just appended: "stop", "length", "error" (the grammar
-    rejected the token), or None to go on. The request's ``StopRules`` are in its extras."""
+    rejected the token), or None to go on. The request's ``StopRules`` are in its extras; on a
+    stop they record what matched."""
     extras = request.extras
+    rules: StopRules = extras[STOP_RULES]
     if GRAMMAR in extras:  # (checked here: a call per sample for the few constrained ones only)
         grammar_reason = Constraints.advance(request, token)
         if grammar_reason is not None:
+            if grammar_reason == "stop" and token in rules.token_ids:
+                rules.matched = token  # the grammar ended on EOS
             return grammar_reason
-    rules: StopRules = extras[STOP_RULES]
     if token in rules.token_ids:
+        rules.matched = token
         return "stop"
-    if rules.watch is not None and rules.watch.push(token):
-        return "stop"
+    if rules.watch is not None:
+        stop_string = rules.watch.push(token)
+        if stop_string is not None:
+            rules.matched = stop_string
+            return "stop"
     if len(request.output_ids) >= rules.max_output:
         return "length"
     return None
+
+
+def matched_stop(request: Request) -> int | str | None:
+    """What ended ``request`` (a sample that finished "stop"): see ``StopRules.matched``."""
+    return request.extras[STOP_RULES].matched
 
 
 def sampled_on_device(request: Request) -> bool:

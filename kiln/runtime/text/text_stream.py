@@ -1,4 +1,5 @@
-"""Text for one sample as its tokens arrive: detokenized deltas with stop strings cut and held back.
+"""Text for one sample as its tokens arrive: detokenized deltas with stop strings (and stop regexes)
+cut and held back.
 
 The engine core decides *when* a stop string ends a request; this produces the text the user sees
 from the same tokens (the in-process Engine and the server's detokenizer process both use it), so
@@ -17,7 +18,7 @@ from .tokenizer import Tokenizer
 class SampleText:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
-        self._stop = StopChecker(params.stop) if params.stop else None
+        self._stop = StopChecker(params.stop, params.stop_regex) if params.stop or params.stop_regex else None
         self.text = ""
         self.stop_string: str | None = None
 

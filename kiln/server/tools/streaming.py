@@ -118,7 +118,8 @@ async def tool_chat_events(stream: RequestStream, rid: str, created: int, model:
                 reason = finish_reason(out.finish_reason)
                 if splitter.calls_sent and reason == "stop":
                     reason = "tool_calls"
-                yield event([{"index": out.index, "delta": {}, "logprobs": None, "finish_reason": reason}])
+                yield event([{"index": out.index, "delta": {}, "logprobs": None, "finish_reason": reason,
+                              "matched_stop": out.matched_stop}])
         if body.include_usage:
             yield event([], stream.usage)
     except APIError as exc:

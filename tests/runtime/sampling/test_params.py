@@ -21,8 +21,8 @@ def test_greedy_is_temperature_zero():
 
 
 def test_openai_spellings_are_normalized():
-    params = SamplingParams(stop="###", logit_bias={"5": 1.5, 7: -2})
-    assert params.stop == ["###"] and params.logit_bias == {5: 1.5, 7: -2}
+    params = SamplingParams(stop="###", stop_regex=r"\d+", logit_bias={"5": 1.5, 7: -2})
+    assert params.stop == ["###"] and params.stop_regex == [r"\d+"] and params.logit_bias == {5: 1.5, 7: -2}
     params.validate(vocab_size=10)
 
 
@@ -43,6 +43,7 @@ def test_fields_are_not_shared_between_instances():
     ("presence_penalty", 3), ("presence_penalty", float("inf")),
     ("seed", 1.5), ("seed", "42"),
     ("stop", ["ok", ""]), ("stop", [3]), ("stop", None),
+    ("stop_regex", ["("]), ("stop_regex", ["ok", "[a-"]), ("stop_regex", [""]), ("stop_regex", [3]), ("stop_regex", None),
     ("stop_token_ids", [-1]), ("stop_token_ids", [100]), ("stop_token_ids", ["1"]),
     ("ignore_eos", 1), ("logprobs", "yes"), ("skip_special_tokens", None),
     ("top_logprobs", -1), ("top_logprobs", 21),

@@ -9,7 +9,8 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, normalizers
 
-from kiln.runtime.text.detokenizer import IncrementalDetokenizer, StopChecker, find_stop, partial_stop_length
+from kiln.runtime.text.detokenizer import (IncrementalDetokenizer, StopChecker, find_stop, find_stop_regex,
+                                          partial_stop_length)
 from kiln.runtime.text.tokenizer import Tokenizer
 
 TEXTS = [
@@ -195,6 +196,45 @@ def test_find_stop_and_partial_length():
     assert partial_stop_length("abcSTOX", ["STOP"]) == 0
     assert partial_stop_length("aaa", ["aab", "aaaa"]) == 3
     assert partial_stop_length("", ["x"]) == 0
+
+
+# --- stop regexes --------------------------------------------------------------------------------
+
+def test_stop_regex_matches_across_deltas_and_cuts_before_the_match():
+    checker = StopChecker([], [r"\d{3}"])
+    assert [checker.push(d).text for d in ["call 5", "5", "5 now"]] == ["call 5", "5", ""]
+    assert checker.stopped and checker.stop_string == r"\d{3}"
+    # The match began in streamed text ("55"): what was streamed stays, the cut falls after it.
+    assert checker.text == "call 55"
+
+
+def test_stop_regex_match_in_one_delta_is_cut_where_it_begins():
+    checker = StopChecker([], [r"P[a-z]+s"])
+    assert checker.push("The capital is").text == "The capital is"
+    update = checker.push(" Paris.")
+    assert update.stopped and update.text == " " and update.stop_string == r"P[a-z]+s"
+    assert checker.text == "The capital is "
+
+
+def test_earliest_of_stop_strings_and_regexes_wins():
+    update = StopChecker(["world"], [r"l+o"]).push("hello world")
+    assert update.stop_string == r"l+o" and update.text == "he"
+    update = StopChecker(["he"], [r"l+o"]).push("hello world")
+    assert update.stop_string == "he" and update.text == ""
+
+
+def test_stop_regex_that_never_matches_releases_everything():
+    streamed, checker = [], StopChecker([], [r"^zzz"])
+    streamed = [checker.push(d).text for d in ["zz", "top zzz"]] + [checker.flush()]
+    assert streamed == ["zz", "top zzz", ""] and not checker.stopped
+
+
+def test_find_stop_regex_searches_the_whole_text():
+    import re
+    patterns = [re.compile(r"b+c"), re.compile(r"a.c")]
+    assert find_stop_regex("xxabbc", patterns) == (3, r"b+c")
+    assert find_stop_regex("xxabc", patterns) == (2, r"a.c")
+    assert find_stop_regex("xyz", patterns) is None
 
 
 def test_stops_on_multibyte_text_never_split_characters(smollm2):
