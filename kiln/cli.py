@@ -58,6 +58,9 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks: the artifact holds one weights shard per rank, and serving it "
                         "starts every rank (default 1)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages: the layers split into this many stages of --tp ranks each, which "
+                        "overlap on micro-batches; serving starts tp x pp ranks (default 1)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
                    help="the KV cache's dtype: auto (the model's) or fp8_e4m3 (half the bytes a token, per-tensor "
                         "scales of 1.0)")
@@ -124,7 +127,8 @@ def compile_options_from(args: argparse.Namespace):
         backend = "triton" if torch.cuda.is_available() else "torch"
     return CompileOptions(dtype=args.dtype, backend=backend, max_batch_tokens=args.max_batch_tokens,
                           max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, page_size=args.page_size,
-                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, tp=args.tp)
+                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, tp=args.tp,
+                          pp=args.pp)
 
 
 def _run_compile(args: argparse.Namespace) -> int:

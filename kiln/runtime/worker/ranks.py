@@ -104,7 +104,15 @@ class WorkerGroup:
         if tokens_from is not None:
             raise ValueError("tokens_from: with several ranks a step's input ids come from the host")
         self._send(lists)
-        return self.runner.forward(lists)
+        try:
+            return self.runner.forward(lists)
+        except RuntimeError as exc:
+            # A transfer whose peer ended (a stage's send or receive, a collective): that rank's
+            # exit is the news, and the watcher is about to see it.
+            self._watcher.join(FAILURE_WAIT_S)
+            if self.failure is not None:
+                raise self.failure from exc
+            raise
 
     def check(self) -> None:
         if self.failure is not None:
