@@ -3,8 +3,8 @@ weights and KV caches), receiving the hidden state from the stage before and sen
 
 The compiler runs the pass list once per stage (``compile.compile_model``); each run keeps one
 stage, so every stage is its own graph, fused, planned and generated on its own, and the ranks of a
-stage run its program. Stage ``s`` holds layers ``[s * L // pp, (s + 1) * L // pp)`` (L: the
-attentions). A cut between stages is found by structure, not by names: the last place in the
+stage run its program. The L decoder layers (L: the attentions) split evenly, the first ``L % pp``
+stages holding one more (``stage_layers``, the split the planner sizes stages by). A cut between stages is found by structure, not by names: the last place in the
 node order where that many attentions lie before and exactly one computed value (the residual
 stream) is read after; the stage before ends by ``send``-ing it to the next stage, which begins
 by ``recv``-ing it (peers are stage numbers in the ``pp`` group: the ranks holding the same tensor
@@ -35,8 +35,10 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def stage_layers(num_layers: int, pp: int, stage: int) -> range:
-    """The decoder layers stage ``stage`` of ``pp`` holds: an even split (sizes differ by at most one)."""
-    return range(stage * num_layers // pp, (stage + 1) * num_layers // pp)
+    """The decoder layers stage ``stage`` of ``pp`` holds: an even split, the first stages one more."""
+    base, extra = divmod(num_layers, pp)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (stage < extra))
 
 
 def split_pipeline(graph: Graph, ctx: PassContext) -> Graph:

@@ -183,9 +183,8 @@ def test_with_tensor_parallelism_the_stage_collectives_run_in_the_tp_group():
     assert "param @embed_tokens.weight.shard: f32[8, 8] placement=column(0)" in after
 
 
-def test_layers_split_evenly():
-    assert [list(stage_layers(30, 4, s)) for s in range(4)] == [
-        list(range(0, 7)), list(range(7, 15)), list(range(15, 22)), list(range(22, 30))]
+def test_layers_split_evenly_the_first_stages_one_more():
+    assert [stage_layers(30, 4, s) for s in range(4)] == [range(0, 8), range(8, 16), range(16, 23), range(23, 30)]
 
 
 def test_more_stages_than_layers_are_refused():
