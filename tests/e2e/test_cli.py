@@ -90,6 +90,21 @@ def test_compile_takes_a_pp_with_a_tp(tmp_path):
     assert too_many.returncode == 2 and "Traceback" not in too_many.stderr
     assert "pp=3: the model has 2 decoder layers, fewer than the stages; pp may be at most 2" in too_many.stderr
 
+
+def test_compile_takes_tp_auto_with_gpu_hints(tmp_path):
+    """The planner chooses (tests/planner/test_auto.py): f32 weights and KV of this model need two
+    ranks of 0.0004 GB."""
+    source = make_hf_model("llama3", tmp_path / "src")
+    out = tmp_path / "m.kiln"
+    result = kiln("compile", str(source), "-o", str(out), "--backend", "torch", "--dtype", "fp32", "--max-seq-len",
+                  "64", "--tp", "auto", "--gpus", "2", "--gpu-memory-gb", "0.0004")
+    assert result.returncode == 0, result.stderr
+    assert "kiln: tp=auto: tp=2, pp=1 for 2 GPU(s) of 0.0004 GB: tp=2 pp=1: the smallest layout" in result.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (manifest["runtime"]["tp"], manifest["runtime"]["pp"]) == (2, 1)
+    wrong = kiln("compile", str(source), "-o", str(tmp_path / "x.kiln"), "--tp", "some")
+    assert wrong.returncode == 2 and "--tp must be a number of ranks or 'auto', got 'some'" in wrong.stderr
+
 def test_compile_takes_a_kv_cache_dtype_and_refuses_requantizing(tmp_path):
     from tests.compiler.sources.test_prequantized import FP8_TENSOR, _write_checkpoint
 
