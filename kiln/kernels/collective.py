@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from .registry import register_impl
 
-# This process's groups by axis name, set when it joins the ranks (runtime/worker/rank_grid.py).
+# This process's groups by name (the rank grid's axes, and the runtime's own), set when it joins the
+# ranks and cleared when it leaves them (runtime/worker/rank_grid.py).
 _groups: dict[str, dist.ProcessGroup] = {}
 
 

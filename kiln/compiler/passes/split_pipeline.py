@@ -8,18 +8,16 @@ stages holding one more (``stage_layers``, the split the planner sizes stages by
 node order where that many attentions lie before and exactly one computed value (the residual
 stream) is read after; the stage before ends by ``send``-ing it to the next stage, which begins
 by ``recv``-ing it (peers are stage numbers in the ``pp`` group: the ranks holding the same tensor
-shard in every stage). The last stage, which computes the logits, sends them to stage 0 (the
-scheduler's rank samples them). Collectives already in the graph (``shard_tp``'s) run within the
+shard in every stage). The last stage computes the logits, which the runtime returns to stage 0
+(``runtime/worker/pipeline_runner.py``: the scheduler's rank samples them). Collectives already in the graph (``shard_tp``'s) run within the
 stage: they get ``group="tp"``. Each stage keeps the step's inputs, its layers' KV caches and the
 parameters its nodes read (a tied embedding is held by the first and the last stage).
 
-Before (pp=2, stage 1):
+Before (pp=2, stage 1; stage 0 ends with ``%l0.resid_mlp.sent = send(%l0.resid_mlp) {group="pp", peer=1}``):
          %l0.resid_mlp = add(%l0.resid_attn, %l0.down) : f32[T, 8]
          %l1.attn_in = rmsnorm(%l0.resid_mlp, @l1.input_layernorm.weight) {eps=1e-06} : f32[T, 8]
 After:   %l0.resid_mlp = recv() {dtype="f32", group="pp", peer=0, shape=["T", 8]} : f32[T, 8]
          %l1.attn_in = rmsnorm(%l0.resid_mlp, @l1.input_layernorm.weight) {eps=1e-06} : f32[T, 8]
-         ...
-         %logits.sent = send(%logits) {group="pp", peer=0} : f32[N, 16]
 
 Runs right after ``shard_tp`` (which shards the whole model alike on every stage), before the
 fusions, which then never join ops of two stages. With one stage it changes nothing.
@@ -65,11 +63,11 @@ def split_pipeline(graph: Graph, ctx: PassContext) -> Graph:
             node = make_node(node.op, node.inputs, node.outputs, [types[i] for i in node.inputs],
                              {**node.attrs, "group": "tp"})
         nodes.append(node)
-    last = stage == pp - 1
-    sent = graph.outputs[0] if last else _crossing(graph, end)
-    outputs = graph.outputs if last else (f"{sent}.sent",)
-    nodes.append(make_node("send", [sent], [f"{sent}.sent"], [types[sent]],
-                           {"peer": 0 if last else stage + 1, "group": "pp"}))
+    outputs = graph.outputs
+    if stage < pp - 1:
+        sent = _crossing(graph, end)
+        outputs = (f"{sent}.sent",)
+        nodes.append(make_node("send", [sent], list(outputs), [types[sent]], {"peer": stage + 1, "group": "pp"}))
     read = {name for node in nodes for name in node.inputs}
     caches = {name for node in graph.nodes if node.op == "kv_store" for name in node.inputs[:2]}
     inputs = {name: t for name, t in graph.inputs.items() if name in read or name not in caches}

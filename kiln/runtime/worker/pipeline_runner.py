@@ -7,10 +7,11 @@ begins by receiving the micro-batch's hidden state from the stage before and end
 own to the next (``passes/split_pipeline.py``), so while stage 1 runs micro-batch 0, stage 0 runs
 micro-batch 1: with two micro-batches in flight the stages overlap.
 
-The last stage's program ends by sending each micro-batch's logits to stage 0 (to the rank of its
-own tensor-parallel rank, through the ``pp`` group). Stage 0 posts a receive for every
-micro-batch's logits before it runs the first one (so no stage ever waits on a send that stage 0
-has not yet asked for), and after its last micro-batch puts them back in the step's row order:
+The last stage sends each micro-batch's logits to stage 0 as soon as its program made them (every
+rank to the rank of its own tensor-parallel rank, through the ``logits`` group, ``rank_grid.py``).
+Stage 0 posts a receive for every micro-batch's logits before it runs the first one (so no stage
+ever waits on a send that stage 0 has not yet asked for), and after its last micro-batch puts them
+back in the step's row order:
 rank 0 then samples from them as from a one-stage step, so every sampling feature (grammar masks,
 penalties, logprobs) works unchanged. Other ranks return no outputs; only rank 0's are read.
 
@@ -44,15 +45,18 @@ class PipelineRunner(ModelRunner):
         if tokens_from is not None:
             raise ValueError("tokens_from: a pipeline stage's input ids come from the host")
         parts = split_step(lists, self.executor.schema, self.micro_batches)
+        logits_group = named_group("logits")
         if self.stage != 0:
+            stage_0 = dist.get_global_rank(logits_group, 0)
             for part in parts:
-                self.forward_eager(part.lists)
+                outputs = self.forward_eager(part.lists).outputs
+                if self.stage == self.last_stage:
+                    dist.send(outputs["logits"].contiguous(), stage_0, group=logits_group)
             return StepResult({}, None)
-        pp_group = named_group("pp")
-        last = dist.get_global_rank(pp_group, self.last_stage)
+        last = dist.get_global_rank(logits_group, self.last_stage)
         received = [torch.empty((len(part.rows), self.vocab_size), dtype=torch.float32, device=self.device)
                     for part in parts]
-        pending = [dist.irecv(logits, last, group=pp_group) for logits in received]
+        pending = [dist.irecv(logits, last, group=logits_group) for logits in received]
         for part in parts:
             self.forward_eager(part.lists)
         for request in pending:

@@ -9,7 +9,10 @@ blocks of ranks and rank 0 (the engine core's) is in stage 0::
 A rank's ``tp`` group holds its stage's ranks (the ``all_reduce`` / ``all_gather`` of its shard); its
 ``pp`` group holds the ranks of its tensor-parallel rank in every stage, in stage order, so that a
 ``send`` / ``recv`` peer in the program is a stage number. The programs name the groups by these
-axes (``group="tp"``); ``join_groups`` makes them and hands them to the collective kernels.
+axes (``group="tp"``); ``join_groups`` makes them and hands them to the collective kernels, with
+``logits``: the same ranks as ``pp``, for the logits' way back from the last stage to stage 0 (its
+own communicator, so that on NCCL those transfers never queue behind the hidden states going
+forward on the ``pp`` one, nor these behind them).
 """
 
 from __future__ import annotations
@@ -48,9 +51,15 @@ def join_groups(grid: RankGrid, rank: int) -> dict[str, dist.ProcessGroup]:
         group = dist.new_group(grid.tp_group(stage))
         if grid.stage(rank) == stage:
             mine["tp"] = group
-    for tp_rank in range(grid.tp):
-        group = dist.new_group(grid.pp_group(tp_rank))
-        if rank % grid.tp == tp_rank:
-            mine["pp"] = group
+    for name in ("pp", "logits"):
+        for tp_rank in range(grid.tp):
+            group = dist.new_group(grid.pp_group(tp_rank))
+            if rank % grid.tp == tp_rank:
+                mine[name] = group
     use_groups(mine)
     return mine
+
+
+def leave_groups() -> None:
+    """Forgets this process's groups (the engine closing its torch.distributed group)."""
+    use_groups({})

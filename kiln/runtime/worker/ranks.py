@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..artifact import Artifact
 from ..scheduler.batch import StepLists
+from .rank_grid import leave_groups
 from .rank_process import HOST, READY, RENDEZVOUS_TIMEOUT, load_and_join, run_rank
 from .executor import StepResult
 from .step_wire import send_step
@@ -132,6 +133,7 @@ class WorkerGroup:
             except RuntimeError:
                 pass  # a worker already gone: it is reaped below either way
         self._stop_workers(terminate=False)
+        leave_groups()
         dist.destroy_process_group()
 
     # ---- internals ----------------------------------------------------------------------------------
