@@ -1,6 +1,5 @@
-"""``kiln serve --world-size 2``, and ``kiln serve A`` of a pipelined artifact (``--pp 2``: it starts
-both stages' ranks) (a real server, a tiny compiled Llama on the CPU): each answers with one rank's
-tokens, and a worker rank killed while the server is idle makes the server report an error that
+"""``kiln serve --world-size 2``, and ``kiln serve M --pp 2`` (compiled on first use; serving starts
+both stages' ranks) (a real server, a tiny Llama on the CPU): each answers with one rank's tokens, and a worker rank killed while the server is idle makes the server report an error that
 names the rank within 5 s, then exit non-zero, leaving no process behind."""
 
 from __future__ import annotations
@@ -45,9 +44,9 @@ def test_a_killed_worker_rank_stops_the_server(artifact, tmp_path):
     check_serving(artifact, artifact, ["--world-size", "2"], tmp_path)
 
 
-def test_a_pipelined_artifact_serves_on_every_rank_and_a_killed_stage_stops_the_server(artifact, source, tmp_path):
-    pipelined = compile_model(source, tmp_path / "pp.kiln", CompileOptions(**OPTIONS, pp=2))
-    check_serving(artifact, pipelined, [], tmp_path)
+def test_serve_pp2_runs_every_stage_and_a_killed_stage_stops_the_server(artifact, source, tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
+    check_serving(artifact, source, ["--pp", "2", "--dtype", "fp32", "--max-seq-len", "64"], tmp_path)
 
 
 def check_serving(one_rank: Path, served: Path, args: list[str], tmp_path: Path) -> None:
