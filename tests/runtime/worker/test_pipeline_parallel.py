@@ -11,7 +11,8 @@ checks that its greedy tokens equal the one-rank artifact's and its logits are w
 them, then runs the prompts again against HF's logits at every position.
 
 Then the engine: ``Engine(M, pp=2)`` compiled on first use gives one rank's tokens, as does a
-tp=2 x pp=2 artifact (4 ranks); and a killed stage ends the engine within 5 s naming it.
+tp=2 x pp=2 artifact (4 ranks) (and, with two GPUs, pp=2 over NCCL); and a killed stage ends the
+engine within 5 s naming it.
 
 Tolerance: f32 everywhere. A stage boundary changes nothing in the arithmetic (the hidden state is
 sent as it is); tensor parallelism only changes the summation order, a few f32 ulps on logits of
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -126,6 +128,20 @@ def test_the_engine_compiles_a_pipelined_artifact_on_first_use_and_gives_one_ran
         assert [out.token_ids for out in engine.generate(PROMPTS, GREEDY)] == expected
     assert [p.exitcode for p in engine.core.worker.processes] == [0] * (tp * pp - 1)
     assert live_workers() == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_of_two_stages_give_one_gpu_tokens(models, tmp_path, monkeypatch):
+    """NCCL between the stages: the hidden states on the pp group, the logits on their own group."""
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
+    source, _ = models["qwen2"]
+    options = dict(ENGINE_OPTIONS, device="cuda", backend="triton")
+    with Engine(str(source), **options) as engine:
+        expected = [out.token_ids for out in engine.generate(PROMPTS, GREEDY)]
+    with Engine(str(source), pp=2, **options) as engine:
+        assert str(engine.core.worker.processes[0].name) == "kiln-rank1"
+        assert [out.token_ids for out in engine.generate(PROMPTS, GREEDY)] == expected
 
 
 def test_a_killed_stage_ends_the_engine_within_5_s_naming_it(models, tmp_path, monkeypatch):
