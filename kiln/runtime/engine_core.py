@@ -71,7 +71,7 @@ class EngineCore:
         # What the core drives (every rank), and rank 0's model runner, for tools that look inside it.
         ranks = rt["tp"] * rt["pp"]  # a tensor-parallel or pipelined artifact's own ranks
         self.worker = start_worker(self.artifact, RankConfig(
-            str(self.artifact.path), str(device), num_pages, buckets, prefill_graphs, self._world_size(ranks),
+            str(self.artifact.path), str(device), num_pages, buckets, prefill_graphs, self._world_size(rt),
             ranks > 1, self.options.reference_fallback, spec.tokens_per_verify if spec is not None else 1,
             pp=rt["pp"]))
         self.runner = self.worker.runner
@@ -99,13 +99,15 @@ class EngineCore:
         self._readback = TokenReadback(max(buckets, default=1), device)
         self.overlapped_steps = 0
 
-    def _world_size(self, ranks: int) -> int:
+    def _world_size(self, rt: dict[str, Any]) -> int:
         """The artifact's tensor-parallel and pipeline ranks (tp x pp), or the options' replicated ones for
         a one-rank artifact."""
+        ranks = rt["tp"] * rt["pp"]
         if ranks == 1:
             return self.options.world_size
         if self.options.world_size not in (1, ranks):
-            raise ValueError(f"world_size: the artifact is tensor-parallel over {ranks} ranks and runs on exactly "
+            kind = "tensor-parallel" if rt["pp"] == 1 else f"pipelined ({rt['pp']} stages of tp={rt['tp']})"
+            raise ValueError(f"world_size: the artifact is {kind} over {ranks} ranks and runs on exactly "
                              f"{ranks}, not {self.options.world_size}")
         return ranks
 

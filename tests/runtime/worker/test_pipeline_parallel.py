@@ -35,6 +35,8 @@ from kiln import Engine, SamplingParams
 from kiln.compiler.compile import compile_model
 from kiln.compiler.options import CompileOptions
 from kiln.runtime.artifact import load_artifact
+from kiln.runtime.engine_core import EngineCore
+from kiln.runtime.engine_options import EngineOptions
 from kiln.runtime.worker.executor import Executor
 from kiln.runtime.worker.pipeline_runner import PipelineRunner
 from kiln.runtime.worker.rank_grid import RankGrid, join_groups
@@ -128,6 +130,13 @@ def test_the_engine_compiles_a_pipelined_artifact_on_first_use_and_gives_one_ran
         assert [out.token_ids for out in engine.generate(PROMPTS, GREEDY)] == expected
     assert [p.exitcode for p in engine.core.worker.processes] == [0] * (tp * pp - 1)
     assert live_workers() == []
+
+
+def test_a_pipelined_artifact_runs_on_its_own_ranks_only(models, tmp_path):
+    source, _ = models["llama3"]
+    piped = compile_model(source, tmp_path / "pp2.kiln", CompileOptions(**OPTIONS, pp=2))
+    with pytest.raises(ValueError, match=r"pipelined \(2 stages of tp=1\) over 2 ranks and runs on exactly 2, not 3"):
+        EngineCore(str(piped), EngineOptions(device="cpu", kv_cache_tokens=512, world_size=3))
 
 
 @pytest.mark.gpu
