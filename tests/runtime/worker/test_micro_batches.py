@@ -1,9 +1,8 @@
 """Splitting a step into micro-batches: consecutive sequences of about equal tokens, each part a step
 of its own (token offsets rebased), and the logits rows of every part put back in the step's order
-(prompt-logprob rows after the sampled ones included); and the rank grid's layout."""
+(prompt-logprob rows after the sampled ones included)."""
 
 from kiln.runtime.worker.micro_batches import split_step
-from kiln.runtime.worker.rank_grid import RankGrid
 from kiln.step_schema import STEP_SCHEMA
 from tests.support.stepping import Pages
 
@@ -43,9 +42,3 @@ def test_decode_steps_split_by_sequences():
     lists = prefill_lists([1, 1, 1, 1, 1])
     parts = split_step(lists, STEP_SCHEMA, 2)
     assert [part.lists.q_len for part in parts] == [[1, 1], [1, 1, 1]]
-
-
-def test_the_rank_grid_puts_stages_in_consecutive_blocks():
-    grid = RankGrid(tp=2, pp=2)
-    assert [grid.stage(rank) for rank in range(4)] == [0, 0, 1, 1]
-    assert grid.tp_group(1) == [2, 3] and grid.pp_group(1) == [1, 3]
