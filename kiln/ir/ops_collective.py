@@ -25,6 +25,8 @@ from .types import DType, TensorType
 
 Types = Sequence[TensorType]
 Attrs = Mapping[str, Any]
+# The rank grid's axes a collective's ``group`` may name (runtime/worker/rank_grid.py).
+GROUPS = ("tp", "pp")
 
 
 def _axis(op: str, x: TensorType, a: Attrs) -> int:
@@ -85,7 +87,6 @@ def _recv(t: Types, a: Attrs) -> tuple[TensorType, ...]:
 
 # Which group: absent, the default one (every rank); else an axis of the rank grid (GROUPS).
 GROUP = {"group": AttrSpec("str", None)}
-GROUPS = ("tp", "pp")
 WORLD = {"world_size": AttrSpec("int"), **GROUP}
 register_op(OpDef("all_reduce", ("x",), WORLD, _all_reduce,
                   doc="the sum of x over the ranks, on every rank"))
