@@ -55,9 +55,17 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens (default 16)")
     p.add_argument("--quantization", default=None, type=_quantization, metavar="SCHEME",
                    help="quantize the GEMMs' weights: fp8, w8a8_int8, w8a16_int8 or mxfp4 (default: none)")
-    p.add_argument("--tp", type=int, default=1,
+    p.add_argument("--tp", type=_rank_count("--tp"), default=1,
                    help="tensor-parallel ranks: the artifact holds one weights shard per rank, and serving it "
-                        "starts every rank (default 1)")
+                        "starts every rank; auto: the planner's choice for the GPUs (kiln plan) (default 1)")
+    p.add_argument("--pp", type=_rank_count("--pp"), default=None,
+                   help="pipeline stages: the layers split into this many stages of --tp ranks each, which "
+                        "overlap on micro-batches; serving starts tp x pp ranks; auto: the planner's (default 1, "
+                        "or the planner's with --tp auto)")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="for --tp auto: the GPUs to plan for (default: this machine's; one without any)")
+    p.add_argument("--gpu-memory-gb", type=float, default=None,
+                   help="for --tp auto: memory per GPU in GB (default: the first GPU's, else an H100's)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
                    help="the KV cache's dtype: auto (the model's) or fp8_e4m3 (half the bytes a token, per-tensor "
                         "scales of 1.0)")
@@ -104,6 +112,18 @@ def _quantization(name: str) -> str:
     return name
 
 
+def _rank_count(flag: str):
+    def parse(text: str) -> int | str:
+        from kiln.planner.auto import parse_count
+
+        try:
+            return parse_count(text, flag)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
 def _pass_name(name: str) -> str:
     from kiln.compiler.pipeline import selected_passes
 
@@ -115,16 +135,26 @@ def _pass_name(name: str) -> str:
 
 
 def compile_options_from(args: argparse.Namespace):
+    from kiln.artifact_cache import is_artifact
     from kiln.compiler.options import CompileOptions
+    from kiln.planner.auto import LayoutHints, resolve_layout
 
     backend = args.backend
     if backend is None:
         import torch
 
         backend = "triton" if torch.cuda.is_available() else "torch"
+    # An artifact runs on the ranks it was compiled for; a model is compiled for tp x pp of them.
+    tp, pp = 1, 1
+    if not is_artifact(args.model):
+        layout = resolve_layout(args.model, args.tp, args.pp, LayoutHints(
+            args.gpus, args.gpu_memory_gb, args.dtype, args.quantization, args.max_seq_len))
+        tp, pp = layout.tp, layout.pp
+        if layout.reason:
+            print(f"kiln: {layout.reason}", file=sys.stderr)
     return CompileOptions(dtype=args.dtype, backend=backend, max_batch_tokens=args.max_batch_tokens,
                           max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, page_size=args.page_size,
-                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, tp=args.tp)
+                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, tp=tp, pp=pp)
 
 
 def _run_compile(args: argparse.Namespace) -> int:

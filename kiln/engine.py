@@ -7,6 +7,9 @@ requests from any thread or event loop and get outputs, or stream text deltas.
 
 Bad input (invalid sampling parameters, a prompt beyond the context) raises ``ValueError`` at once
 in the caller; the engine keeps serving everything else.
+
+``tp="auto"`` (and ``pp="auto"``) asks the planner for the layout of a model compiled on first use
+(``kiln.planner.auto``; ``gpus`` and ``gpu_memory_gb`` are its hints where there are no GPUs to count).
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence, Union
 
-from kiln.artifact_cache import ensure_artifact
+from kiln.artifact_cache import ensure_artifact, is_artifact
 from kiln.compiler.options import CompileOptions
+from kiln.planner.auto import LayoutHints, resolve_layout
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.engine_options import EngineOptions
 from kiln.runtime.outputs import RequestOutput, StreamDelta
@@ -37,18 +41,24 @@ class Engine:
                  page_size: int = 16, device: str | None = None, kv_cache_tokens: int | None = None,
                  mem_fraction: float = 0.85, schedule_policy: str = "lpm", enable_prefix_cache: bool = True,
                  world_size: int = 1, quantization: str | None = None, kv_cache_dtype: str = "auto",
-                 tp: int = 1, reference_fallback: bool = False, speculative_algorithm: str | None = None,
+                 tp: int | str = 1, pp: int | str | None = None, gpus: int | None = None,
+                 gpu_memory_gb: float | None = None, reference_fallback: bool = False, speculative_algorithm: str | None = None,
                  speculative_num_draft_tokens: int | None = None, speculative_num_steps: int | None = None,
                  speculative_eagle_topk: int | None = None, speculative_draft_model_path: str | None = None,
                  speculative_ngram_min_match_window_size: int = 1,
                  speculative_ngram_max_match_window_size: int = 12) -> None:
         import torch
 
+        # An artifact runs on the ranks it was compiled for; a model is compiled for tp x pp of them.
+        layout = None if is_artifact(model) else resolve_layout(
+            model, tp, pp, LayoutHints(gpus, gpu_memory_gb, dtype, quantization, max_seq_len))
+        self.layout_reason = layout.reason if layout is not None else None  # the planner's, for tp="auto"
         on_gpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
         compile_options = CompileOptions(dtype=dtype, backend=backend or ("triton" if on_gpu else "torch"),
                                          max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size,
                                          max_seq_len=max_seq_len, page_size=page_size, quantization=quantization,
-                                         kv_cache_dtype=kv_cache_dtype, tp=tp)
+                                         kv_cache_dtype=kv_cache_dtype,
+                                         tp=layout.tp if layout else 1, pp=layout.pp if layout else 1)
         self.artifact_path = ensure_artifact(model, compile_options)
         self.core = EngineCore(str(self.artifact_path), EngineOptions(
             device=device, kv_cache_tokens=kv_cache_tokens, mem_fraction=mem_fraction,

@@ -30,6 +30,8 @@ class CompileOptions:
     skip_passes: tuple[str, ...] = ()  # pipeline passes left out, for experiments (pipeline.run_pipeline)
     quantization: str | None = None  # a method of kiln.compiler.quantization.METHODS (fp8, w8a8_int8, ...)
     tp: int = 1  # tensor-parallel ranks: the artifact holds one weights file per rank (passes/shard_tp.py)
+    # Pipeline stages, each holding its share of the layers on tp ranks of its own (passes/split_pipeline.py).
+    pp: int = 1
     # The KV pool's dtype: "auto" (the model's dtype) or "fp8_e4m3" (passes/quantize_kv_cache.py), and an
     # FP8 pool's calibrated per-tensor scales, a (k_scale, v_scale) pair per layer; () means 1.0 each.
     kv_cache_dtype: str = "auto"
@@ -43,6 +45,11 @@ class CompileOptions:
             raise ValueError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.pp < 1:
+            raise ValueError(f"pp must be >= 1, got {self.pp}")
+        if self.pp > 1 and self.step_outputs:
+            raise ValueError(f"step_outputs {', '.join(self.step_outputs)}: a pipelined artifact (pp={self.pp}) "
+                             f"returns the logits only")
         if self.max_logit_rows is not None and self.max_logit_rows < 1:
             raise ValueError(f"max_logit_rows must be >= 1, got {self.max_logit_rows}")
         self.step_schema()

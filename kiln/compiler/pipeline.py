@@ -3,7 +3,8 @@
 Transforms rewrite the graph; analyses (kernel selection, memory planning) leave their results in
 the context for codegen. The order matters: tensor-parallel sharding comes first, on the graph as
 the model wrote it (its patterns are the model's primitive ops), so the fusions see the sharded
-GEMMs and the collectives between them; the linear fusions must see the unfused projections,
+GEMMs and the collectives between them; the pipeline split follows (it keeps one stage's layers: the
+compiler runs the list once per stage), so no fusion joins ops of two stages; the linear fusions must see the unfused projections,
 silu·mul must see the split the gate/up fusion made, the residual adds must join their GEMMs
 before silu·mul joins the down GEMM and the norms join theirs, rope+KV store must see the q/k norms before
 anything else touches them (and joins the attention after that), quantization sees the GEMMs as they will
@@ -39,6 +40,7 @@ from .passes.quantize import quantize
 from .passes.quantize_kv_cache import quantize_kv_cache
 from .passes.select_kernels import select_kernels
 from .passes.shard_tp import shard_tp
+from .passes.split_pipeline import split_pipeline
 
 
 def _verify(graph: Graph, ctx: PassContext) -> Graph:
@@ -49,6 +51,7 @@ def _verify(graph: Graph, ctx: PassContext) -> Graph:
 PIPELINE: list[tuple[str, Pass]] = [
     ("verify", _verify),
     ("shard_tp", shard_tp),
+    ("split_pipeline", split_pipeline),
     ("fuse_linears", fuse_linears),
     ("fuse_silu_mul", fuse_silu_mul),
     ("fuse_linear_residual", fuse_linear_residual),
@@ -64,8 +67,8 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("plan_memory", plan_memory),
 ]
 # Without these there is no checked graph, no kernel table or no memory plan to write, or no rank's
-# shard of a tensor-parallel model.
-REQUIRED = frozenset({"verify", "shard_tp", "select_kernels", "plan_memory"})
+# shard of a tensor-parallel model or stage of a pipelined one.
+REQUIRED = frozenset({"verify", "shard_tp", "split_pipeline", "select_kernels", "plan_memory"})
 
 
 def selected_passes(skip: Sequence[str] = ()) -> list[tuple[int, str, Pass]]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kiln.compiler.passes import split_pipeline
 from kiln.compiler.quantization import get_method
 from kiln.ir.weights import QuantScheme
 
@@ -126,5 +127,5 @@ def stages(shape: ModelShape, layout: Layout, storage: WeightStorage) -> list[St
 
 
 def stage_layers(num_layers: int, pp: int) -> list[int]:
-    base, extra = divmod(num_layers, pp)
-    return [base + (1 if stage < extra else 0) for stage in range(pp)]
+    """How many layers each pipeline stage holds: the compiler's split (passes/split_pipeline.py)."""
+    return [len(split_pipeline.stage_layers(num_layers, pp, stage)) for stage in range(pp)]

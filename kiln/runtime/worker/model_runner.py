@@ -28,8 +28,9 @@ class ModelRunner:
         self.sampler_kernels = SamplerKernels.for_device(self.device, artifact.kernel_config)
         self.page_size: int = rt["page_size"]
         self.vocab_size: int = rt["vocab_size"]
-        self.pool = KVPool(rt["num_layers"], rt["num_kv_heads"], rt["head_dim"], pool_dtype(rt),
-                           self.device, num_pages, self.page_size)
+        layers = artifact.layers  # a pipeline stage's pool holds its own layers only
+        self.pool = KVPool(len(layers), rt["num_kv_heads"], rt["head_dim"], pool_dtype(rt),
+                           self.device, num_pages, self.page_size, layers.start)
         self.kv_views = self.pool.layer_views()
         bounds = rt["symbol_bounds"]
         buckets = [b for b in decode_buckets if b <= min(bounds["T"], bounds["B"], bounds["N"])]
