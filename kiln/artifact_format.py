@@ -7,7 +7,9 @@ from __future__ import annotations
 
 # 3: the runtime section records ``tp`` and each rank's ``num_kv_heads``; a tensor-parallel artifact
 # holds a weights file per rank, and a reader that ignored that would run one rank's shard alone.
-FORMAT_VERSION = 3
+# 4: the runtime section records ``ep`` and ``ranks`` (max(tp, ep)); an expert-parallel artifact with
+# tp 1 holds a weights file per rank, which a version-3 reader would run on one rank alone.
+FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 GRAPH_TEXT = "graph.txt"
 GRAPH_JSON = "graph.json"

@@ -58,6 +58,9 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks: the artifact holds one weights shard per rank, and serving it "
                         "starts every rank (default 1)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks for a mixture-of-experts model: its routed experts partitioned "
+                        "over them, inside --tp (with --tp 1, or --tp equal to --ep; default 1)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
                    help="the KV cache's dtype: auto (the model's) or fp8_e4m3 (half the bytes a token, per-tensor "
                         "scales of 1.0)")
@@ -124,7 +127,8 @@ def compile_options_from(args: argparse.Namespace):
         backend = "triton" if torch.cuda.is_available() else "torch"
     return CompileOptions(dtype=args.dtype, backend=backend, max_batch_tokens=args.max_batch_tokens,
                           max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, page_size=args.page_size,
-                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, tp=args.tp)
+                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, tp=args.tp,
+                          ep=args.ep)
 
 
 def _run_compile(args: argparse.Namespace) -> int:
@@ -172,7 +176,7 @@ def _add_serve(commands) -> None:
     p.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"])
     p.add_argument("--world-size", type=int, default=1,
                    help="ranks to run a one-rank artifact on, each a full copy in its own process after the first "
-                        "(default 1; a tensor-parallel artifact runs on its --tp ranks)")
+                        "(default 1; a tensor- or expert-parallel artifact runs on its own max(--tp, --ep) ranks)")
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel replicas, each its own scheduler process, engine and KV cache (on GPUs its "
                         "own devices), behind one endpoint with a cache-aware router (default 1)")

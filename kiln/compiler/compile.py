@@ -63,7 +63,7 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
     }
     quantization = _quantization(options.quantization, source)
     ctx = PassContext(backend=options.backend, symbol_bounds=bounds, recipes=list(built.recipes),
-                      quantization=quantization, tp=options.tp, kv_cache_dtype=options.kv_cache_dtype,
+                      quantization=quantization, tp=options.tp, ep=options.ep, kv_cache_dtype=options.kv_cache_dtype,
                       kv_cache_scales=options.kv_cache_scales)
     graph, pass_log = run_pipeline(built.graph, ctx, dump_dir=dump_ir, skip=options.skip_passes)
 
@@ -78,7 +78,7 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
     try:
         (staging / KERNELS_DIR).mkdir()
         (staging / weights_file(0)).parent.mkdir()
-        for rank in range(options.tp):
+        for rank in range(options.ranks):
             save_file(dict(store.materialize(graph, rank)), str(staging / weights_file(rank)))
         (staging / GRAPH_TEXT).write_text(print_graph(graph))
         (staging / GRAPH_JSON).write_text(dumps(graph))
@@ -103,6 +103,8 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
             "runtime": {
                 "num_layers": built.num_layers,
                 "tp": options.tp,
+                "ep": options.ep,
+                "ranks": options.ranks,  # the processes it runs on, each with its weights file
                 "num_kv_heads": graph.inputs["k_cache.0"].shape[1],  # each rank's (shard_tp splits them)
                 "head_dim": built.head_dim,
                 "vocab_size": built.vocab_size,
@@ -117,7 +119,7 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
             "kernels": sorted(set(ctx.kernel_choice)),
             "generated_kernels": {name: op for name, (op, _) in ctx.generated_kernels.items()},
             "passes": pass_log,
-            "weights": [weights_file(rank) for rank in range(options.tp)],
+            "weights": [weights_file(rank) for rank in range(options.ranks)],
             "tokenizer": TOKENIZER_DIR if tokenizer else None,
             "compile_seconds": round(time.perf_counter() - started, 3),
         }

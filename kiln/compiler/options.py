@@ -9,6 +9,7 @@ from kiln.kernels.registry import BACKENDS
 from kiln.step_schema import OPTIONAL_OUTPUTS, STEP_SCHEMA, StepField, StepSchema
 
 from .passes.quantize_kv_cache import KV_CACHE_DTYPES
+from .passes.shard_ep import check_ep
 from .pipeline import selected_passes
 from .quantization import get_method
 
@@ -30,6 +31,9 @@ class CompileOptions:
     skip_passes: tuple[str, ...] = ()  # pipeline passes left out, for experiments (pipeline.run_pipeline)
     quantization: str | None = None  # a method of kiln.compiler.quantization.METHODS (fp8, w8a8_int8, ...)
     tp: int = 1  # tensor-parallel ranks: the artifact holds one weights file per rank (passes/shard_tp.py)
+    # Expert-parallel ranks: the routed experts partitioned over them, inside tp (passes/shard_ep.py:
+    # tp 1 or tp == ep); the artifact runs on ``ranks`` = max(tp, ep).
+    ep: int = 1
     # The KV pool's dtype: "auto" (the model's dtype) or "fp8_e4m3" (passes/quantize_kv_cache.py), and an
     # FP8 pool's calibrated per-tensor scales, a (k_scale, v_scale) pair per layer; () means 1.0 each.
     kv_cache_dtype: str = "auto"
@@ -43,6 +47,7 @@ class CompileOptions:
             raise ValueError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
+        check_ep(self.ep, self.tp)
         if self.max_logit_rows is not None and self.max_logit_rows < 1:
             raise ValueError(f"max_logit_rows must be >= 1, got {self.max_logit_rows}")
         self.step_schema()
@@ -62,6 +67,11 @@ class CompileOptions:
                for pair in self.kv_cache_scales):
             raise ValueError(f"kv_cache_scales must be (k_scale, v_scale) pairs of positive numbers, got "
                              f"{self.kv_cache_scales!r}")
+
+    @property
+    def ranks(self) -> int:
+        """The ranks the artifact runs on: one weights file each."""
+        return max(self.tp, self.ep)
 
     def step_schema(self) -> StepSchema:
         unknown = [name for name in self.step_outputs if name not in OPTIONAL_OUTPUTS]

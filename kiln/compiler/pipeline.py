@@ -2,7 +2,8 @@
 
 Transforms rewrite the graph; analyses (kernel selection, memory planning) leave their results in
 the context for codegen. The order matters: tensor-parallel sharding comes first, on the graph as
-the model wrote it (its patterns are the model's primitive ops), so the fusions see the sharded
+the model wrote it (its patterns are the model's primitive ops), then expert-parallel sharding of the
+``moe`` ops it leaves whole, so the fusions see the sharded
 GEMMs and the collectives between them; the linear fusions must see the unfused projections,
 silu·mul must see the split the gate/up fusion made, the residual adds must join their GEMMs
 before silu·mul joins the down GEMM and the norms join theirs, rope+KV store must see the q/k norms before
@@ -38,6 +39,7 @@ from .passes.plan_memory import plan_memory
 from .passes.quantize import quantize
 from .passes.quantize_kv_cache import quantize_kv_cache
 from .passes.select_kernels import select_kernels
+from .passes.shard_ep import shard_ep
 from .passes.shard_tp import shard_tp
 
 
@@ -49,6 +51,7 @@ def _verify(graph: Graph, ctx: PassContext) -> Graph:
 PIPELINE: list[tuple[str, Pass]] = [
     ("verify", _verify),
     ("shard_tp", shard_tp),
+    ("shard_ep", shard_ep),
     ("fuse_linears", fuse_linears),
     ("fuse_silu_mul", fuse_silu_mul),
     ("fuse_linear_residual", fuse_linear_residual),
@@ -64,8 +67,8 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("plan_memory", plan_memory),
 ]
 # Without these there is no checked graph, no kernel table or no memory plan to write, or no rank's
-# shard of a tensor-parallel model.
-REQUIRED = frozenset({"verify", "shard_tp", "select_kernels", "plan_memory"})
+# shard of a tensor- or expert-parallel model.
+REQUIRED = frozenset({"verify", "shard_tp", "shard_ep", "select_kernels", "plan_memory"})
 
 
 def selected_passes(skip: Sequence[str] = ()) -> list[tuple[int, str, Pass]]:

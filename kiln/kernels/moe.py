@@ -57,8 +57,9 @@ def _router_topk(logits, *, out, top_k, renormalize=False, scoring="softmax"):
     out[1].copy_(ids)
 
 
-def _moe(x, weights, ids, w_gate_up, w_down, *, out, expert_offset=0):
-    out.copy_(ref_moe(x, weights, ids, w_gate_up, w_down, expert_offset))
+def _moe(x, weights, ids, w_gate_up, w_down, expert_start=None, *, out, expert_offset=0):
+    start = 0 if expert_start is None else int(expert_start)
+    out.copy_(ref_moe(x, weights, ids, w_gate_up, w_down, expert_offset + start))
 
 
 def _sigmoid(x, *, out):

@@ -69,9 +69,9 @@ class EngineCore:
             raise ValueError(f"the KV pool holds {(num_pages - 1) * self.page_size} tokens, less than "
                              f"the context length {self.max_seq_len}; raise kv_cache_tokens or mem_fraction")
         # What the core drives (every rank), and rank 0's model runner, for tools that look inside it.
-        tp = rt["tp"]
+        ranks = rt["ranks"]  # max(tp, ep): a sharded artifact's own ranks
         self.worker = start_worker(self.artifact, RankConfig(
-            str(self.artifact.path), str(device), num_pages, buckets, prefill_graphs, self._world_size(tp), tp > 1,
+            str(self.artifact.path), str(device), num_pages, buckets, prefill_graphs, self._world_size(ranks), ranks > 1,
             self.options.reference_fallback, spec.tokens_per_verify if spec is not None else 1))
         self.runner = self.worker.runner
         self.allocator = PageAllocator(self.worker.num_pages)
@@ -98,14 +98,14 @@ class EngineCore:
         self._readback = TokenReadback(max(buckets, default=1), device)
         self.overlapped_steps = 0
 
-    def _world_size(self, tp: int) -> int:
-        """The artifact's tensor-parallel ranks, or the options' replicated ones for a one-rank artifact."""
-        if tp == 1:
+    def _world_size(self, ranks: int) -> int:
+        """The artifact's tensor- or expert-parallel ranks, or the options' replicated ones for a one-rank artifact."""
+        if ranks == 1:
             return self.options.world_size
-        if self.options.world_size not in (1, tp):
-            raise ValueError(f"world_size: the artifact is tensor-parallel over {tp} ranks and runs on exactly "
-                             f"{tp}, not {self.options.world_size}")
-        return tp
+        if self.options.world_size not in (1, ranks):
+            raise ValueError(f"world_size: the artifact is tensor-parallel over {ranks} ranks and runs on exactly "
+                             f"{ranks}, not {self.options.world_size}")
+        return ranks
 
     def _num_pages(self, device: torch.device, rt: dict[str, Any]) -> int:
         if self.options.kv_cache_tokens is not None:

@@ -1,0 +1,116 @@
+"""Expert parallelism: the routed experts of each ``moe`` partitioned over ``ctx.ep`` ranks.
+
+Each ``moe``'s stacked weights (``[E, 2I, H]`` gate/up, ``[E, H, I]`` down) are cut along the expert
+axis into ``ep`` contiguous slices (``@w.shard``, a ``Shard`` of the model's ``Stack``, placement
+``expert(0)``); rank r holds experts ``r * E/ep ..`` and reads its first expert from a per-rank
+parameter ``@….expert_start`` (an i32[1]: ``Constant`` of every rank's start, ``Shard``ed), which
+the ``moe`` op subtracts from the ids. The router stays replicated, so every rank routes every token
+alike and computes its experts' share of each token's sum; an ``all_reduce`` adds the shares:
+
+Before:  %l0.experts = moe(%l0.mlp_in, %l0.route_w, %l0.route_ids, @gu, @down) : f32[T, 8]
+After:   %l0.experts.part = moe(%l0.mlp_in, %l0.route_w, %l0.route_ids, @gu.shard, @down.shard,
+                                @gu.expert_start) : f32[T, 8]
+         %l0.experts = all_reduce(%l0.experts.part) {world_size=2} : f32[T, 8]
+
+Dispatch and combine. Every rank already holds every token's hidden state at the MoE block (the
+attention before it is replicated, or tensor-parallel and completed by its ``all_reduce``), so
+dispatch costs nothing, and the combine is one ``all_reduce`` of ``[T, H]`` (which NCCL runs as a
+reduce-scatter plus an all-gather: the all-gather + reduce-scatter scheme, with the gather already
+done by the attention's reduction). An all-to-all dispatch pays off only when tokens are spread over
+the ranks (data-parallel attention), and its message sizes depend on the routing, which a CUDA graph
+cannot capture without padding every message to the worst case; here each rank would have to send
+all of its tokens to the k ranks of their experts and back, more bytes than the all-reduce for
+top-k >= 2 at these rank counts, so kiln does not use one.
+
+Ranks. Expert parallelism lives inside tensor parallelism, as in SGLang (``--tp N --ep N``) and
+vLLM (``--enable-expert-parallel``): the program runs on ``max(tp, ep)`` ranks. With ``tp`` 1 the
+attention, the dense MLPs and Qwen2-MoE's shared expert are replicated on the ``ep`` ranks; with
+``tp == ep`` the ``shard_tp`` pass (which runs first and leaves ``moe`` alone) has made them
+tensor-parallel over the same ranks. Other mixes (each expert's own MLP also split, ``ep < tp``)
+are refused by name. Runs right after ``shard_tp``; with one expert rank it changes nothing.
+"""
+
+from __future__ import annotations
+
+from kiln.ir import Graph, Node, Param, TensorType, make_node
+from kiln.ir.types import DType
+from kiln.ir.weights import Layout, Placement
+
+from ..recipes import Constant, Shard
+from .base import PassContext
+from .shard_tp import _divisors, _fresh
+
+
+def check_ep(ep: int, tp: int) -> None:
+    """Refuses an ep/tp mix the pass does not lay out, naming the ones it does."""
+    if ep < 1:
+        raise ValueError(f"ep must be >= 1, got {ep}")
+    if ep > 1 and tp not in (1, ep):
+        raise ValueError(f"ep={ep} with tp={tp} is not supported: expert parallelism runs inside tensor "
+                         f"parallelism on max(tp, ep) ranks, with tp=1 (attention replicated) or tp=ep "
+                         f"(attention tensor-parallel over the same ranks)")
+
+
+def shard_ep(graph: Graph, ctx: PassContext) -> Graph:
+    ep = ctx.ep
+    if ep == 1:
+        return graph
+    check_ep(ep, ctx.tp)
+    ranks = max(ctx.tp, ep)
+    experts = [node for node in graph.nodes if node.op == "moe"]
+    if not experts:
+        raise ValueError(f"ep={ep}: {graph.name} has no routed experts (no moe op); expert parallelism is for "
+                         "mixture-of-experts models (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)")
+    taken = set(graph.value_types())
+    params = dict(graph.params)
+    renamed: dict[str, str] = {}
+    starts: dict[str, str] = {}  # stacked gate/up weight -> its rank's expert_start parameter
+    for node in experts:
+        if len(node.inputs) > 5:
+            raise ValueError(f"shard_ep: {node.out} is already sharded over experts")
+        gate_up = node.inputs[3]
+        count = graph.params[gate_up].type.shape[0]
+        if count % ep:
+            raise ValueError(f"ep={ep} must divide the experts ({count} in {node.out}); possible ep: {_divisors(count)}")
+        for name in node.inputs[3:5]:
+            if name not in renamed:
+                renamed[name] = _expert_shard(name, ep, ranks, params, taken, ctx)
+        if gate_up not in starts:
+            starts[gate_up] = _expert_start(gate_up, count, ep, ranks, params, taken, ctx)
+    types: dict[str, TensorType] = {**graph.inputs, **{name: p.value_type for name, p in params.items()}}
+    nodes: list[Node] = []
+    for node in graph.nodes:
+        if node.op != "moe":
+            nodes.append(node)
+            types.update(zip(node.outputs, node.types))
+            continue
+        args = [renamed.get(i, i) for i in node.inputs] + [starts[node.inputs[3]]]
+        part = _fresh(f"{node.out}.part", taken)
+        nodes.append(make_node("moe", args, [part], [types[a] for a in args], dict(node.attrs)))
+        nodes.append(make_node("all_reduce", [part], node.outputs, [node.type], {"world_size": ranks}))
+        types.update(zip(node.outputs, node.types))
+        types[part] = node.type
+    kept = {name: p for name, p in params.items() if name not in renamed}
+    return graph.replace(params=kept, nodes=nodes)
+
+
+def _expert_shard(name: str, ep: int, ranks: int, params: dict[str, Param], taken: set[str],
+                  ctx: PassContext) -> str:
+    param = params[name]
+    shape = list(param.type.shape)
+    shape[0] //= ep
+    sharded = _fresh(f"{name}.shard", taken)
+    ctx.add_recipe(Shard(sharded, name, 0, ep, ranks))
+    params[sharded] = Param(sharded, param.type.with_shape(tuple(shape)), param.format, Placement(Layout.expert, 0))
+    return sharded
+
+
+def _expert_start(gate_up: str, count: int, ep: int, ranks: int, params: dict[str, Param], taken: set[str],
+                  ctx: PassContext) -> str:
+    """The parameter holding the rank's first expert: its part of every slice's start."""
+    every = _fresh(f"{gate_up}.expert_starts", taken)
+    name = _fresh(f"{gate_up}.expert_start", taken)
+    ctx.add_recipe(Constant(every, tuple(part * count // ep for part in range(ep))))
+    ctx.add_recipe(Shard(name, every, 0, ep, ranks))
+    params[name] = Param(name, TensorType((1,), DType.i32), placement=Placement(Layout.expert, 0))
+    return name
