@@ -25,6 +25,7 @@ from kiln.tensors import parse_float_dtype
 from .codegen.program import generate_program
 from .options import CompileOptions
 from .passes.base import PassContext
+from .passes.count_expert_load import PREFIX as EXPERT_LOAD
 from .passes.quantize_kv_cache import KV_CACHE_DTYPES
 from .pipeline import run_pipeline
 from .quantization import QuantizationMethod, get_method
@@ -114,6 +115,9 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
                 "kv_cache_dtype": str(KV_CACHE_DTYPES[options.kv_cache_dtype] or dtype),  # the pool's
                 "symbol_bounds": bounds,
                 "step_schema": options.step_schema().to_json(),
+                # The per-layer expert counters the runtime keeps (passes/count_expert_load.py).
+                "expert_load": [{"input": name, "layer": int(name[len(EXPERT_LOAD):]), "experts": t.shape[0]}
+                                for name, t in graph.inputs.items() if name.startswith(EXPERT_LOAD)],
             },
             "memory_plan": ctx.memory_plan.to_json(),
             "kernels": sorted(set(ctx.kernel_choice)),

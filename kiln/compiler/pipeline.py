@@ -3,7 +3,8 @@
 Transforms rewrite the graph; analyses (kernel selection, memory planning) leave their results in
 the context for codegen. The order matters: tensor-parallel sharding comes first, on the graph as
 the model wrote it (its patterns are the model's primitive ops), then expert-parallel sharding of the
-``moe`` ops it leaves whole, so the fusions see the sharded
+``moe`` ops it leaves whole and the expert-load counters after each router (before the fusions, which
+leave them alone), so the fusions see the sharded
 GEMMs and the collectives between them; the linear fusions must see the unfused projections,
 silu·mul must see the split the gate/up fusion made, the residual adds must join their GEMMs
 before silu·mul joins the down GEMM and the norms join theirs, rope+KV store must see the q/k norms before
@@ -26,6 +27,7 @@ from typing import Sequence
 from kiln.ir import Graph, print_graph, verify
 
 from .passes.base import Pass, PassContext
+from .passes.count_expert_load import count_expert_load
 from .passes.dce import eliminate_dead_code
 from .passes.fuse_add_rmsnorm import fuse_add_rmsnorm
 from .passes.fuse_linear_residual import fuse_linear_residual
@@ -52,6 +54,7 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("verify", _verify),
     ("shard_tp", shard_tp),
     ("shard_ep", shard_ep),
+    ("count_expert_load", count_expert_load),
     ("fuse_linears", fuse_linears),
     ("fuse_silu_mul", fuse_silu_mul),
     ("fuse_linear_residual", fuse_linear_residual),

@@ -88,6 +88,25 @@ register_op(OpDef(
 ))
 
 
+def _count_experts(t: Types, a: Attrs) -> tuple[TensorType, ...]:
+    counts, ids, slots = t
+    expect(counts.dtype == DType.i64 and counts.rank == 1, f"count_experts: counts {counts} must be an i64 [E]")
+    expect_int("count_experts", "ids", ids)
+    expect_rank("count_experts", "ids", ids, 2)
+    expect(slots.rank == 1 and same_dim(slots.shape[0], ids.shape[0]),
+           f"count_experts: slots {slots} must have a row of ids {ids} each")
+    return (counts,)
+
+
+# Load visibility (compiler/passes/count_expert_load.py): a layer's tokens per expert, accumulated in
+# place over the steps in a state input the runtime owns, as the KV pool's kv_store does.
+register_op(OpDef(
+    "count_experts", ("counts", "ids", "slots"), {}, _count_experts, aliases=(0,), has_effect=True,
+    doc="counts[e] += the choices of expert e in ids, over rows whose slot is >= 0 (padding rows store no KV "
+        "and count nothing); returns counts",
+))
+
+
 def _scale_rows(t: Types, a: Attrs) -> tuple[TensorType, ...]:
     x, scale = t
     expect_rank("scale_rows", "x", x, 2)

@@ -1,5 +1,5 @@
 """Mixture-of-experts kernels, torch side: the router's top-k, the routed experts (``moe``) and the
-shared expert's gate (``sigmoid``, ``scale_rows``); the ``ref_`` versions the Triton kernels
+shared expert's gate (``sigmoid``, ``scale_rows``), the tokens per expert (``count_experts``); the ``ref_`` versions the Triton kernels
 (``moe_align.py``, ``moe_gemm.py``) are tested against.
 
 The references compute what the ops' docs say (``kiln/ir/ops_moe.py``): each expert's rows through
@@ -43,6 +43,11 @@ def ref_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up
     return out.to(x.dtype)
 
 
+def ref_count_experts(counts: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    real = ids[slots >= 0].long().flatten()
+    return counts + torch.bincount(real, minlength=counts.numel())[:counts.numel()]
+
+
 def ref_sigmoid(x: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(x)
 
@@ -62,6 +67,14 @@ def _moe(x, weights, ids, w_gate_up, w_down, expert_start=None, *, out, expert_o
     out.copy_(ref_moe(x, weights, ids, w_gate_up, w_down, expert_offset + start))
 
 
+def _count_experts(counts, ids, slots):
+    # index_add_ with a 0/1 weight per choice, not bincount: no read back to the host, so a captured
+    # step counts too. The op's output is ``counts`` itself, updated in place.
+    real = (slots >= 0).to(counts.dtype)[:, None].expand(ids.shape)
+    counts.index_add_(0, ids.flatten().long(), real.flatten())
+    return counts
+
+
 def _sigmoid(x, *, out):
     torch.sigmoid(x, out=out)
 
@@ -72,5 +85,6 @@ def _scale_rows(x, scale, *, out):
 
 register_impl("router_topk", "torch", _router_topk)
 register_impl("moe", "torch", _moe, reads_device=True)
+register_impl("count_experts", "torch", _count_experts)
 register_impl("sigmoid", "torch", _sigmoid)
 register_impl("scale_rows", "torch", _scale_rows)

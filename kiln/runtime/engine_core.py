@@ -33,7 +33,7 @@ from .kvcache.allocator import PageAllocator
 from .device_support import uses_references
 from .kvcache.pool import pages_for_mem_fraction, pages_for_tokens, pool_dtype
 from .kvcache.radix import RadixCache
-from .outputs import INTERNAL_ERROR, SampleEvent, TokenLogprob
+from .outputs import EXPERT_TOKENS, INTERNAL_ERROR, SampleEvent, TokenLogprob
 from .sampling import SamplerOutput, SamplingBatch, SamplingParams, SamplingRow, child_seed, masked_argmax, new_seed
 from .scheduler.batch import StepLists, build_step_lists
 from .scheduler.request import DECODING, PENDING, Request, RequestState
@@ -192,7 +192,15 @@ class EngineCore:
             "retractions": self.scheduler.num_retractions,
             "overlapped_steps": self.overlapped_steps,
             **(self.speculator.stats() if self.speculator is not None else {}),
+            **self.expert_load_stats(),
         }
+
+    def expert_load_stats(self) -> dict[str, int]:
+        """Tokens sent to each expert of each sparse layer since start, as ``expert_tokens:{layer}:{expert}``
+        (a MoE model's; empty otherwise). Rank 0's counters: the router is replicated, so it sees every
+        token. Reading them waits for the device's queued work."""
+        return {f"{EXPERT_TOKENS}{layer}:{expert}": count for layer, counts in self.runner.expert_load.read().items()
+                for expert, count in enumerate(counts)}
 
     # ---- one step -----------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ import torch
 from kiln.runtime.kvcache.pool import pool_dtype
 from kiln.runtime.scheduler.batch import StepLists
 from kiln.runtime.worker.executor import Executor, StepInputs
+from kiln.runtime.worker.expert_load import ExpertLoad
 
 
 class PagedRun:
@@ -25,6 +26,7 @@ class PagedRun:
                 self.caches[f"{kind}_cache.{i}"] = torch.zeros(
                     num_pages * self.page_size, rt["num_kv_heads"], rt["head_dim"],
                     dtype=pool_dtype(rt), device=executor.device)
+        self.caches.update(ExpertLoad(rt.get("expert_load", []), executor.device).views())  # a MoE model's counters
         self.next_page = 1  # page 0 stays unused, as in the runtime's pool
         self.pages: list[list[int]] = []
         self.lengths: list[int] = []
