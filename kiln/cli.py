@@ -60,7 +60,7 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
                         "starts every rank (default 1)")
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel ranks for a mixture-of-experts model: its routed experts partitioned "
-                        "over them, inside --tp (with --tp 1, or --tp equal to --ep; default 1)")
+                        "over them, inside --tp (with --tp 1, or --tp a multiple of --ep; default 1)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
                    help="the KV cache's dtype: auto (the model's) or fp8_e4m3 (half the bytes a token, per-tensor "
                         "scales of 1.0)")

@@ -32,7 +32,7 @@ class CompileOptions:
     quantization: str | None = None  # a method of kiln.compiler.quantization.METHODS (fp8, w8a8_int8, ...)
     tp: int = 1  # tensor-parallel ranks: the artifact holds one weights file per rank (passes/shard_tp.py)
     # Expert-parallel ranks: the routed experts partitioned over them, inside tp (passes/shard_ep.py:
-    # tp 1 or tp == ep); the artifact runs on ``ranks`` = max(tp, ep).
+    # tp 1, or ep dividing tp); the artifact runs on ``ranks`` = max(tp, ep).
     ep: int = 1
     # The KV pool's dtype: "auto" (the model's dtype) or "fp8_e4m3" (passes/quantize_kv_cache.py), and an
     # FP8 pool's calibrated per-tensor scales, a (k_scale, v_scale) pair per layer; () means 1.0 each.

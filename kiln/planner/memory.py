@@ -9,7 +9,8 @@ embedding to the first and the lm_head to the last (a tied one is held by both).
 whole, as kiln lays them out: ``E / ep`` of them on each of the ``ep`` expert-parallel ranks
 (``shard_ep``), or all ``E`` on every rank when ``ep`` is 1 (``shard_tp`` leaves ``moe`` whole).
 Expert parallelism runs inside tensor parallelism: a stage has ``max(tp, ep)`` ranks, with ``tp`` 1
-(attention and KV replicated on the ``ep`` ranks) or ``tp == ep``.
+(attention and KV replicated on the ``ep`` ranks) or ``ep`` dividing ``tp`` (the planner proposes
+``tp == ep``; kiln also runs ``tp > ep``, each expert's width split over ``tp / ep`` ranks).
 
 Quantization applies to every GEMM but the lm_head, as the ``quantize`` pass does; embeddings and
 norms stay in the model's dtype, and so does the KV cache.
@@ -111,7 +112,8 @@ def stages(shape: ModelShape, layout: Layout, storage: WeightStorage) -> list[St
     if not shape.is_moe:
         experts = 0.0
     elif layout.ep > 1:
-        experts = shape.num_experts // layout.ep * 3 * gemm(shape.expert_intermediate_size, H)
+        width = _ceil_div(shape.expert_intermediate_size, max(tp, layout.ep) // layout.ep)  # split at tp > ep
+        experts = shape.num_experts // layout.ep * 3 * gemm(width, H)
     else:
         experts = shape.num_experts * 3 * gemm(shape.expert_intermediate_size, H)
     router = shape.num_experts * H * plain

@@ -95,10 +95,11 @@ def test_a_config_that_is_no_kernel_config_is_refused():
 
 @pytest.mark.parametrize("ep, tp, message", [
     (0, 1, "ep must be >= 1, got 0"),
-    (2, 4, "ep=2 with tp=4 is not supported"),
+    (4, 6, "ep=4 with tp=6 is not supported"),
     (4, 2, "ep=4 with tp=2 is not supported"),
 ])
 def test_ep_and_tp_mixes_the_pass_does_not_lay_out_are_refused(ep, tp, message):
     with pytest.raises(ValueError, match=message):
         CompileOptions(ep=ep, tp=tp).validate()
     assert CompileOptions(ep=2).ranks == CompileOptions(ep=2, tp=2).ranks == CompileOptions(tp=2).ranks == 2
+    assert CompileOptions(ep=2, tp=4).ranks == 4

@@ -22,12 +22,16 @@ cannot capture without padding every message to the worst case; here each rank w
 all of its tokens to the k ranks of their experts and back, more bytes than the all-reduce for
 top-k >= 2 at these rank counts, so kiln does not use one.
 
-Ranks. Expert parallelism lives inside tensor parallelism, as in SGLang (``--tp N --ep N``) and
-vLLM (``--enable-expert-parallel``): the program runs on ``max(tp, ep)`` ranks. With ``tp`` 1 the
-attention, the dense MLPs and Qwen2-MoE's shared expert are replicated on the ``ep`` ranks; with
-``tp == ep`` the ``shard_tp`` pass (which runs first and leaves ``moe`` alone) has made them
-tensor-parallel over the same ranks. Other mixes (each expert's own MLP also split, ``ep < tp``)
-are refused by name. Runs right after ``shard_tp``; with one expert rank it changes nothing.
+Ranks. Expert parallelism lives inside tensor parallelism, as in SGLang (``--tp N --ep M``: its
+``moe_tp_size = tp / ep``) and vLLM (``--enable-expert-parallel``): the program runs on
+``max(tp, ep)`` ranks. With ``tp`` 1 the attention, the dense MLPs and Qwen2-MoE's shared expert
+are replicated on the ``ep`` ranks; with ``tp`` > 1 the ``shard_tp`` pass (which runs first and
+leaves ``moe`` alone) has made them tensor-parallel over the ``tp`` ranks, and ``ep`` must divide
+``tp``: rank r holds expert group ``r // (tp/ep)`` and, of each of those experts, part
+``r % (tp/ep)`` of the intermediate width (gate and up rows, down columns; a ``Shard`` of the
+expert slice, ``cyclic``, with ``groups=2`` for the gate/up halves). Every rank's output is still a
+part of the sum, so the one ``all_reduce`` over all ranks completes it. ``ep`` above a ``tp`` > 1 is
+refused by name. Runs right after ``shard_tp``; with one expert rank it changes nothing.
 """
 
 from __future__ import annotations
@@ -45,10 +49,10 @@ def check_ep(ep: int, tp: int) -> None:
     """Refuses an ep/tp mix the pass does not lay out, naming the ones it does."""
     if ep < 1:
         raise ValueError(f"ep must be >= 1, got {ep}")
-    if ep > 1 and tp not in (1, ep):
+    if ep > 1 and tp > 1 and tp % ep:
         raise ValueError(f"ep={ep} with tp={tp} is not supported: expert parallelism runs inside tensor "
-                         f"parallelism on max(tp, ep) ranks, with tp=1 (attention replicated) or tp=ep "
-                         f"(attention tensor-parallel over the same ranks)")
+                         f"parallelism on max(tp, ep) ranks, with tp=1 (attention replicated) or ep dividing tp "
+                         f"(attention tensor-parallel over the same ranks, each expert split over tp/ep of them)")
 
 
 def shard_ep(graph: Graph, ctx: PassContext) -> Graph:
@@ -57,6 +61,7 @@ def shard_ep(graph: Graph, ctx: PassContext) -> Graph:
         return graph
     check_ep(ep, ctx.tp)
     ranks = max(ctx.tp, ep)
+    width_parts = ranks // ep  # each expert's intermediate width split over this many ranks (tp / ep)
     experts = [node for node in graph.nodes if node.op == "moe"]
     if not experts:
         raise ValueError(f"ep={ep}: {graph.name} has no routed experts (no moe op); expert parallelism is for "
@@ -72,9 +77,13 @@ def shard_ep(graph: Graph, ctx: PassContext) -> Graph:
         count = graph.params[gate_up].type.shape[0]
         if count % ep:
             raise ValueError(f"ep={ep} must divide the experts ({count} in {node.out}); possible ep: {_divisors(count)}")
-        for name in node.inputs[3:5]:
+        width = graph.params[node.inputs[4]].type.shape[2]
+        if width % width_parts:
+            raise ValueError(f"tp={ctx.tp} / ep={ep} = {width_parts} must divide the experts' intermediate size "
+                             f"({width} in {node.out})")
+        for name, axis, groups in ((gate_up, 1, 2), (node.inputs[4], 2, 1)):
             if name not in renamed:
-                renamed[name] = _expert_shard(name, ep, ranks, params, taken, ctx)
+                renamed[name] = _expert_shard(name, ep, ranks, axis, groups, params, taken, ctx)
         if gate_up not in starts:
             starts[gate_up] = _expert_start(gate_up, count, ep, ranks, params, taken, ctx)
     types: dict[str, TensorType] = {**graph.inputs, **{name: p.value_type for name, p in params.items()}}
@@ -94,13 +103,21 @@ def shard_ep(graph: Graph, ctx: PassContext) -> Graph:
     return graph.replace(params=kept, nodes=nodes)
 
 
-def _expert_shard(name: str, ep: int, ranks: int, params: dict[str, Param], taken: set[str],
-                  ctx: PassContext) -> str:
+def _expert_shard(name: str, ep: int, ranks: int, width_axis: int, groups: int, params: dict[str, Param],
+                  taken: set[str], ctx: PassContext) -> str:
+    """The rank's experts of a stacked weight; with more ranks than ep, its part of their width too."""
     param = params[name]
     shape = list(param.type.shape)
     shape[0] //= ep
     sharded = _fresh(f"{name}.shard", taken)
-    ctx.add_recipe(Shard(sharded, name, 0, ep, ranks))
+    width_parts = ranks // ep
+    if width_parts == 1:
+        ctx.add_recipe(Shard(sharded, name, 0, ep, ranks))
+    else:
+        experts = _fresh(f"{name}.experts", taken)
+        ctx.add_recipe(Shard(experts, name, 0, ep, ranks))  # rank r: group r // width_parts
+        ctx.add_recipe(Shard(sharded, experts, width_axis, width_parts, ranks, cyclic=True, groups=groups))
+        shape[width_axis] //= width_parts
     params[sharded] = Param(sharded, param.type.with_shape(tuple(shape)), param.format, Placement(Layout.expert, 0))
     return sharded
 
@@ -111,6 +128,6 @@ def _expert_start(gate_up: str, count: int, ep: int, ranks: int, params: dict[st
     every = _fresh(f"{gate_up}.expert_starts", taken)
     name = _fresh(f"{gate_up}.expert_start", taken)
     ctx.add_recipe(Constant(every, tuple(part * count // ep for part in range(ep))))
-    ctx.add_recipe(Shard(name, every, 0, ep, ranks))
+    ctx.add_recipe(Shard(name, every, 0, ep, ranks))  # rank r: its group's, r // (ranks / ep)
     params[name] = Param(name, TensorType((1,), DType.i32), placement=Placement(Layout.expert, 0))
     return name

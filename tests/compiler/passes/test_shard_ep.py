@@ -1,15 +1,17 @@
 """Before/Expected IR tests of the expert-parallel pass (one sparse layer: router, top-2 of 4
 experts), its recipes for each rank, its refusals, and the whole pipeline over a real MoE model's
-graph at ep=2 alone and inside tp=2 (Qwen2-MoE: a dense layer, a shared expert)."""
+graph at ep=2 alone and inside tp=2 (Qwen2-MoE: a dense layer, a shared expert), and ep=2 inside
+tp=4, where each expert's width is split too."""
 
 import textwrap
 
 import pytest
+import torch
 
 from kiln.compiler.passes.base import PassContext
 from kiln.compiler.passes.shard_ep import shard_ep
 from kiln.compiler.pipeline import run_pipeline
-from kiln.compiler.recipes import Constant, Shard, Slice, for_rank
+from kiln.compiler.recipes import Constant, Slice, apply_recipes, for_rank
 from kiln.ir import parse_graph, print_graph, verify
 from kiln.models import BuildOptions, family_for
 from kiln.tensors import parse_float_dtype
@@ -81,9 +83,34 @@ def test_one_rank_changes_nothing():
     assert shard_ep(graph, ctx) is graph and ctx.recipes == []
 
 
+def test_ep_inside_a_larger_tp_splits_each_experts_width_too():
+    """tp=4 ep=2: rank r holds experts 2*(r // 2) .. +1, and of them intermediate part r % 2 (gate
+    rows and up rows alike, down columns); every rank's output is a part of the sum."""
+    ctx = PassContext(ep=2, tp=4)
+    text = run(BEFORE, ctx)
+    assert "param @l0.mlp.experts.gate_up_proj.shard: f32[2, 6, 8] placement=expert(0)" in text
+    assert "param @l0.mlp.experts.down_proj.shard: f32[2, 8, 3] placement=expert(0)" in text
+    assert "%l0.experts = all_reduce(%l0.experts.part) {world_size=4} : f32[T, 8]" in text
+    gate_up = torch.randn(4, 12, 8)
+    down = torch.randn(4, 8, 6)
+    sources = {"l0.mlp.experts.gate_up_proj": gate_up, "l0.mlp.experts.down_proj": down}
+    for rank in range(4):
+        group, part = rank // 2, rank % 2
+        made = dict(apply_recipes(for_rank(ctx.recipes, rank), ["l0.mlp.experts.gate_up_proj.shard",
+                                                                 "l0.mlp.experts.down_proj.shard",
+                                                                 "l0.mlp.experts.gate_up_proj.expert_start"],
+                                  sources.__getitem__))
+        experts = slice(2 * group, 2 * group + 2)
+        rows = [*range(3 * part, 3 * part + 3), *range(6 + 3 * part, 6 + 3 * part + 3)]  # gate part, up part
+        assert torch.equal(made["l0.mlp.experts.gate_up_proj.shard"], gate_up[experts][:, rows])
+        assert torch.equal(made["l0.mlp.experts.down_proj.shard"], down[experts][:, :, 3 * part:3 * part + 3])
+        assert made["l0.mlp.experts.gate_up_proj.expert_start"].tolist() == [2 * group]
+
+
 @pytest.mark.parametrize("ep, tp, message", [
     (3, 1, r"ep=3 must divide the experts \(4 in l0.experts\); possible ep: 1, 2, 4"),
-    (2, 4, r"ep=2 with tp=4 is not supported: .*tp=1 \(attention replicated\) or tp=ep"),
+    (4, 2, r"ep=4 with tp=2 is not supported: .*tp=1 \(attention replicated\) or ep dividing tp"),
+    (2, 8, r"tp=8 / ep=2 = 4 must divide the experts' intermediate size \(6 in l0.experts\)"),
 ])
 def test_refuses_what_does_not_split(ep, tp, message):
     with pytest.raises(ValueError, match=message):

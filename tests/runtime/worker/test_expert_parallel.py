@@ -4,8 +4,9 @@ loopback, against the one-rank artifact.
 Each MoE family, random weights (tests.support.hf_models): Mixtral (top-2 of 8, renormalized, with
 a sliding window), Qwen2-MoE (top-4 of 8 unnormalized, a gated shared expert, layer 0 dense) and
 Qwen3-MoE (normalized top-3 of 8, q/k norms). At ep=2 (attention, dense MLP and shared expert
-replicated; four experts a rank) and at ep=2 inside tp=2 (attention, dense MLP and shared expert
-tensor-parallel over the same two ranks): a batch of prompts of different lengths prefilled together,
+replicated; four experts a rank), at ep=2 inside tp=2 (attention, dense MLP and shared expert
+tensor-parallel over the same two ranks) and at ep=2 inside tp=4 (four ranks: two expert groups,
+each expert's width split over the two ranks of its group): a batch of prompts of different lengths prefilled together,
 then greedy decode steps through each rank's paged KV pool. Every rank runs the same steps and checks
 that its tokens equal the one-rank artifact's and its logits are within TOLERANCE of them.
 
@@ -35,7 +36,7 @@ from tests.support.hf_models import make_hf_model
 from tests.support.stepping import PagedRun
 
 FAMILIES = ("mixtral_window", "qwen2_moe", "qwen3_moe")
-LAYOUTS = (dict(ep=2), dict(ep=2, tp=2))  # both on two ranks
+LAYOUTS = {2: (dict(ep=2), dict(ep=2, tp=2)), 4: (dict(ep=2, tp=4),)}  # by the ranks they run on
 
 
 @pytest.fixture(scope="module")
@@ -62,17 +63,18 @@ def check_rank(rank: int, ranks: int, cases: list[tuple[str, str, str]], store_f
         dist.destroy_process_group()
 
 
-def test_every_moe_family_at_ep2_and_ep2_inside_tp2_gives_one_rank_tokens(models, tmp_path):
+@pytest.mark.parametrize("ranks", sorted(LAYOUTS))
+def test_every_moe_family_at_ep2_alone_and_inside_tp_gives_one_rank_tokens(models, tmp_path, ranks):
     cases = []
     for kind, (source, one_rank) in models.items():
-        for layout in LAYOUTS:
+        for layout in LAYOUTS[ranks]:
             name = f"{kind}-" + "-".join(f"{k}{v}" for k, v in layout.items())
             sharded = compile_model(source, tmp_path / f"{name}.kiln", CompileOptions(**OPTIONS, **layout))
             runtime = load_artifact(sharded).runtime
-            assert (runtime["ep"], runtime["tp"], runtime["ranks"]) == (2, layout.get("tp", 1), 2)
-            assert len(load_artifact(sharded).manifest["weights"]) == 2
+            assert (runtime["ep"], runtime["tp"], runtime["ranks"]) == (2, layout.get("tp", 1), ranks)
+            assert len(load_artifact(sharded).manifest["weights"]) == ranks
             cases.append((name, str(one_rank), str(sharded)))
-    mp.start_processes(check_rank, args=(2, cases, str(tmp_path / "store")), nprocs=2, start_method="spawn")
+    mp.start_processes(check_rank, args=(ranks, cases, str(tmp_path / "store")), nprocs=ranks, start_method="spawn")
 
 
 def test_engine_compiles_an_ep_artifact_on_first_use_and_gives_one_rank_tokens(models, tmp_path, monkeypatch):
