@@ -61,6 +61,12 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel ranks for a mixture-of-experts model: its routed experts partitioned "
                         "over them, inside --tp (with --tp 1, or --tp a multiple of --ep; default 1)")
+    p.add_argument("--expert-load", type=Path, default=None, metavar="FILE",
+                   help="measured tokens per expert, a JSON object of layer -> counts (the expert_load kiln bench "
+                        "offline --out records): with --redundant-experts, copies of the hottest experts are placed "
+                        "so that the --ep ranks share the tokens evenly (EPLB-style)")
+    p.add_argument("--redundant-experts", type=int, default=0,
+                   help="extra expert slots per sparse layer for --expert-load's placement (default 0)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
                    help="the KV cache's dtype: auto (the model's) or fp8_e4m3 (half the bytes a token, per-tensor "
                         "scales of 1.0)")
@@ -128,7 +134,18 @@ def compile_options_from(args: argparse.Namespace):
     return CompileOptions(dtype=args.dtype, backend=backend, max_batch_tokens=args.max_batch_tokens,
                           max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, page_size=args.page_size,
                           quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, tp=args.tp,
-                          ep=args.ep)
+                          ep=args.ep, expert_placement=_expert_placement(args))
+
+
+def _expert_placement(args: argparse.Namespace) -> tuple:
+    """``--expert-load`` and ``--redundant-experts`` as ``CompileOptions.expert_placement``."""
+    if args.expert_load is None:
+        if args.redundant_experts:
+            raise ValueError("--redundant-experts places copies by measured load: give --expert-load FILE too")
+        return ()
+    from kiln.compiler.expert_placement import placements_from_loads, read_loads
+
+    return placements_from_loads(read_loads(args.expert_load), args.redundant_experts, args.ep)
 
 
 def _run_compile(args: argparse.Namespace) -> int:

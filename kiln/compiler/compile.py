@@ -64,7 +64,8 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
     }
     quantization = _quantization(options.quantization, source)
     ctx = PassContext(backend=options.backend, symbol_bounds=bounds, recipes=list(built.recipes),
-                      quantization=quantization, tp=options.tp, ep=options.ep, kv_cache_dtype=options.kv_cache_dtype,
+                      quantization=quantization, tp=options.tp, ep=options.ep,
+                      expert_placement=options.expert_placement, kv_cache_dtype=options.kv_cache_dtype,
                       kv_cache_scales=options.kv_cache_scales)
     graph, pass_log = run_pipeline(built.graph, ctx, dump_dir=dump_ir, skip=options.skip_passes)
 

@@ -34,6 +34,9 @@ class CompileOptions:
     # Expert-parallel ranks: the routed experts partitioned over them, inside tp (passes/shard_ep.py:
     # tp 1, or ep dividing tp); the artifact runs on ``ranks`` = max(tp, ep).
     ep: int = 1
+    # Redundant experts: (layer, the logical expert in each physical slot) per sparse layer that has
+    # copies (passes/place_experts.py; compiler/expert_placement.py makes them from measured loads).
+    expert_placement: tuple[tuple[int, tuple[int, ...]], ...] = ()
     # The KV pool's dtype: "auto" (the model's dtype) or "fp8_e4m3" (passes/quantize_kv_cache.py), and an
     # FP8 pool's calibrated per-tensor scales, a (k_scale, v_scale) pair per layer; () means 1.0 each.
     kv_cache_dtype: str = "auto"
@@ -48,6 +51,10 @@ class CompileOptions:
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
         check_ep(self.ep, self.tp)
+        if any(not (isinstance(layer, int) and layer >= 0 and slots and all(isinstance(e, int) for e in slots))
+               for layer, slots in self.expert_placement):
+            raise ValueError(f"expert_placement must be (layer, (expert per slot, ...)) pairs, got "
+                             f"{self.expert_placement!r}")
         if self.max_logit_rows is not None and self.max_logit_rows < 1:
             raise ValueError(f"max_logit_rows must be >= 1, got {self.max_logit_rows}")
         self.step_schema()

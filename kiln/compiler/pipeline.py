@@ -3,7 +3,7 @@
 Transforms rewrite the graph; analyses (kernel selection, memory planning) leave their results in
 the context for codegen. The order matters: tensor-parallel sharding comes first, on the graph as
 the model wrote it (its patterns are the model's primitive ops), then expert-parallel sharding of the
-``moe`` ops it leaves whole and the expert-load counters after each router (before the fusions, which
+``moe`` ops it leaves whole (after their experts are laid in slots, when a placement asks for copies) and the expert-load counters after each router (before the fusions, which
 leave them alone), so the fusions see the sharded
 GEMMs and the collectives between them; the linear fusions must see the unfused projections,
 silu·mul must see the split the gate/up fusion made, the residual adds must join their GEMMs
@@ -37,6 +37,7 @@ from .passes.fuse_rope_attention import fuse_rope_attention
 from .passes.fuse_rope_kv_store import fuse_rope_kv_store
 from .passes.fuse_silu_mul import fuse_silu_mul
 from .passes.fuse_silu_mul_linear import fuse_silu_mul_linear
+from .passes.place_experts import place_experts
 from .passes.plan_memory import plan_memory
 from .passes.quantize import quantize
 from .passes.quantize_kv_cache import quantize_kv_cache
@@ -53,6 +54,7 @@ def _verify(graph: Graph, ctx: PassContext) -> Graph:
 PIPELINE: list[tuple[str, Pass]] = [
     ("verify", _verify),
     ("shard_tp", shard_tp),
+    ("place_experts", place_experts),
     ("shard_ep", shard_ep),
     ("count_expert_load", count_expert_load),
     ("fuse_linears", fuse_linears),

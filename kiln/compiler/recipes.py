@@ -168,11 +168,11 @@ class Zeros:
 
 @dataclass(frozen=True)
 class Constant:
-    """``output``: the int32 vector ``values`` (a value the passes compute, such as where each rank's
-    shard of the vocabulary starts)."""
+    """``output``: the int32 array ``values`` (nested tuples for more axes): a value the passes compute,
+    such as where each rank's shard of the vocabulary starts, or each expert's physical copies."""
 
     output: str
-    values: tuple[int, ...]
+    values: tuple
 
     @property
     def inputs(self) -> tuple[str, ...]:

@@ -88,6 +88,23 @@ register_op(OpDef(
 ))
 
 
+def _place_experts(t: Types, a: Attrs) -> tuple[TensorType, ...]:
+    ids, table = t
+    expect_int("place_experts", "ids", ids)
+    expect_rank("place_experts", "ids", ids, 2)
+    expect(table.dtype == DType.i32 and table.rank == 2, f"place_experts: table {table} must be an i32 [E, copies]")
+    return (ids,)
+
+
+# Redundant experts (compiler/passes/place_experts.py): a logical expert's choice goes to one of its
+# physical copies, picked by the row, so a replicated expert's tokens spread evenly over its copies.
+register_op(OpDef(
+    "place_experts", ("ids", "table"), {}, _place_experts,
+    doc="out[t, j] = table[ids[t, j], t % C] (C = table's columns: each expert's physical slots, repeated "
+        "cyclically to fill them)",
+))
+
+
 def _count_experts(t: Types, a: Attrs) -> tuple[TensorType, ...]:
     counts, ids, slots = t
     expect(counts.dtype == DType.i64 and counts.rank == 1, f"count_experts: counts {counts} must be an i64 [E]")

@@ -1,5 +1,6 @@
 """Mixture-of-experts kernels, torch side: the router's top-k, the routed experts (``moe``) and the
-shared expert's gate (``sigmoid``, ``scale_rows``), the tokens per expert (``count_experts``); the ``ref_`` versions the Triton kernels
+shared expert's gate (``sigmoid``, ``scale_rows``), the tokens per expert (``count_experts``), a choice's physical copy
+(``place_experts``); the ``ref_`` versions the Triton kernels
 (``moe_align.py``, ``moe_gemm.py``) are tested against.
 
 The references compute what the ops' docs say (``kiln/ir/ops_moe.py``): each expert's rows through
@@ -48,6 +49,11 @@ def ref_count_experts(counts: torch.Tensor, ids: torch.Tensor, slots: torch.Tens
     return counts + torch.bincount(real, minlength=counts.numel())[:counts.numel()]
 
 
+def ref_place_experts(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    columns = torch.arange(ids.shape[0], device=ids.device) % table.shape[1]
+    return table[ids.long(), columns[:, None]].to(ids.dtype)
+
+
 def ref_sigmoid(x: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(x)
 
@@ -75,6 +81,10 @@ def _count_experts(counts, ids, slots):
     return counts
 
 
+def _place_experts(ids, table, *, out):
+    out.copy_(ref_place_experts(ids, table))  # gathers on the device: nothing read back, capturable
+
+
 def _sigmoid(x, *, out):
     torch.sigmoid(x, out=out)
 
@@ -86,5 +96,6 @@ def _scale_rows(x, scale, *, out):
 register_impl("router_topk", "torch", _router_topk)
 register_impl("moe", "torch", _moe, reads_device=True)
 register_impl("count_experts", "torch", _count_experts)
+register_impl("place_experts", "torch", _place_experts)
 register_impl("sigmoid", "torch", _sigmoid)
 register_impl("scale_rows", "torch", _scale_rows)

@@ -26,22 +26,31 @@ from .base import PassContext
 PREFIX = "expert_load."
 
 
+def router_layers(graph: Graph) -> dict[int, int]:
+    """Each ``router_topk`` node (by id) mapped to its decoder layer: the attentions before it, less one."""
+    layers, attentions = {}, 0
+    for node in graph.nodes:
+        if node.op in ("paged_attention", "rope_kv_attention"):
+            attentions += 1
+        elif node.op == "router_topk":
+            layers[id(node)] = attentions - 1
+    return layers
+
+
 def count_expert_load(graph: Graph, ctx: PassContext) -> Graph:
-    if not any(node.op == "router_topk" for node in graph.nodes):
+    layers = router_layers(graph)
+    if not layers:
         return graph
     types = graph.value_types()
     inputs = dict(graph.inputs)
     nodes: list[Node] = []
-    attentions = 0
     for node in graph.nodes:
         nodes.append(node)
-        if node.op in ("paged_attention", "rope_kv_attention"):
-            attentions += 1
         if node.op != "router_topk":
             continue
-        counts = f"{PREFIX}{attentions - 1}"
+        counts = f"{PREFIX}{layers[id(node)]}"
         if counts in inputs:
-            raise ValueError(f"count_expert_load: layer {attentions - 1} has two routers ({node.outputs[1]})")
+            raise ValueError(f"count_expert_load: layer {layers[id(node)]} has two routers ({node.outputs[1]})")
         inputs[counts] = TensorType((types[node.inputs[0]].shape[1],), DType.i64)  # the router's experts
         args = [counts, node.outputs[1], "slots"]
         nodes.append(make_node("count_experts", args, [f"{counts}.counted"],

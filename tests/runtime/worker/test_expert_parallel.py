@@ -10,6 +10,10 @@ each expert's width split over the two ranks of its group): a batch of prompts o
 then greedy decode steps through each rank's paged KV pool. Every rank runs the same steps and checks
 that its tokens equal the one-rank artifact's and its logits are within TOLERANCE of them.
 
+Redundant experts (EPLB-style): ``kiln compile --ep 2 --expert-load FILE --redundant-experts 2`` of
+Qwen3-MoE, from skewed loads, places copies of the hottest experts of each layer (ten slots, five
+a rank), and gives the one rank's tokens too.
+
 Then ``Engine(M, ep=2)``, compiled on first use, gives one rank's tokens.
 
 Tolerance: f32 everywhere. Expert parallelism changes only the summation order (each rank sums its
@@ -20,6 +24,7 @@ bound (tests/runtime/worker/test_tensor_parallel.py) applies.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -32,6 +37,7 @@ from kiln.compiler.options import CompileOptions
 from kiln.runtime.artifact import load_artifact
 from kiln.runtime.worker.executor import Executor
 from tests.runtime.worker.test_tensor_parallel import DECODE_STEPS, OPTIONS, PROMPTS, TOLERANCE, greedy
+from tests.compiler.test_errors import kiln_cli
 from tests.support.hf_models import make_hf_model
 from tests.support.stepping import PagedRun
 
@@ -74,7 +80,24 @@ def test_every_moe_family_at_ep2_alone_and_inside_tp_gives_one_rank_tokens(model
             assert (runtime["ep"], runtime["tp"], runtime["ranks"]) == (2, layout.get("tp", 1), ranks)
             assert len(load_artifact(sharded).manifest["weights"]) == ranks
             cases.append((name, str(one_rank), str(sharded)))
+    if ranks == 2:
+        cases.append(("qwen3_moe-ep2-redundant", str(models["qwen3_moe"][1]), str(_redundant(models, tmp_path))))
     mp.start_processes(check_rank, args=(ranks, cases, str(tmp_path / "store")), nprocs=ranks, start_method="spawn")
+
+
+def _redundant(models, tmp_path: Path) -> Path:
+    """Qwen3-MoE at ep=2 with two redundant experts a layer, placed by ``kiln compile`` from skewed loads."""
+    loads = tmp_path / "loads.json"
+    loads.write_text(json.dumps({"0": [50, 900, 10, 10, 800, 10, 10, 10], "1": [10] * 7 + [700]}))
+    out = tmp_path / "redundant.kiln"
+    done = kiln_cli("compile", str(models["qwen3_moe"][0]), "-o", str(out), "--dtype", "fp32", "--page-size", "4",
+                    "--max-batch-tokens", "64", "--max-seq-len", "64", "--ep", "2", "--expert-load", str(loads),
+                    "--redundant-experts", "2")
+    assert done.returncode == 0, done.stderr
+    placement = dict((layer, tuple(slots)) for layer, slots in
+                     load_artifact(out).manifest["options"]["expert_placement"])
+    assert placement[0].count(1) == placement[0].count(4) == 2 and placement[1].count(7) == 3
+    return out
 
 
 def test_engine_compiles_an_ep_artifact_on_first_use_and_gives_one_rank_tokens(models, tmp_path, monkeypatch):
