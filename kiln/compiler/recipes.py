@@ -86,8 +86,9 @@ class Slice:
         (tensor,) = tensors
         size = tensor.shape[self.axis]
         if size % (self.count * self.groups):
+            shards = f"{self.count}" if self.groups == 1 else f"{self.groups} blocks x {self.count}"
             raise ValueError(f"{self.output}: axis {self.axis} of {self.source} ({size}) does not split into "
-                             f"{self.groups} x {self.count} equal shards")
+                             f"{shards} equal shards")
         block, part = size // self.groups, size // self.groups // self.count
         parts = [tensor.narrow(self.axis, g * block + self.index * part, part) for g in range(self.groups)]
         return (parts[0] if self.groups == 1 else concat(parts, self.axis),)

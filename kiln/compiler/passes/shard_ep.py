@@ -39,6 +39,7 @@ from __future__ import annotations
 from kiln.ir import Graph, Node, Param, TensorType, make_node
 from kiln.ir.types import DType
 from kiln.ir.weights import Layout, Placement
+from kiln.models.moe import ARCHITECTURES as MOE_ARCHITECTURES
 
 from ..recipes import Constant, Shard
 from .base import PassContext
@@ -65,7 +66,7 @@ def shard_ep(graph: Graph, ctx: PassContext) -> Graph:
     experts = [node for node in graph.nodes if node.op == "moe"]
     if not experts:
         raise ValueError(f"ep={ep}: {graph.name} has no routed experts (no moe op); expert parallelism is for "
-                         "mixture-of-experts models (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)")
+                         f"mixture-of-experts models ({', '.join(MOE_ARCHITECTURES)})")
     taken = set(graph.value_types())
     params = dict(graph.params)
     renamed: dict[str, str] = {}
