@@ -3,8 +3,12 @@
 Every request is one long shared prefix (a system prompt) plus a short question of its own; all are
 submitted at once and generated greedily with ``ignore_eos`` so both runs do the same work. The
 table reports wall time, output and total token rates, and how many prompt tokens the cache served.
+For a mixture-of-experts model a second table gives each sparse layer's load over the timed run
+without the cache: the tokens its router sent to each expert (counted on the device by the
+``count_experts`` ops), and how far the busiest expert is above the mean (1.0: perfectly even).
 
     python bench/offline.py --model smollm2-135m-instruct --num-requests 32 --prefix-words 300
+    python bench/offline.py --model path/to/Qwen3-30B-A3B --ep 2
 """
 
 from __future__ import annotations
@@ -36,12 +40,15 @@ def run(args: argparse.Namespace, prefix_cache: bool) -> dict:
     params = SamplingParams(temperature=0, max_new_tokens=args.output_len, ignore_eos=True)
     with Engine(args.model, dtype=args.dtype, device=args.device, max_seq_len=args.max_seq_len,
                 max_batch_tokens=args.max_batch_tokens, kv_cache_tokens=args.kv_cache_tokens,
-                enable_prefix_cache=prefix_cache) as engine:
+                enable_prefix_cache=prefix_cache, tp=args.tp, ep=args.ep) as engine:
         engine.generate(prompts[:1], SamplingParams(temperature=0, max_new_tokens=2))  # warm-up
         engine.core.cache.reset()
+        warm_load = engine.core.runner.expert_load.read()
         start = time.perf_counter()
         outputs = engine.generate(prompts, params)
         seconds = time.perf_counter() - start
+        load = {layer: [n - before for n, before in zip(counts, warm_load[layer])]
+                for layer, counts in engine.core.runner.expert_load.read().items()}
     prompt_tokens = sum(o.usage.prompt_tokens for o in outputs)
     output_tokens = sum(o.usage.completion_tokens for o in outputs)
     cached = sum(o.usage.cached_tokens for o in outputs)
@@ -49,7 +56,17 @@ def run(args: argparse.Namespace, prefix_cache: bool) -> dict:
             "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "cached_tokens": cached,
             "output_tok_s": round(output_tokens / seconds, 1),
             "total_tok_s": round((prompt_tokens + output_tokens) / seconds, 1),
-            "token_ids": [o.token_ids for o in outputs]}
+            "expert_load": load, "token_ids": [o.token_ids for o in outputs]}
+
+
+def expert_load_table(load: dict[int, list[int]]) -> list[str]:
+    """Markdown rows: per sparse layer the tokens routed, the busiest expert over the mean, and every expert's count."""
+    lines = ["| layer | routed tokens | max / mean | tokens per expert |", "|---|---|---|---|"]
+    for layer, counts in sorted(load.items()):
+        total = sum(counts)
+        imbalance = max(counts) * len(counts) / total if total else 0.0
+        lines.append(f"| {layer} | {total} | {imbalance:.2f} | {' '.join(map(str, counts))} |")
+    return lines
 
 
 def main() -> None:
@@ -64,6 +81,8 @@ def main() -> None:
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-tokens", type=int, default=None)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, for a MoE model (default 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
@@ -82,6 +101,9 @@ def main() -> None:
     for r in results:
         print(f"| {'on' if r['prefix_cache'] else 'off'} | {r['seconds']} | {r['prompt_tokens']} | "
               f"{r['cached_tokens']} | {r['output_tok_s']} | {r['total_tok_s']} |")
+    if results[1]["expert_load"]:
+        print(f"\n# expert load: tokens per expert per sparse layer (ep={args.ep}), the run without the cache")
+        print("\n".join(expert_load_table(results[1]["expert_load"])))
     if args.out:
         args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "hardware": hardware,
                                         "identical_outputs": same, "results": results}, indent=1))

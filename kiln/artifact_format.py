@@ -7,8 +7,9 @@ from __future__ import annotations
 
 # 3: the runtime section records ``tp`` and each rank's ``num_kv_heads``; a tensor-parallel artifact
 # holds a weights file per rank, and a reader that ignored that would run one rank's shard alone.
-# 4: the runtime section records ``pp``; a pipelined artifact (pp > 1) holds each stage's graph and
-# program under stages/{s}/ and a weights file per rank (stage * tp + tp rank), listed in ``stages``.
+# 4: the runtime section records ``pp``, ``ep`` and ``ranks`` (pp x max(tp, ep)); a pipelined artifact
+# (pp > 1) holds each stage's graph and program under stages/{s}/; every rank has its weights file
+# (stage * max(tp, ep) + the rank within its stage), which a version-3 reader would run on one rank.
 FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 GRAPH_TEXT = "graph.txt"

@@ -66,6 +66,15 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
                    help="for --tp auto: the GPUs to plan for (default: this machine's; one without any)")
     p.add_argument("--gpu-memory-gb", type=float, default=None,
                    help="for --tp auto: memory per GPU in GB (default: the first GPU's, else an H100's)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks for a mixture-of-experts model: its routed experts partitioned "
+                        "over them, inside --tp (with --tp 1, or --tp a multiple of --ep; default 1)")
+    p.add_argument("--expert-load", type=Path, default=None, metavar="FILE",
+                   help="measured tokens per expert, a JSON object of layer -> counts (the expert_load kiln bench "
+                        "offline --out records): with --redundant-experts, copies of the hottest experts are placed "
+                        "so that the --ep ranks share the tokens evenly (EPLB-style)")
+    p.add_argument("--redundant-experts", type=int, default=0,
+                   help="extra expert slots per sparse layer for --expert-load's placement (default 0)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
                    help="the KV cache's dtype: auto (the model's) or fp8_e4m3 (half the bytes a token, per-tensor "
                         "scales of 1.0)")
@@ -154,7 +163,19 @@ def compile_options_from(args: argparse.Namespace):
             print(f"kiln: {layout.reason}", file=sys.stderr)
     return CompileOptions(dtype=args.dtype, backend=backend, max_batch_tokens=args.max_batch_tokens,
                           max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, page_size=args.page_size,
-                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, tp=tp, pp=pp)
+                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, tp=tp, pp=pp,
+                          ep=args.ep, expert_placement=_expert_placement(args))
+
+
+def _expert_placement(args: argparse.Namespace) -> tuple:
+    """``--expert-load`` and ``--redundant-experts`` as ``CompileOptions.expert_placement``."""
+    if args.expert_load is None:
+        if args.redundant_experts:
+            raise ValueError("--redundant-experts places copies by measured load: give --expert-load FILE too")
+        return ()
+    from kiln.compiler.expert_placement import placements_from_loads, read_loads
+
+    return placements_from_loads(read_loads(args.expert_load), args.redundant_experts, args.ep)
 
 
 def _run_compile(args: argparse.Namespace) -> int:
@@ -202,7 +223,7 @@ def _add_serve(commands) -> None:
     p.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"])
     p.add_argument("--world-size", type=int, default=1,
                    help="ranks to run a one-rank artifact on, each a full copy in its own process after the first "
-                        "(default 1; a tensor-parallel artifact runs on its --tp ranks)")
+                        "(default 1; a tensor- or expert-parallel artifact runs on its own max(--tp, --ep) ranks)")
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel replicas, each its own scheduler process, engine and KV cache (on GPUs its "
                         "own devices), behind one endpoint with a cache-aware router (default 1)")

@@ -41,7 +41,7 @@ class Engine:
                  page_size: int = 16, device: str | None = None, kv_cache_tokens: int | None = None,
                  mem_fraction: float = 0.85, schedule_policy: str = "lpm", enable_prefix_cache: bool = True,
                  world_size: int = 1, quantization: str | None = None, kv_cache_dtype: str = "auto",
-                 tp: int | str = 1, pp: int | str | None = None, gpus: int | None = None,
+                 tp: int | str = 1, pp: int | str | None = None, ep: int = 1, gpus: int | None = None,
                  gpu_memory_gb: float | None = None, reference_fallback: bool = False, speculative_algorithm: str | None = None,
                  speculative_num_draft_tokens: int | None = None, speculative_num_steps: int | None = None,
                  speculative_eagle_topk: int | None = None, speculative_draft_model_path: str | None = None,
@@ -57,7 +57,7 @@ class Engine:
         compile_options = CompileOptions(dtype=dtype, backend=backend or ("triton" if on_gpu else "torch"),
                                          max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size,
                                          max_seq_len=max_seq_len, page_size=page_size, quantization=quantization,
-                                         kv_cache_dtype=kv_cache_dtype,
+                                         kv_cache_dtype=kv_cache_dtype, ep=ep,
                                          tp=layout.tp if layout else 1, pp=layout.pp if layout else 1)
         self.artifact_path = ensure_artifact(model, compile_options)
         self.core = EngineCore(str(self.artifact_path), EngineOptions(

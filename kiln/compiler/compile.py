@@ -26,6 +26,7 @@ from kiln.tensors import parse_float_dtype
 from .codegen.program import generate_program
 from .options import CompileOptions
 from .passes.base import PassContext
+from .passes.count_expert_load import PREFIX as EXPERT_LOAD
 from .passes.quantize_kv_cache import KV_CACHE_DTYPES
 from .passes.split_pipeline import stage_layers
 from .pipeline import run_pipeline
@@ -67,8 +68,9 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
     stages = []
     for stage in range(options.pp):  # one run of the passes per pipeline stage (passes/split_pipeline.py)
         ctx = PassContext(backend=options.backend, symbol_bounds=bounds, recipes=list(built.recipes),
-                          quantization=quantization, tp=options.tp, pp=options.pp, stage=stage,
-                          kv_cache_dtype=options.kv_cache_dtype, kv_cache_scales=options.kv_cache_scales)
+                          quantization=quantization, tp=options.tp, pp=options.pp, stage=stage, ep=options.ep,
+                          expert_placement=options.expert_placement, kv_cache_dtype=options.kv_cache_dtype,
+                          kv_cache_scales=options.kv_cache_scales)
         dump = dump_ir if dump_ir is None or options.pp == 1 else dump_ir / stage_dir(stage)
         graph, pass_log = run_pipeline(built.graph, ctx, dump_dir=dump, skip=options.skip_passes)
         store = WeightStore(source.tensors, built.computed, ctx.recipes, str(source.path))
@@ -87,9 +89,9 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
         for index, stage in enumerate(stages):
             files = staging / (stage_dir(index) if options.pp > 1 else "")
             files.mkdir(parents=True, exist_ok=True)
-            for tp_rank in range(options.tp):  # rank R = stage * tp + tp_rank
-                save_file(dict(stage.store.materialize(stage.graph, tp_rank)),
-                          str(staging / weights_file(index * options.tp + tp_rank)))
+            for shard in range(options.stage_ranks):  # rank R = stage * stage_ranks + shard
+                save_file(dict(stage.store.materialize(stage.graph, shard)),
+                          str(staging / weights_file(index * options.stage_ranks + shard)))
             (files / GRAPH_TEXT).write_text(print_graph(stage.graph))
             (files / GRAPH_JSON).write_text(dumps(stage.graph))
             (files / PROGRAM).write_text(generate_program(stage.graph, stage.ctx.kernel_choice,
@@ -115,6 +117,8 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
                 "num_layers": built.num_layers,
                 "tp": options.tp,
                 "pp": options.pp,
+                "ep": options.ep,
+                "ranks": options.ranks,  # the processes it runs on, each with its weights file
                 "num_kv_heads": _kv_heads(stages[0].graph),  # each rank's (shard_tp splits them)
                 "head_dim": built.head_dim,
                 "vocab_size": built.vocab_size,
@@ -124,12 +128,15 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
                 "kv_cache_dtype": str(KV_CACHE_DTYPES[options.kv_cache_dtype] or dtype),  # the pool's
                 "symbol_bounds": bounds,
                 "step_schema": options.step_schema().to_json(),
+                # The per-layer expert counters the runtime keeps (passes/count_expert_load.py).
+                "expert_load": [{"input": name, "layer": int(name[len(EXPERT_LOAD):]), "experts": t.shape[0]}
+                                for name, t in stages[0].graph.inputs.items() if name.startswith(EXPERT_LOAD)],
             },
             "memory_plan": stages[0].ctx.memory_plan.to_json(),
             "kernels": sorted({name for stage in stages for name in stage.ctx.kernel_choice}),
             "generated_kernels": {name: op for name, (op, _) in generated_kernels.items()},
             "passes": stages[0].pass_log,
-            "weights": [weights_file(rank) for rank in range(options.tp * options.pp)],
+            "weights": [weights_file(rank) for rank in range(options.ranks)],
             "tokenizer": TOKENIZER_DIR if tokenizer else None,
             "compile_seconds": round(time.perf_counter() - started, 3),
         }

@@ -9,6 +9,7 @@ from kiln.kernels.registry import BACKENDS
 from kiln.step_schema import OPTIONAL_OUTPUTS, STEP_SCHEMA, StepField, StepSchema
 
 from .passes.quantize_kv_cache import KV_CACHE_DTYPES
+from .passes.shard_ep import check_ep
 from .pipeline import selected_passes
 from .quantization import get_method
 
@@ -32,6 +33,12 @@ class CompileOptions:
     tp: int = 1  # tensor-parallel ranks: the artifact holds one weights file per rank (passes/shard_tp.py)
     # Pipeline stages, each holding its share of the layers on tp ranks of its own (passes/split_pipeline.py).
     pp: int = 1
+    # Expert-parallel ranks: the routed experts partitioned over them, inside tp (passes/shard_ep.py:
+    # tp 1, or ep dividing tp); a stage runs on max(tp, ep) ranks.
+    ep: int = 1
+    # Redundant experts: (layer, the logical expert in each physical slot) per sparse layer that has
+    # copies (passes/place_experts.py; compiler/expert_placement.py makes them from measured loads).
+    expert_placement: tuple[tuple[int, tuple[int, ...]], ...] = ()
     # The KV pool's dtype: "auto" (the model's dtype) or "fp8_e4m3" (passes/quantize_kv_cache.py), and an
     # FP8 pool's calibrated per-tensor scales, a (k_scale, v_scale) pair per layer; () means 1.0 each.
     kv_cache_dtype: str = "auto"
@@ -50,6 +57,14 @@ class CompileOptions:
         if self.pp > 1 and self.step_outputs:
             raise ValueError(f"step_outputs {', '.join(self.step_outputs)}: a pipelined artifact (pp={self.pp}) "
                              f"returns the logits only")
+        check_ep(self.ep, self.tp)
+        if self.ep > 1 and self.pp > 1:
+            raise ValueError(f"ep={self.ep} with pp={self.pp} is not supported: expert parallelism runs on one "
+                             f"pipeline stage (pp=1), alone or inside tensor parallelism")
+        if any(not (isinstance(layer, int) and layer >= 0 and slots and all(isinstance(e, int) for e in slots))
+               for layer, slots in self.expert_placement):
+            raise ValueError(f"expert_placement must be (layer, (expert per slot, ...)) pairs, got "
+                             f"{self.expert_placement!r}")
         if self.max_logit_rows is not None and self.max_logit_rows < 1:
             raise ValueError(f"max_logit_rows must be >= 1, got {self.max_logit_rows}")
         self.step_schema()
@@ -69,6 +84,16 @@ class CompileOptions:
                for pair in self.kv_cache_scales):
             raise ValueError(f"kv_cache_scales must be (k_scale, v_scale) pairs of positive numbers, got "
                              f"{self.kv_cache_scales!r}")
+
+    @property
+    def stage_ranks(self) -> int:
+        """The ranks of one pipeline stage: its tensor- and expert-parallel shards."""
+        return max(self.tp, self.ep)
+
+    @property
+    def ranks(self) -> int:
+        """The ranks the artifact runs on: one weights file each."""
+        return self.stage_ranks * self.pp
 
     def step_schema(self) -> StepSchema:
         unknown = [name for name in self.step_outputs if name not in OPTIONAL_OUTPUTS]

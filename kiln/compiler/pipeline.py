@@ -2,9 +2,12 @@
 
 Transforms rewrite the graph; analyses (kernel selection, memory planning) leave their results in
 the context for codegen. The order matters: tensor-parallel sharding comes first, on the graph as
-the model wrote it (its patterns are the model's primitive ops), so the fusions see the sharded
-GEMMs and the collectives between them; the pipeline split follows (it keeps one stage's layers: the
-compiler runs the list once per stage), so no fusion joins ops of two stages; the linear fusions must see the unfused projections,
+the model wrote it (its patterns are the model's primitive ops); the pipeline split follows (it keeps
+one stage's layers: the compiler runs the list once per stage), so no fusion joins ops of two stages;
+then expert-parallel sharding of the ``moe`` ops tensor parallelism leaves whole (after their experts
+are laid in slots, when a placement asks for copies) and the expert-load counters after each router
+(before the fusions, which leave them alone), so the fusions see the sharded
+GEMMs and the collectives between them; the linear fusions must see the unfused projections,
 silu·mul must see the split the gate/up fusion made, the residual adds must join their GEMMs
 before silu·mul joins the down GEMM and the norms join theirs, rope+KV store must see the q/k norms before
 anything else touches them (and joins the attention after that), quantization sees the GEMMs as they will
@@ -26,6 +29,7 @@ from typing import Sequence
 from kiln.ir import Graph, print_graph, verify
 
 from .passes.base import Pass, PassContext
+from .passes.count_expert_load import count_expert_load
 from .passes.dce import eliminate_dead_code
 from .passes.fuse_add_rmsnorm import fuse_add_rmsnorm
 from .passes.fuse_linear_residual import fuse_linear_residual
@@ -35,10 +39,12 @@ from .passes.fuse_rope_attention import fuse_rope_attention
 from .passes.fuse_rope_kv_store import fuse_rope_kv_store
 from .passes.fuse_silu_mul import fuse_silu_mul
 from .passes.fuse_silu_mul_linear import fuse_silu_mul_linear
+from .passes.place_experts import place_experts
 from .passes.plan_memory import plan_memory
 from .passes.quantize import quantize
 from .passes.quantize_kv_cache import quantize_kv_cache
 from .passes.select_kernels import select_kernels
+from .passes.shard_ep import shard_ep
 from .passes.shard_tp import shard_tp
 from .passes.split_pipeline import split_pipeline
 
@@ -52,6 +58,9 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("verify", _verify),
     ("shard_tp", shard_tp),
     ("split_pipeline", split_pipeline),
+    ("place_experts", place_experts),
+    ("shard_ep", shard_ep),
+    ("count_expert_load", count_expert_load),
     ("fuse_linears", fuse_linears),
     ("fuse_silu_mul", fuse_silu_mul),
     ("fuse_linear_residual", fuse_linear_residual),
@@ -67,8 +76,8 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("plan_memory", plan_memory),
 ]
 # Without these there is no checked graph, no kernel table or no memory plan to write, or no rank's
-# shard of a tensor-parallel model or stage of a pipelined one.
-REQUIRED = frozenset({"verify", "shard_tp", "split_pipeline", "select_kernels", "plan_memory"})
+# shard of a tensor- or expert-parallel model or stage of a pipelined one.
+REQUIRED = frozenset({"verify", "shard_tp", "split_pipeline", "shard_ep", "select_kernels", "plan_memory"})
 
 
 def selected_passes(skip: Sequence[str] = ()) -> list[tuple[int, str, Pass]]:

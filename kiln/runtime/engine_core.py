@@ -33,7 +33,7 @@ from .kvcache.allocator import PageAllocator
 from .device_support import uses_references
 from .kvcache.pool import pages_for_mem_fraction, pages_for_tokens, pool_dtype
 from .kvcache.radix import RadixCache
-from .outputs import INTERNAL_ERROR, SampleEvent, TokenLogprob
+from .outputs import EXPERT_TOKENS, INTERNAL_ERROR, SampleEvent, TokenLogprob
 from .sampling import SamplerOutput, SamplingBatch, SamplingParams, SamplingRow, child_seed, masked_argmax, new_seed
 from .scheduler.batch import StepLists, build_step_lists
 from .scheduler.request import DECODING, PENDING, Request, RequestState
@@ -69,7 +69,7 @@ class EngineCore:
             raise ValueError(f"the KV pool holds {(num_pages - 1) * self.page_size} tokens, less than "
                              f"the context length {self.max_seq_len}; raise kv_cache_tokens or mem_fraction")
         # What the core drives (every rank), and rank 0's model runner, for tools that look inside it.
-        ranks = rt["tp"] * rt["pp"]  # a tensor-parallel or pipelined artifact's own ranks
+        ranks = rt["ranks"]  # a sharded artifact's own ranks: pp x max(tp, ep)
         self.worker = start_worker(self.artifact, RankConfig(
             str(self.artifact.path), str(device), num_pages, buckets, prefill_graphs, self._world_size(rt),
             ranks > 1, self.options.reference_fallback, spec.tokens_per_verify if spec is not None else 1,
@@ -100,13 +100,12 @@ class EngineCore:
         self.overlapped_steps = 0
 
     def _world_size(self, rt: dict[str, Any]) -> int:
-        """The artifact's tensor-parallel and pipeline ranks (tp x pp), or the options' replicated ones for
-        a one-rank artifact."""
-        ranks = rt["tp"] * rt["pp"]
+        """The artifact's own ranks (pp x max(tp, ep)), or the options' replicated ones for a one-rank artifact."""
+        ranks = rt["ranks"]
         if ranks == 1:
             return self.options.world_size
         if self.options.world_size not in (1, ranks):
-            kind = "tensor-parallel" if rt["pp"] == 1 else f"pipelined ({rt['pp']} stages of tp={rt['tp']})"
+            kind = "sharded" if rt["pp"] == 1 else f"pipelined ({rt['pp']} stages of tp={rt['tp']})"
             raise ValueError(f"world_size: the artifact is {kind} over {ranks} ranks and runs on exactly "
                              f"{ranks}, not {self.options.world_size}")
         return ranks
@@ -196,7 +195,15 @@ class EngineCore:
             "retractions": self.scheduler.num_retractions,
             "overlapped_steps": self.overlapped_steps,
             **(self.speculator.stats() if self.speculator is not None else {}),
+            **self.expert_load_stats(),
         }
+
+    def expert_load_stats(self) -> dict[str, int]:
+        """Tokens sent to each expert of each sparse layer since start, as ``expert_tokens:{layer}:{expert}``
+        (a MoE model's; empty otherwise). Rank 0's counters: the router is replicated, so it sees every
+        token. Reading them waits for the device's queued work."""
+        return {f"{EXPERT_TOKENS}{layer}:{expert}": count for layer, counts in self.runner.expert_load.read().items()
+                for expert, count in enumerate(counts)}
 
     # ---- one step -----------------------------------------------------------------------------------
 

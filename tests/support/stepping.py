@@ -14,6 +14,7 @@ import torch
 from kiln.runtime.kvcache.pool import pool_dtype
 from kiln.runtime.scheduler.batch import StepLists
 from kiln.runtime.worker.executor import Executor, StepInputs, StepResult
+from kiln.runtime.worker.expert_load import ExpertLoad
 
 
 class Pages:
@@ -68,6 +69,7 @@ class PagedRun(Pages):
                 self.caches[f"{kind}_cache.{i}"] = torch.zeros(
                     num_pages * self.page_size, rt["num_kv_heads"], rt["head_dim"],
                     dtype=pool_dtype(rt), device=executor.device)
+        self.caches.update(ExpertLoad(rt.get("expert_load", []), executor.device).views())  # a MoE model's counters
 
     def step(self, new_tokens: list[list[int]], all_logits: bool = False) -> torch.Tensor:
         """Runs one step where sequence b gets ``new_tokens[b]``; returns logits of each sequence's

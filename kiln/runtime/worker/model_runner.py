@@ -16,6 +16,7 @@ from ..sampling import SamplerKernels, SamplerOutput, SamplingBatch, sample
 from ..scheduler.batch import StepLists
 from .decode_graphs import DecodeGraphs
 from .executor import Executor, StepInputs, StepResult
+from .expert_load import ExpertLoad
 from .prefill_graphs import PrefillGraphs
 
 class ModelRunner:
@@ -31,7 +32,9 @@ class ModelRunner:
         layers = artifact.layers  # a pipeline stage's pool holds its own layers only
         self.pool = KVPool(len(layers), rt["num_kv_heads"], rt["head_dim"], pool_dtype(rt),
                            self.device, num_pages, self.page_size, layers.start)
-        self.kv_views = self.pool.layer_views()
+        self.expert_load = ExpertLoad(rt.get("expert_load", []), self.device)
+        # The state every step reads and updates in place: the KV pool's layer views and the expert counters.
+        self.kv_views = {**self.pool.layer_views(), **self.expert_load.views()}
         bounds = rt["symbol_bounds"]
         buckets = [b for b in decode_buckets if b <= min(bounds["T"], bounds["B"], bounds["N"])]
         self.decode_graphs = DecodeGraphs(self.executor, self.kv_views, buckets, bounds["P"]) if buckets else None

@@ -68,8 +68,8 @@ class RankConfig:
     decode_buckets: tuple[int, ...]
     prefill_graphs: bool
     world_size: int = 1
-    # Whether the artifact is tensor-parallel or pipelined (each rank loads its own weights file and
-    # runs the collectives in its program) rather than replicated (every rank loads rank 0's weights).
+    # Whether the artifact is tensor- or expert-parallel or pipelined (each rank loads its own weights
+    # file and runs the collectives in its program) rather than replicated (every rank loads rank 0's).
     tensor_parallel: bool = False
     reference_fallback: bool = False  # run torch references where the GPU cannot run the artifact's FP8
     # Tokens a sequence brings to a speculative verify step (drafts + 1; 1: no speculation): with
