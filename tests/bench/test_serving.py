@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server.harness import API_KEY, MODEL, ServerProcess
-from tests.support.hf_models import make_tokenized_model
+from tests.server.harness import API_KEY, MODEL, ServerProcess, tiny_artifact
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
@@ -90,13 +89,8 @@ def test_server_figures_are_the_difference_of_two_scrapes():
 
 @pytest.fixture(scope="module")
 def tiny_server(smollm2_dir, tmp_path_factory):
-    """``kiln serve`` of a tiny random Llama in SmolLM2's vocabulary (fp32, torch backend)."""
-    from kiln import compile as compile_model
-
     root = tmp_path_factory.mktemp("tiny_serve")
-    source = make_tokenized_model("llama3", root / "src", smollm2_dir, max_position_embeddings=512)
-    artifact = compile_model(str(source), str(root / "tiny.kiln"), dtype="fp32", backend="torch", max_seq_len=512)
-    process = ServerProcess(artifact, root / "serve.log")
+    process = ServerProcess(tiny_artifact(smollm2_dir, root), root / "serve.log")
     try:
         yield process.wait_healthy()
     finally:
