@@ -227,6 +227,8 @@ def _add_serve(commands) -> None:
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel replicas, each its own scheduler process, engine and KV cache (on GPUs its "
                         "own devices), behind one endpoint with a cache-aware router (default 1)")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="most requests waiting beyond those running; more get 503 with Retry-After (default: no limit)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--reference-fallback", action="store_true",
                    help="on a GPU that cannot run the model's FP8 (compute capability < 8.9), run the torch "
@@ -246,6 +248,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     from kiln.cli_speculative import speculative_keywords
     from kiln.server.ipc import exit_now
     from kiln.server.launch import ServeConfig, serve
+    from kiln.server.tokenizer_manager import Admission
 
     if args.device == "cpu" and args.backend is None:
         args.backend = "torch"  # Triton kernels need a GPU
@@ -259,7 +262,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or artifact_model_name(artifact),
         max_body_bytes=args.max_body_bytes, max_n=args.max_n, drain_timeout=args.drain_timeout,
         log_level=args.log_level, tool_call_parser=args.tool_call_parser, grpc_port=args.grpc_port,
-        engine=engine, dp=args.dp)
+        engine=engine, dp=args.dp, admission=Admission(args.max_queued_requests))
     # Its child processes are gone; the interpreter's teardown would only delay a prompt exit.
     exit_now(serve(str(artifact), config))
 

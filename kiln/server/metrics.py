@@ -153,6 +153,8 @@ class ServerMetrics:
         self.ttft = Histogram("kiln_time_to_first_token_seconds", "Time from arrival to the first token")
         self.itl = Histogram("kiln_inter_token_latency_seconds", "Time between a sample's successive tokens")
         self.e2e = Histogram("kiln_e2e_request_latency_seconds", "Time from arrival to the last token")
+        self.queue_rejections = Counter("kiln_queue_rejections_total",
+                                        "Requests refused with 503 because the queue was full (--max-queued-requests)")
         self.replica_stats: dict[int, Mapping[str, float]] = {}  # the latest EngineCore.stats() of each replica
         self.replica_requests = Counter("kiln_dp_requests_total", "Requests routed to each data-parallel replica",
                                         ("replica",))
@@ -168,7 +170,8 @@ class ServerMetrics:
 
     def render(self) -> str:
         lines: list[str] = []
-        for metric in (self.requests, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e):
+        for metric in (self.requests, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
+                       self.queue_rejections):
             lines += metric.render()
         combined = self.engine_stats
         per_replica = sorted(self.replica_stats.items()) if self.replicas > 1 else []

@@ -18,7 +18,7 @@ from .context import ServerContext
 from .errors import APIError, invalid
 from .chat_request import prepare_chat
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .responses import (SSE_DONE, Accumulator, chat_logprobs, chat_response, chunk, completion_logprobs,
+from .responses import (SSE_DONE, Accumulator, ChunkFrames, chat_logprobs, chat_response, completion_logprobs,
                         completion_response, finish_reason, sse)
 from .streaming import ClientDisconnected, EventStream, until_disconnect
 from .tokenizer_manager import RequestStream
@@ -80,9 +80,10 @@ async def _collect(stream: RequestStream, acc: Accumulator) -> Accumulator:
 
 async def _chat_events(stream: RequestStream, rid: str, created: int, model: str,
                        body: ChatCompletionRequest) -> AsyncIterator[str]:
+    frames = ChunkFrames(rid, "chat.completion.chunk", created, model)
     for index in range(body.n):  # one chunk per choice, as OpenAI streams them
         first = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        yield sse(chunk(rid, "chat.completion.chunk", created, model, [first]))
+        yield frames.frame(first)
     try:
         async for out in stream:
             if not (out.text or out.logprobs or out.finish_reason):
@@ -92,9 +93,9 @@ async def _chat_events(stream: RequestStream, rid: str, created: int, model: str
                       "finish_reason": finish_reason(out.finish_reason)}
             if out.finish_reason is not None:
                 choice["matched_stop"] = out.matched_stop
-            yield sse(chunk(rid, "chat.completion.chunk", created, model, [choice]))
+            yield frames.frame(choice)
         if body.include_usage:
-            yield sse(chunk(rid, "chat.completion.chunk", created, model, [], stream.usage))
+            yield frames.usage_frame(stream.usage)
     except APIError as exc:
         yield sse(exc.body())
     yield SSE_DONE
@@ -103,6 +104,7 @@ async def _chat_events(stream: RequestStream, rid: str, created: int, model: str
 async def _completion_events(stream: RequestStream, rid: str, created: int, model: str,
                              body: CompletionRequest) -> AsyncIterator[str]:
     acc = Accumulator(body.n)
+    frames = ChunkFrames(rid, "text_completion", created, model)
     try:
         async for out in stream:
             if not (out.text or out.logprobs or out.finish_reason):
@@ -115,9 +117,9 @@ async def _completion_events(stream: RequestStream, rid: str, created: int, mode
                       "finish_reason": finish_reason(out.finish_reason)}
             if out.finish_reason is not None:
                 choice["matched_stop"] = out.matched_stop
-            yield sse(chunk(rid, "text_completion", created, model, [choice]))
+            yield frames.frame(choice)
         if body.include_usage:
-            yield sse(chunk(rid, "text_completion", created, model, [], stream.usage))
+            yield frames.usage_frame(stream.usage)
     except APIError as exc:
         yield sse(exc.body())
     yield SSE_DONE

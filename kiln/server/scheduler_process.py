@@ -147,6 +147,7 @@ def replica_options(options: EngineOptions, replica: int) -> EngineOptions:
 
 def model_facts(core: EngineCore) -> dict[str, Any]:
     return {"vocab_size": core.vocab_size, "max_seq_len": core.max_seq_len, "page_size": core.page_size,
+            "max_running": core.scheduler.config.max_running,
             "tokenizer_dir": str(core.artifact.tokenizer_dir) if core.artifact.tokenizer_dir else None,
             "device": str(core.runner.device),
             "stats": core.stats()}
