@@ -105,7 +105,7 @@ class EngineCore:
         if ranks == 1:
             return self.options.world_size
         if self.options.world_size not in (1, ranks):
-            kind = "sharded" if rt["pp"] == 1 else f"pipelined ({rt['pp']} stages of tp={rt['tp']})"
+            kind = ("tensor-parallel" if rt["ep"] == 1 else "expert-parallel") if rt["pp"] == 1 else f"pipelined ({rt['pp']} stages of tp={rt['tp']})"
             raise ValueError(f"world_size: the artifact is {kind} over {ranks} ranks and runs on exactly "
                              f"{ranks}, not {self.options.world_size}")
         return ranks
