@@ -64,7 +64,7 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
     quantization = _quantization(options.quantization, source)
     ctx = PassContext(backend=options.backend, symbol_bounds=bounds, recipes=list(built.recipes),
                       quantization=quantization, tp=options.tp, kv_cache_dtype=options.kv_cache_dtype,
-                      kv_cache_scales=options.kv_cache_scales)
+                      kv_cache_scales=options.kv_cache_scales, lora=options.lora_layout())
     graph, pass_log = run_pipeline(built.graph, ctx, dump_dir=dump_ir, skip=options.skip_passes)
 
     store = WeightStore(source.tensors, built.computed, ctx.recipes, str(source.path))
@@ -113,6 +113,7 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
                 "symbol_bounds": bounds,
                 "step_schema": options.step_schema().to_json(),
             },
+            "lora": ctx.lora.to_json() if ctx.lora is not None else None,
             "memory_plan": ctx.memory_plan.to_json(),
             "kernels": sorted(set(ctx.kernel_choice)),
             "generated_kernels": {name: op for name, (op, _) in ctx.generated_kernels.items()},
