@@ -11,7 +11,11 @@ from __future__ import annotations
 import torch
 
 from ..artifact import Artifact
+from kiln.lora_layout import LoraLayout
+from kiln.tensors import torch_dtype
+
 from ..kvcache.pool import KVPool, pool_dtype
+from ..lora.slots import LoraSlots
 from ..sampling import SamplerKernels, SamplerOutput, SamplingBatch, sample
 from ..scheduler.batch import StepLists
 from .decode_graphs import DecodeGraphs
@@ -30,7 +34,13 @@ class ModelRunner:
         self.vocab_size: int = rt["vocab_size"]
         self.pool = KVPool(rt["num_layers"], rt["num_kv_heads"], rt["head_dim"], pool_dtype(rt),
                            self.device, num_pages, self.page_size)
+        # LoRA artifacts: the adapter slots' buffers, graph inputs the program reads beside the pool's
+        # views (the registry writes adapters into them; graphs see the writes at replay).
+        lora = artifact.manifest.get("lora")
+        self.lora_slots = LoraSlots(LoraLayout.from_json(lora), torch_dtype(rt["dtype"]), self.device) if lora else None
         self.kv_views = self.pool.layer_views()
+        if self.lora_slots is not None:
+            self.kv_views.update(self.lora_slots.buffers)
         bounds = rt["symbol_bounds"]
         buckets = [b for b in decode_buckets if b <= min(bounds["T"], bounds["B"], bounds["N"])]
         self.decode_graphs = DecodeGraphs(self.executor, self.kv_views, buckets, bounds["P"]) if buckets else None
