@@ -118,6 +118,10 @@ class EngineCore:
         """Forgets ``name`` (UnknownAdapter if none); its requests already queued or running finish."""
         self._registry().remove(name)
 
+    def lookup_lora(self, name: str):
+        """The loaded adapter ``name``'s registry entry (UnknownAdapter if none)."""
+        return self._registry().lookup(name)
+
     def lora_names(self) -> list[str]:
         return self.lora.names if self.lora is not None else []
 
@@ -153,7 +157,7 @@ class EngineCore:
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         self.validate(prompt_ids, params)
-        adapter = self._registry().lookup(lora) if lora is not None else None
+        adapter = self.lookup_lora(lora) if lora is not None else None
         if adapter is not None:  # its KV is its adapter's: never shared with the base model or another
             namespace = (namespace, adapter.namespace)
         seed = params.seed if params.seed is not None else new_seed()
