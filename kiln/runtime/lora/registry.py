@@ -54,9 +54,6 @@ class LoraRegistry:
     def names(self) -> list[str]:
         return list(self._by_name)
 
-    def entry_paths(self) -> dict[str, str]:
-        return {name: entry.adapter.path for name, entry in self._by_name.items()}
-
     def add(self, name: str, path: str) -> LoraEntry:
         if not name:
             raise ValueError("lora_name: must be a non-empty name")

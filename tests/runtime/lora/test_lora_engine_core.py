@@ -153,3 +153,13 @@ def test_bad_loads_are_refused_by_name(model):
     with pytest.raises(ValueError, match="rank 16 is above the maximum LoRA rank 8"):
         core.load_lora("big", str(make_peft_adapter(model[0], model[1]["a0"].parent / "big", rank=16)))
     assert sorted(core.lora_names()) == ["a0", "a1", "a2"]
+
+
+def test_an_artifact_without_lora_slots_refuses_adapters_naming_the_option(model, tmp_path):
+    artifact = compile_model(model[0], tmp_path / "plain.kiln", CompileOptions(
+        dtype="fp32", page_size=4, max_batch_tokens=64, max_batch_size=8, max_seq_len=64))
+    core = EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=1024))
+    with pytest.raises(ValueError, match="no LoRA slots; compile it with max_loras > 0"):
+        core.load_lora("a0", str(model[1]["a0"]))
+    with pytest.raises(ValueError, match="no LoRA slots"):
+        core.add_request("r", PROMPTS[0], GREEDY, lora="a0")
