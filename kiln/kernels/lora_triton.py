@@ -6,7 +6,8 @@ Two layouts of the same two steps:
   is sized for the longest sequence (``max_q_len``, else ``T``); blocks past a sequence's length,
   and sequences on slot -1 (the base model) or without tokens, return at once.
 - rows (BGMV, decode steps: one token a sequence): a program takes one sequence's row and a block
-  of the outputs, a GEMV against that sequence's adapter.
+  of the outputs, a GEMV against that sequence's adapter. At few rows the shrink also splits K over
+  programs (partial sums added into h atomically), so a batch of one does not walk K on one SM.
 
 The expand reads slice ``i``'s rows of h (``i*R .. i*R + R``) for the columns of y in slice ``i``
 (up to three slices: fused q/k/v); it adds in f32 and rounds once into y. Under the interpreter
@@ -19,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_support import dot_in_f32, pow2
+from .triton_support import dot_in_f32, pow2, sm_count
 
 SEGMENT_ROWS = 16     # token rows of a segment tile (tl.dot's least)
 K_BLOCK = 64          # in-features a shrink step reads
@@ -86,9 +87,9 @@ def _expand_segments(y_ptr, h_ptr, b_ptr, slot_ptr, q_start_ptr, q_len_ptr, N, R
 
 
 @triton.jit
-def _shrink_rows(x_ptr, a_ptr, h_ptr, slot_ptr, q_start_ptr, q_len_ptr, K, NR, x_stride, a_slot_stride, h_stride,
-                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    b, r_block = tl.program_id(0), tl.program_id(1)
+def _shrink_rows(x_ptr, a_ptr, h_ptr, slot_ptr, q_start_ptr, q_len_ptr, K, NR, K_PER_SPLIT, x_stride, a_slot_stride,
+                 h_stride, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    b, r_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slot_ptr + b)
     if slot < 0 or tl.load(q_len_ptr + b) == 0:
         return
@@ -97,13 +98,17 @@ def _shrink_rows(x_ptr, a_ptr, h_ptr, slot_ptr, q_start_ptr, q_len_ptr, K, NR, x
     r_ok = offs_r < NR
     a_base = a_ptr + slot.to(tl.int64) * a_slot_stride
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = split * K_PER_SPLIT
+    for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         x = tl.load(x_ptr + row * x_stride + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         a = tl.load(a_base + offs_r[:, None] * K + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
-    tl.store(h_ptr + row * h_stride + offs_r, acc, mask=r_ok)
+    if SPLIT:
+        tl.atomic_add(h_ptr + row * h_stride + offs_r, acc, mask=r_ok)
+    else:
+        tl.store(h_ptr + row * h_stride + offs_r, acc, mask=r_ok)
 
 
 @triton.jit
@@ -140,8 +145,16 @@ def launch_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     block_r = min(pow2(nr, 16), 64)
     common = (lora_slot, q_start, q_len)
     if max_q_len == 1:
-        _shrink_rows[(batch, triton.cdiv(nr, block_r))](x, lora_a, h, *common, k, nr, x.stride(0), lora_a.stride(0),
-                                                         h.stride(0), BLOCK_R=block_r, BLOCK_K=2 * K_BLOCK)
+        # Few rows would leave most of the GPU idle while a program walks all of K: split K over
+        # programs that add their partial sums into h (zeroed first), up to about one per SM.
+        r_blocks, k_blocks = triton.cdiv(nr, block_r), triton.cdiv(k, 2 * K_BLOCK)
+        splits = max(1, min(k_blocks, sm_count(x) // (batch * r_blocks)))
+        per_split = triton.cdiv(k_blocks, splits) * 2 * K_BLOCK
+        splits = triton.cdiv(k, per_split)
+        if splits > 1:
+            h.zero_()
+        _shrink_rows[(batch, r_blocks, splits)](x, lora_a, h, *common, k, nr, per_split, x.stride(0), lora_a.stride(0),
+                                                 h.stride(0), BLOCK_R=block_r, BLOCK_K=2 * K_BLOCK, SPLIT=splits > 1)
         _expand_rows[(batch, triton.cdiv(n, N_BLOCK))](y, h, lora_b, *common, n, r, ends[0], ends[1], y.stride(0),
                                                         h.stride(0), lora_b.stride(0), BLOCK_N=N_BLOCK,
                                                         BLOCK_R=pow2(r, 16), SLICES=len(slices))

@@ -69,3 +69,14 @@ def test_triton_lora_without_a_length_bound_sizes_its_grid_by_the_tokens(device,
     expected, _ = ref_lora(y, x, a, b, slot, start, length, [32])
     triton_lora(y, x, a, b, slot, start, length, out=torch.empty(16, 8), slices=[32])
     assert_matches(y, expected)
+
+
+def test_decode_shrink_splits_k_at_few_rows(device, assert_matches):
+    """One row and a long K: the shrink splits K over programs (the interpreter counts 4 SMs) and
+    sums into h; the update still equals the reference."""
+    y, x, a, b, slot, start, length = _inputs([1], [1], [32, 16], 1000, 8, 2, torch.float32, device)
+    expected, expected_h = ref_lora(y, x, a, b, slot, start, length, [32, 16])
+    h = torch.full((1, 16), float("nan"))
+    triton_lora(y, x, a, b, slot, start, length, out=h, slices=[32, 16], sizes={"max_q_len": 1})
+    assert_matches(y, expected)
+    assert_matches(h, expected_h)
