@@ -55,7 +55,8 @@ def write_adapter(directory: Path, config: dict, rank: int, seed: int) -> Path:
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) * fan_in ** -0.5
             tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.01
     directory.mkdir(parents=True)
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}, str(directory / "adapter_model.safetensors"))
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()},
+              str(directory / "adapter_model.safetensors"))
     (directory / "adapter_config.json").write_text(json.dumps(
         {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGET_MODULES)}))
     return directory
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     on_gpu = args.device == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    _, source = random_model(args.shape, dtype=dtype, layers=args.layers, device=args.device, vocab_size=args.vocab_size)
+    _, source = random_model(args.shape, dtype=dtype, layers=args.layers, device=args.device,
+                             vocab_size=args.vocab_size)
     batch = max(args.batches)
     seq_len = args.prompt_len + args.new_tokens + 8
     common = dict(dtype="bf16" if on_gpu else "fp32", backend="triton" if on_gpu else "torch",
@@ -119,9 +121,12 @@ def main(argv: list[str] | None = None) -> dict:
         vocab = source.config["vocab_size"]
         for size in args.batches:
             prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=generator).tolist() for _ in range(size)]
-            runs = {"base": (cores["base"], [None] * size), "lora artifact, base model": (cores["lora"], [None] * size),
-                    f"{min(size, args.adapters)} adapters": (cores["lora"], [names[i % len(names)] for i in range(size)])}
-            seconds = {label: decode_seconds(core, prompts, loras, args.new_tokens) for label, (core, loras) in runs.items()}
+            runs = {"base": (cores["base"], [None] * size),
+                    "lora artifact, base model": (cores["lora"], [None] * size),
+                    f"{min(size, args.adapters)} adapters": (cores["lora"], [names[i % len(names)]
+                                                                             for i in range(size)])}
+            seconds = {label: decode_seconds(core, prompts, loras, args.new_tokens)
+                       for label, (core, loras) in runs.items()}
             step = {label: s / args.new_tokens for label, s in seconds.items()}
             row = {"batch": size, **{f"{label} ms/step": round(1e3 * s, 4) for label, s in step.items()},
                    "overhead": round(step[list(runs)[2]] / step["base"] - 1, 4),

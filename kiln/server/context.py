@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import APIError, invalid
+from .errors import invalid
 from .gate import ServerState
 from .metrics import ServerMetrics
 from .lora_routes import ServerAdapters

@@ -10,7 +10,8 @@ records them in ``ctx.lora`` (a ``LoraLayout``) for the manifest.
 
 Before:  %o = linear_residual(%attn, @l.o_proj.weight, %h)
 After:   %o.base = linear_residual(%attn, @l.o_proj.weight, %h)
-         %o, %o.lora_h = lora(%o.base, %attn, %lora_a.l.o_proj, %lora_b.l.o_proj, %lora_slot, %q_start, %q_len) {slices=[H]}
+         %o, %o.lora_h = lora(%o.base, %attn, %lora_a.l.o_proj, %lora_b.l.o_proj, %lora_slot, %q_start,
+                              %q_len) {slices=[H]}
 
 Runs after the residual adds joined their GEMMs (the update is a sum, so it adds onto the residual
 GEMM's output alike) and before the norm and the gated activation join the GEMMs after them: the
