@@ -80,3 +80,29 @@ def test_decode_shrink_splits_k_at_few_rows(device, assert_matches):
     triton_lora(y, x, a, b, slot, start, length, out=h, slices=[32, 16], sizes={"max_q_len": 1})
     assert_matches(y, expected)
     assert_matches(h, expected_h)
+
+
+@pytest.mark.parametrize("prologue", ["rmsnorm", "silu_mul"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lengths,slots", [([1, 1, 1], [0, -1, 1]), ([6, 19, 1], [1, 0, -1])])
+def test_prologues_make_the_gemm_input_as_the_unfused_ops_do(prologue, dtype, lengths, slots, device, assert_matches):
+    """x is the RMSNorm's input (with its weight) or the gate/up output; decode and prefill layouts."""
+    in_features = 40
+    y, x, a, b, slot, start, length = _inputs(lengths, slots, [24, 24], in_features, 8, 2, dtype, device)
+    # Updates of about y's size: the prologue rounds its input to bf16 where the references do, but the
+    # interpreter truncates instead of rounding, and a last-bit difference of the input scaled by a
+    # large B would exceed bf16's tolerance without saying anything about the kernel.
+    b = b * 0.1
+    norm = None
+    if prologue == "rmsnorm":
+        x = x * 3
+        norm = (1 + 0.1 * torch.randn(in_features, device=device)).to(dtype)
+    else:
+        x = torch.randn(x.shape[0], 2 * in_features, device=device).to(dtype)
+    expected, _ = ref_lora(y, x, a, b, slot, start, length, [24, 24], norm, prologue, 1e-5)
+    plain = x if prologue == "rmsnorm" else x[:, :in_features].contiguous()
+    assert not torch.allclose(expected.float(), ref_lora(y, plain, a, b, slot, start, length, [24, 24])[0].float())
+    h = torch.empty(x.shape[0], a.shape[1], dtype=torch.float32, device=device)
+    triton_lora(y, x, a, b, slot, start, length, norm, out=h, slices=[24, 24], prologue=prologue, eps=1e-5,
+                sizes={"max_q_len": max(lengths)})
+    assert_matches(y, expected)

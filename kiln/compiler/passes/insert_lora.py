@@ -14,8 +14,9 @@ After:   %o.base = linear_residual(%attn, @l.o_proj.weight, %h)
                               %q_len) {slices=[H]}
 
 Runs after the residual adds joined their GEMMs (the update is a sum, so it adds onto the residual
-GEMM's output alike) and before the norm and the gated activation join the GEMMs after them: the
-hook reads the GEMM's input, which those fusions would no longer make.
+GEMM's output alike) and before the norm and the gated activation join the GEMMs after them. A
+hook on a GEMM whose input an RMSNorm or SiLU·mul makes reads that op's input instead (``prologue``:
+the hook makes the GEMM input itself), so the op stays private to its GEMM and still joins it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def insert_lora(graph: Graph, ctx: PassContext) -> Graph:
         return graph
     members = {r.output: r.inputs for r in ctx.recipes if isinstance(r, Concat)}
     users = graph.users()
+    producers = graph.producers()
     types = graph.value_types()
     inputs = dict(graph.inputs)
     nodes: list[Node] = []
@@ -54,14 +56,28 @@ def insert_lora(graph: Graph, ctx: PassContext) -> Graph:
         inputs[hook.a_input] = TensorType((layout.max_loras, len(widths) * layout.max_rank, hook.in_features), dtype)
         inputs[hook.b_input] = TensorType((layout.max_loras, hook.out_features, layout.max_rank), dtype)
         base = Node(node.op, node.inputs, (f"{out}.base",), node.types, node.attrs)
-        step = [SLOT_FIELD, "q_start", "q_len"]
-        lora_inputs = [base.out, x, hook.a_input, hook.b_input, *step]
-        nodes += [base, make_node("lora", lora_inputs, [out, f"{out}.lora_h"],
-                                  [base.type, types[x], inputs[hook.a_input], inputs[hook.b_input],
-                                   *(inputs[s] for s in step)], {"slices": widths})]
+        source, extra, attrs = _prologue(x, producers, users)
+        lora_inputs = [base.out, source, hook.a_input, hook.b_input, SLOT_FIELD, "q_start", "q_len", *extra]
+        lora_types = [types.get(i, inputs.get(i)) for i in lora_inputs[1:]]
+        nodes += [base, make_node("lora", lora_inputs, [out, f"{out}.lora_h"], [base.type, *lora_types],
+                                  {"slices": widths, **attrs})]
         hooks.append(hook)
     ctx.lora = type(layout)(layout.max_loras, layout.max_rank, layout.target_modules, tuple(hooks))
     return graph.replace(inputs=inputs, nodes=nodes)
+
+
+def _prologue(x: str, producers: dict[str, Node], users: dict[str, list[Node]]) -> tuple[str, list[str], dict]:
+    """What the hook reads for the GEMM input ``x``: the input of the RMSNorm or gated activation that
+    makes it (which can then still join the GEMM), or ``x`` itself."""
+    made_by = producers.get(x)
+    if made_by is not None and made_by.op == "rmsnorm" and len(users[x]) == 1:
+        return made_by.inputs[0], [made_by.inputs[1]], {"prologue": "rmsnorm", "eps": made_by.attrs["eps"]}
+    if made_by is not None and made_by.op == "silu_mul" and len(users[x]) == 1:
+        split = producers.get(made_by.inputs[0])
+        if split is not None and split.op == "split" and tuple(split.outputs) == tuple(made_by.inputs) and \
+                split.attrs["sizes"][0] == split.attrs["sizes"][1]:
+            return split.inputs[0], [], {"prologue": "silu_mul"}
+    return x, [], {}
 
 
 def _slice_widths(node: Node, modules: list[str], readers: list[Node]) -> list[int]:

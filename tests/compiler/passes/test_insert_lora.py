@@ -85,3 +85,52 @@ def test_compile_options_refuse_unknown_targets_and_tp():
         CompileOptions(max_loras=2, tp=2).validate()
     assert "lora_slot" in CompileOptions(max_loras=1).step_schema().names
     assert "lora_slot" not in CompileOptions().step_schema().names
+
+
+PROLOGUE_BEFORE = dedent("""
+    graph g {
+      input %h: f32[T, 8]
+      input %lora_slot: i32[B]
+      input %q_start: i32[B]
+      input %q_len: i32[B]
+      param @l.norm: f32[8]
+      param @l.gate_up_proj.weight: f32[12, 8]
+      param @l.down_proj.weight: f32[8, 6]
+      %n = rmsnorm(%h, @l.norm) {eps=1e-05} : f32[T, 8]
+      %gu = linear(%n, @l.gate_up_proj.weight) : f32[T, 12]
+      %g, %u = split(%gu) {sizes=[6, 6]} : f32[T, 6], f32[T, 6]
+      %m = silu_mul(%g, %u) : f32[T, 6]
+      %d = linear_residual(%m, @l.down_proj.weight, %h) : f32[T, 8]
+      return %d
+    }
+""")
+
+PROLOGUE_EXPECTED = dedent("""
+    graph g {
+      input %h: f32[T, 8]
+      input %lora_slot: i32[B]
+      input %q_start: i32[B]
+      input %q_len: i32[B]
+      input %lora_a.l.gate_up_proj: f32[3, 8, 8]
+      input %lora_b.l.gate_up_proj: f32[3, 12, 4]
+      input %lora_a.l.down_proj: f32[3, 4, 6]
+      input %lora_b.l.down_proj: f32[3, 8, 4]
+      param @l.norm: f32[8]
+      param @l.gate_up_proj.weight: f32[12, 8]
+      param @l.down_proj.weight: f32[8, 6]
+      %n = rmsnorm(%h, @l.norm) {eps=1e-05} : f32[T, 8]
+      %gu.base = linear(%n, @l.gate_up_proj.weight) : f32[T, 12]
+      %gu, %gu.lora_h = lora(%gu.base, %h, %lora_a.l.gate_up_proj, %lora_b.l.gate_up_proj, %lora_slot, %q_start, %q_len, @l.norm) {eps=1e-05, prologue="rmsnorm", slices=[6, 6]} : f32[T, 12], f32[T, 8]
+      %g, %u = split(%gu) {sizes=[6, 6]} : f32[T, 6], f32[T, 6]
+      %m = silu_mul(%g, %u) : f32[T, 6]
+      %d.base = linear_residual(%m, @l.down_proj.weight, %h) : f32[T, 8]
+      %d, %d.lora_h = lora(%d.base, %gu, %lora_a.l.down_proj, %lora_b.l.down_proj, %lora_slot, %q_start, %q_len) {prologue="silu_mul", slices=[8]} : f32[T, 8], f32[T, 4]
+      return %d
+    }
+""")
+
+
+def test_hooks_read_the_norm_or_activation_input_so_those_still_join_their_gemms():
+    fused = Concat("l.gate_up_proj.weight", ("l.gate_proj.weight", "l.up_proj.weight"))
+    ctx = PassContext(recipes=[fused], lora=LoraLayout(3, 4, ("gate_proj", "up_proj", "down_proj"), ()))
+    assert run(insert_lora, PROLOGUE_BEFORE, ctx) == PROLOGUE_EXPECTED
