@@ -7,9 +7,8 @@ GEMMs and the collectives between them; the linear fusions must see the unfused 
 silu·mul must see the split the gate/up fusion made, the residual adds must join their GEMMs
 before silu·mul joins the down GEMM and the norms join theirs, LoRA hooks go on the GEMMs after the
 residual adds joined them and before the norms and silu·mul do (hooks read those ops' inputs,
-leaving them to their GEMMs),
-rope+KV store must see the q/k norms before
-anything else touches them (and joins the attention after that), quantization sees the GEMMs as they will
+leaving them to their GEMMs), rope+KV store must see the q/k norms before anything else touches them
+(and joins the attention after that), quantization sees the GEMMs as they will
 run (fused weights are quantized once, whole), as the FP8 KV cache sees the fused attention ops, and
 both come before dead-code elimination (which drops the
 plain weights it leaves unread) and kernel selection (which picks kernels by the weight's format), and
