@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kiln.lora_layout import TARGET_MODULES
+
 EXPECTED_ERRORS = (ValueError, FileNotFoundError, FileExistsError, LookupError)
 
 
@@ -78,6 +80,11 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
                    help="the KV cache's dtype: auto (the model's) or fp8_e4m3 (half the bytes a token, per-tensor "
                         "scales of 1.0)")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="LoRA adapter slots on the device (default: 1 with --lora-modules, else no LoRA)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA adapter rank served (default 16)")
+    p.add_argument("--lora-target-modules", nargs="+", default=list(TARGET_MODULES), metavar="MODULE",
+                   help=f"projections that take LoRA adapters (default: {' '.join(TARGET_MODULES)})")
 
 
 def add_tuning_options(p: argparse.ArgumentParser, skip_pass: bool = True) -> None:
@@ -161,10 +168,14 @@ def compile_options_from(args: argparse.Namespace):
         tp, pp = layout.tp, layout.pp
         if layout.reason:
             print(f"kiln: {layout.reason}", file=sys.stderr)
+    lora_modules = getattr(args, "lora_modules", None)
+    max_loras = args.max_loras if args.max_loras is not None else (1 if lora_modules else 0)
     return CompileOptions(dtype=args.dtype, backend=backend, max_batch_tokens=args.max_batch_tokens,
                           max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, page_size=args.page_size,
                           quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, tp=tp, pp=pp,
-                          ep=args.ep, expert_placement=_expert_placement(args))
+                          ep=args.ep, expert_placement=_expert_placement(args),
+                          max_loras=max_loras, max_lora_rank=args.max_lora_rank,
+                          lora_target_modules=tuple(args.lora_target_modules))
 
 
 def _expert_placement(args: argparse.Namespace) -> tuple:
@@ -238,9 +249,19 @@ def _add_serve(commands) -> None:
     p.add_argument("--debug-fail-token-id", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3", "mistral", "pythonic"],
                    help="how the model writes tool calls (default: from its chat template; hermes for the built-in one)")
+    p.add_argument("--lora-modules", nargs="+", default=[], type=_lora_module, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) to serve from the start; a request picks one with "
+                        "\"model\": NAME; more load at run time through POST /v1/load_lora_adapter")
     p.add_argument("--grpc-port", type=int, default=None,
                    help="also serve the gRPC API (kiln/server/grpc/kiln.proto) on this port")
     p.set_defaults(run=_run_serve)
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules takes NAME=PATH, got {text!r}")
+    return name, path
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -262,7 +283,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or artifact_model_name(artifact),
         max_body_bytes=args.max_body_bytes, max_n=args.max_n, drain_timeout=args.drain_timeout,
         log_level=args.log_level, tool_call_parser=args.tool_call_parser, grpc_port=args.grpc_port,
-        engine=engine, dp=args.dp, admission=Admission(args.max_queued_requests))
+        engine=engine, dp=args.dp, admission=Admission(args.max_queued_requests),
+        lora_modules=dict(args.lora_modules))
     # Its child processes are gone; the interpreter's teardown would only delay a prompt exit.
     exit_now(serve(str(artifact), config))
 

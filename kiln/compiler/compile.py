@@ -70,7 +70,7 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
         ctx = PassContext(backend=options.backend, symbol_bounds=bounds, recipes=list(built.recipes),
                           quantization=quantization, tp=options.tp, pp=options.pp, stage=stage, ep=options.ep,
                           expert_placement=options.expert_placement, kv_cache_dtype=options.kv_cache_dtype,
-                          kv_cache_scales=options.kv_cache_scales)
+                          kv_cache_scales=options.kv_cache_scales, lora=options.lora_layout())
         dump = dump_ir if dump_ir is None or options.pp == 1 else dump_ir / stage_dir(stage)
         graph, pass_log = run_pipeline(built.graph, ctx, dump_dir=dump, skip=options.skip_passes)
         store = WeightStore(source.tensors, built.computed, ctx.recipes, str(source.path))
@@ -132,6 +132,7 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
                 "expert_load": [{"input": name, "layer": int(name[len(EXPERT_LOAD):]), "experts": t.shape[0]}
                                 for name, t in stages[0].graph.inputs.items() if name.startswith(EXPERT_LOAD)],
             },
+            "lora": stages[0].ctx.lora.to_json() if stages[0].ctx.lora is not None else None,
             "memory_plan": stages[0].ctx.memory_plan.to_json(),
             "kernels": sorted({name for stage in stages for name in stage.ctx.kernel_choice}),
             "generated_kernels": {name: op for name, (op, _) in generated_kernels.items()},

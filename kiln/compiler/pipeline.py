@@ -9,8 +9,10 @@ are laid in slots, when a placement asks for copies) and the expert-load counter
 (before the fusions, which leave them alone), so the fusions see the sharded
 GEMMs and the collectives between them; the linear fusions must see the unfused projections,
 silu·mul must see the split the gate/up fusion made, the residual adds must join their GEMMs
-before silu·mul joins the down GEMM and the norms join theirs, rope+KV store must see the q/k norms before
-anything else touches them (and joins the attention after that), quantization sees the GEMMs as they will
+before silu·mul joins the down GEMM and the norms join theirs, LoRA hooks go on the GEMMs after the
+residual adds joined them and before the norms and silu·mul do (hooks read those ops' inputs,
+leaving them to their GEMMs), rope+KV store must see the q/k norms before anything else touches them
+(and joins the attention after that), quantization sees the GEMMs as they will
 run (fused weights are quantized once, whole), as the FP8 KV cache sees the fused attention ops, and
 both come before dead-code elimination (which drops the
 plain weights it leaves unread) and kernel selection (which picks kernels by the weight's format), and
@@ -39,6 +41,7 @@ from .passes.fuse_rope_attention import fuse_rope_attention
 from .passes.fuse_rope_kv_store import fuse_rope_kv_store
 from .passes.fuse_silu_mul import fuse_silu_mul
 from .passes.fuse_silu_mul_linear import fuse_silu_mul_linear
+from .passes.insert_lora import insert_lora
 from .passes.place_experts import place_experts
 from .passes.plan_memory import plan_memory
 from .passes.quantize import quantize
@@ -64,6 +67,7 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("fuse_linears", fuse_linears),
     ("fuse_silu_mul", fuse_silu_mul),
     ("fuse_linear_residual", fuse_linear_residual),
+    ("insert_lora", insert_lora),
     ("fuse_silu_mul_linear", fuse_silu_mul_linear),
     ("fuse_norm_linear", fuse_norm_linear),
     ("fuse_add_rmsnorm", fuse_add_rmsnorm),
@@ -75,9 +79,11 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("select_kernels", select_kernels),
     ("plan_memory", plan_memory),
 ]
-# Without these there is no checked graph, no kernel table or no memory plan to write, or no rank's
-# shard of a tensor- or expert-parallel model or stage of a pipelined one.
-REQUIRED = frozenset({"verify", "shard_tp", "split_pipeline", "shard_ep", "select_kernels", "plan_memory"})
+# Without these there is no checked graph, no kernel table or no memory plan to write, no rank's
+# shard of a tensor- or expert-parallel model or stage of a pipelined one, or no LoRA hooks the
+# artifact was asked for.
+REQUIRED = frozenset({"verify", "shard_tp", "split_pipeline", "shard_ep", "insert_lora", "select_kernels",
+                      "plan_memory"})
 
 
 def selected_passes(skip: Sequence[str] = ()) -> list[tuple[int, str, Pass]]:

@@ -42,6 +42,7 @@ import uvicorn
 import zmq
 import zmq.asyncio
 
+from kiln.lora_layout import LoraLayout
 from kiln.runtime.text.tokenizer import Tokenizer
 
 from . import ipc
@@ -50,6 +51,7 @@ from .gate import ServerState
 from .http import build_app
 from .metrics import ServerMetrics
 from .router import CacheAwareRouter, RouterOptions
+from .lora_routes import ServerAdapters
 from .tokenizer_manager import Admission, ModelInfo, TokenizerManager
 from .tools import resolve_parser
 
@@ -80,6 +82,7 @@ class ServeConfig:
     dp: int = 1                                            # data-parallel replicas
     router: RouterOptions = RouterOptions()
     admission: Admission = Admission()                     # the queue limit (--max-queued-requests)
+    lora_modules: dict[str, str] = field(default_factory=dict)  # LoRA adapters served from the start, by name
 
     def scheduler_name(self, replica: int) -> str:
         return "scheduler" if self.dp == 1 else f"replica {replica} scheduler"
@@ -220,7 +223,8 @@ async def _serve_on(listener: socket.socket, artifact: str, config: ServeConfig)
         child_config = {"ipc_dir": ipc_dir, "parent_pid": os.getpid(), "log_level": config.log_level}
         for replica in range(config.dp):
             children.start(config.scheduler_name(replica), "kiln.server.scheduler_process",
-                           {**child_config, "artifact": artifact, "engine": config.engine, "replica": replica})
+                           {**child_config, "artifact": artifact, "engine": config.engine, "replica": replica,
+                            "lora_modules": config.lora_modules})
         children.start("detokenizer", "kiln.server.detokenizer_process", child_config)
         try:
             facts = await _wait_ready(receiver, children, config.dp)
@@ -282,7 +286,9 @@ async def _run_http(config: ServeConfig, replica_facts: list[dict[str, Any]], li
 
     manager = TokenizerManager(tokenizer, info, senders, metrics, on_fatal=fatal,
                                router=CacheAwareRouter(config.dp, metrics, config.router), admission=config.admission)
-    ctx = ServerContext(manager, state, metrics, config.max_n, resolve_parser(config.tool_call_parser, tokenizer))
+    layout = LoraLayout.from_json(facts["lora"]) if facts.get("lora") else None
+    ctx = ServerContext(manager, state, metrics, config.max_n, resolve_parser(config.tool_call_parser, tokenizer),
+                        ServerAdapters(layout, dict(config.lora_modules)))
     app = build_app(ctx, config.api_key, config.max_body_bytes)
     server = KilnServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                        access_log=False, lifespan="off", timeout_graceful_shutdown=GRACEFUL_CLOSE_S),

@@ -32,42 +32,42 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        ctx.check_model(body.model)
+        lora = ctx.check_model(body.model)
         ctx.check_n(body.n)
         chat = await prepare_chat(ctx, body)
         params, tools = chat.params, chat.tools
-        stream = manager.submit([chat.prompt_ids], params, body.max_tokens_param)
+        stream = manager.submit([chat.prompt_ids], params, body.max_tokens_param, lora=lora)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream and tools is not None:
-            return EventStream(tool_chat_events(stream, rid, created, ctx.model_name, body, tools), stream)
+            return EventStream(tool_chat_events(stream, rid, created, body.model or ctx.model_name, body, tools), stream)
         if body.stream:
-            return EventStream(_chat_events(stream, rid, created, ctx.model_name, body), stream)
+            return EventStream(_chat_events(stream, rid, created, body.model or ctx.model_name, body), stream)
         acc = await collect_unless_disconnected(request, stream, params.n)
         if acc is None:
             return Response(status_code=CLIENT_CLOSED)
-        response = chat_response(rid, created, ctx.model_name, acc, stream.usage, body.logprobs)
+        response = chat_response(rid, created, body.model or ctx.model_name, acc, stream.usage, body.logprobs)
         return JSONResponse(tools.rewrite_response(response) if tools is not None else response)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        ctx.check_model(body.model)
+        lora = ctx.check_model(body.model)
         ctx.check_n(body.n)
         texts = body.prompts()
         prompts = [await manager.encode(p, "prompt") if isinstance(p, str) else list(p) for p in texts]
         params = body.to_sampling_params(body.generated_tokens)
         for prompt_ids in prompts:
             manager.check(prompt_ids, params, "prompt", "max_tokens")
-        stream = manager.submit(prompts, params)
+        stream = manager.submit(prompts, params, lora=lora)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             if body.echo:
                 raise invalid("echo", "echo is not supported with stream")
-            return EventStream(_completion_events(stream, rid, created, ctx.model_name, body), stream)
+            return EventStream(_completion_events(stream, rid, created, body.model or ctx.model_name, body), stream)
         acc = await collect_unless_disconnected(request, stream, params.n)
         if acc is None:
             return Response(status_code=CLIENT_CLOSED)
         echoes = [manager.echo(text, ids) for text, ids in zip(texts, prompts)] if body.echo else None
-        return JSONResponse(completion_response(rid, created, ctx.model_name, acc, stream.usage,
+        return JSONResponse(completion_response(rid, created, body.model or ctx.model_name, acc, stream.usage,
                                                 body.logprobs is not None, echoes, body.max_tokens > 0))
 
 

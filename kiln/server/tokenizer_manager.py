@@ -241,7 +241,8 @@ class TokenizerManager:
     # ---- requests ------------------------------------------------------------------------------
 
     def submit(self, prompts: list[list[int]], params: SamplingParams,
-               max_tokens_param: str = "max_tokens") -> RequestStream:
+               max_tokens_param: str = "max_tokens", lora: str | None = None) -> RequestStream:
+        """Sends each prompt to its replica; ``lora``: the adapter to run them under (None: the base)."""
         if self.failure is not None:
             raise APIError(503, f"the engine is unavailable: {self.failure}")
         self._admit(len(prompts) * params.n)
@@ -254,7 +255,7 @@ class TokenizerManager:
             self._live[rid] = _Live(stream, index, params.n, now, replica)
             self._samples_in_flight += params.n
             stream.rids.append(rid)
-            self._send(replica, [ipc.ADD, rid, prompt_ids, wire_params])
+            self._send(replica, [ipc.ADD, rid, prompt_ids, wire_params, lora])
         return stream
 
     def _admit(self, samples: int) -> None:
@@ -290,6 +291,11 @@ class TokenizerManager:
             self._samples_in_flight -= live.samples
             self._router.finished(live.replica)
         return live
+
+    def broadcast(self, message: list[Any]) -> None:
+        """Sends ``message`` to every replica's scheduler (LoRA loads and unloads)."""
+        for replica in range(len(self._senders)):
+            self._send(replica, message)
 
     def _send(self, replica: int, message: list[Any]) -> None:
         # A PUSH socket without a high-water mark queues and returns: safe on the event loop.
