@@ -238,6 +238,9 @@ def _add_serve(commands) -> None:
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel replicas, each its own scheduler process, engine and KV cache (on GPUs its "
                         "own devices), behind one endpoint with a cache-aware router (default 1)")
+    p.add_argument("--api-server-count", type=int, default=1,
+                   help="HTTP processes on the port (vLLM's name), each with its own tokenizer manager, all sending "
+                        "to the same scheduler(s): more when one HTTP process is the bottleneck (default 1)")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="most requests waiting beyond those running; more get 503 with Retry-After (default: no limit)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -284,7 +287,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, max_n=args.max_n, drain_timeout=args.drain_timeout,
         log_level=args.log_level, tool_call_parser=args.tool_call_parser, grpc_port=args.grpc_port,
         engine=engine, dp=args.dp, admission=Admission(args.max_queued_requests),
-        lora_modules=dict(args.lora_modules))
+        lora_modules=dict(args.lora_modules), api_server_count=args.api_server_count)
     # Its child processes are gone; the interpreter's teardown would only delay a prompt exit.
     exit_now(serve(str(artifact), config))
 

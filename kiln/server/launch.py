@@ -9,7 +9,8 @@
 With ``dp`` > 1 there are that many scheduler processes (data-parallel replicas, each its own
 engine core and KV cache), one inbox each, and the tokenizer manager's cache-aware router
 (``router.py``) picks one for each prompt; they share the detokenizer. A replica that exits ends
-the server like any child.
+the server like any child. With ``api_server_count`` > 1 this process is API server 0 of that many
+HTTP processes on the port, each with its own tokenizer manager (``api_servers.py``).
 
 Start-up: compile the model if needed (``ensure_artifact``), bind the port (a busy port fails at
 once, before the model loads), start both children (``python -m`` with a JSON argument: no pickled
@@ -25,18 +26,15 @@ when this process dies. The ipc:// socket directory is removed on the way out.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Awaitable, Callable
 
 import uvicorn
 import zmq
@@ -46,10 +44,14 @@ from kiln.lora_layout import LoraLayout
 from kiln.runtime.text.tokenizer import Tokenizer
 
 from . import ipc
+from .api_servers import ApiServers
+from .children import CHILD_POLL_S, Children
 from .context import ServerContext
 from .gate import ServerState
 from .http import build_app
+from .in_flight import SamplesInFlight
 from .metrics import ServerMetrics
+from .peers import Peers
 from .router import CacheAwareRouter, RouterOptions
 from .lora_routes import ServerAdapters
 from .tokenizer_manager import Admission, ModelInfo, TokenizerManager
@@ -57,7 +59,6 @@ from .tools import resolve_parser
 
 log = logging.getLogger("kiln.server")
 
-CHILD_POLL_S = 0.2
 CHILD_STOP_TIMEOUT_S = 10.0
 # After a child died the server is failing anyway: the survivor gets this long, then SIGKILL, so
 # the server exits within seconds (a scheduler's orderly exit can take longer on a busy machine).
@@ -83,55 +84,36 @@ class ServeConfig:
     router: RouterOptions = RouterOptions()
     admission: Admission = Admission()                     # the queue limit (--max-queued-requests)
     lora_modules: dict[str, str] = field(default_factory=dict)  # LoRA adapters served from the start, by name
+    api_server_count: int = 1                              # HTTP processes sharing the port (--api-server-count)
 
     def scheduler_name(self, replica: int) -> str:
         return "scheduler" if self.dp == 1 else f"replica {replica} scheduler"
+
+    def to_json(self) -> dict[str, Any]:
+        """Everything but the API key (which must not show in a command line), as JSON data."""
+        return {**asdict(self), "api_key": None}
+
+    @staticmethod
+    def from_json(data: dict[str, Any], api_key: str | None) -> "ServeConfig":
+        return ServeConfig(**{**data, "api_key": api_key, "router": RouterOptions(**data["router"]),
+                              "admission": Admission(**data["admission"])})
 
 
 class StartupError(RuntimeError):
     """A child reported FATAL or exited before the model was ready."""
 
 
-class Children:
-    """The scheduler and detokenizer processes."""
-
-    def __init__(self) -> None:
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, name: str, module: str, config: dict[str, Any]) -> None:
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", module, json.dumps(config)])
-
-    def exited(self) -> tuple[str, int] | None:
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                return name, proc.returncode
-        return None
-
-    async def watch(self, on_exit: Callable[[str, int], None]) -> None:
-        while (gone := self.exited()) is None:
-            await asyncio.sleep(CHILD_POLL_S)
-        on_exit(*gone)
-
-    def stop(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for name, proc in self.procs.items():
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("the %s process did not exit; killing it", name)
-                proc.kill()
-                proc.wait()
-
-
 class KilnServer(uvicorn.Server):
     """uvicorn with kiln's signal handling: drain on SIGTERM, stop at once on SIGINT."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState, manager: TokenizerManager,
-                 drain_timeout: float) -> None:
+                 drain_timeout: float, forward_signal: Callable[[int], None] | None = None) -> None:
+        """``forward_signal``: passes a SIGTERM or SIGINT on (to the other API servers)."""
         super().__init__(config)
         self.state = state
         self.manager = manager
         self.drain_timeout = drain_timeout
+        self.forward_signal = forward_signal
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
@@ -144,6 +126,8 @@ class KilnServer(uvicorn.Server):
         # Replaces uvicorn's handler, which re-raises the signal once serving ends and so would kill
         # this process before it stops its children. Signal handlers run between bytecodes of the
         # loop's thread: hand the work to the loop.
+        if self.forward_signal is not None:
+            self.forward_signal(sig)
         if sig == signal.SIGTERM and not self.state.draining:
             self._loop.call_soon_threadsafe(self._begin_drain)
         else:
@@ -176,17 +160,21 @@ def serve(artifact: str, config: ServeConfig) -> int:
     """Runs the server until it is stopped; returns the process exit code."""
     if config.dp < 1:
         raise ValueError(f"dp must be at least 1, got {config.dp}")
+    if config.api_server_count < 1:
+        raise ValueError(f"api_server_count must be at least 1, got {config.api_server_count}")
     config.router.validate()
     config.admission.validate()
     logging.basicConfig(level=config.log_level.upper(), format="kiln: %(message)s")
     return asyncio.run(_serve(artifact, config))
 
 
-def bind_port(host: str, port: int) -> socket.socket:
+def bind_port(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """The HTTP socket, bound but not yet listening (uvicorn listens once the model is ready)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError:
@@ -195,32 +183,56 @@ def bind_port(host: str, port: int) -> socket.socket:
     return sock
 
 
+def bind_ports(host: str, port: int, count: int) -> list[socket.socket]:
+    """One HTTP socket per API server on the port. Several are bound with SO_REUSEPORT (the kernel
+    spreads new connections over them), once a plain bind found the port free: a server holding it
+    with SO_REUSEPORT would share it silently otherwise."""
+    first = bind_port(host, port)
+    if count == 1:
+        return [first]
+    first.close()
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sockets.append(bind_port(host, port, reuse_port=True))
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
 async def _serve(artifact: str, config: ServeConfig) -> int:
     try:
-        listener = bind_port(config.host, config.port)
+        listeners = bind_ports(config.host, config.port, config.api_server_count)
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s (is another server using the port? pick one with --port)",
                   config.host, config.port, exc.strerror or exc)
         return 1
-    with listener:
-        return await _serve_on(listener, artifact, config)
+    try:
+        return await _serve_on(listeners, artifact, config)
+    finally:
+        for listener in listeners:
+            listener.close()
 
 
-async def _serve_on(listener: socket.socket, artifact: str, config: ServeConfig) -> int:
+async def _serve_on(listeners: list[socket.socket], artifact: str, config: ServeConfig) -> int:
     ipc_dir = tempfile.mkdtemp(prefix="kiln-")
     context = zmq.Context()
     receiver = zmq.asyncio.Context.shadow(context.underlying).socket(zmq.PULL)
     receiver.setsockopt(zmq.LINGER, 0)
-    receiver.bind(ipc.address(ipc_dir, ipc.HTTP_SOCKET))
+    receiver.bind(ipc.address(ipc_dir, ipc.http_socket(0)))
     senders = [ipc.push_socket(context, ipc.address(ipc_dir, ipc.scheduler_socket(i))) for i in range(config.dp)]
     # Each child is told to stop directly: a dead scheduler could not pass the word on.
     stoppers = [*senders, ipc.push_socket(context, ipc.address(ipc_dir, ipc.DETOKENIZER_SOCKET))]
     children = Children()
+    api_servers = ApiServers(context, ipc_dir, config.api_server_count)
     loop = asyncio.get_running_loop()
     # Until uvicorn installs its handlers, SIGTERM cancels start-up (and the cleanup below runs).
     loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     try:
-        child_config = {"ipc_dir": ipc_dir, "parent_pid": os.getpid(), "log_level": config.log_level}
+        child_config = {"ipc_dir": ipc_dir, "parent_pid": os.getpid(), "log_level": config.log_level,
+                        "api_servers": config.api_server_count}
         for replica in range(config.dp):
             children.start(config.scheduler_name(replica), "kiln.server.scheduler_process",
                            {**child_config, "artifact": artifact, "engine": config.engine, "replica": replica,
@@ -231,17 +243,29 @@ async def _serve_on(listener: socket.socket, artifact: str, config: ServeConfig)
         except StartupError as exc:
             log.error("%s", exc)
             return 1
-        loop.remove_signal_handler(signal.SIGTERM)
-        return await _run_http(config, facts, listener, receiver, senders, children)
+
+        async def start_api_servers(should_stop: Callable[[], bool]) -> bool:
+            api_servers.start(listeners[1:], {**child_config, "serve": config.to_json(), "facts": facts},
+                              config.api_key)
+            return await api_servers.wait_ready(should_stop)
+
+        watches = [lambda on_exit: children.watch(lambda name, code: on_exit(
+                       f"the {name} process exited unexpectedly (code {code})")), api_servers.watch]
+        return await run_http(config, facts, listeners[0], receiver, senders,
+                              ProcessTies(watches, start_api_servers, forward_signal=api_servers.signal),
+                              api_servers.peers, api_servers.samples_in_flight())
     except asyncio.CancelledError:
         log.info("stopped during start-up")
         return 128 + signal.SIGTERM
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
+        # The API servers first: their requests in flight need the scheduler and detokenizer.
+        api_servers.stop(config.drain_timeout + GRACEFUL_CLOSE_S + CHILD_STOP_TIMEOUT_S, CHILD_STOP_TIMEOUT_S)
         for stopper in stoppers:
             stopper.send(ipc.pack([ipc.SHUTDOWN]))
         children.stop(CHILD_STOP_TIMEOUT_S if children.exited() is None else CHILD_STOP_AFTER_FAILURE_S)
         receiver.close()
+        api_servers.close()
         for stopper in stoppers:
             stopper.close(linger=0)  # the children are gone: a SHUTDOWN still queued (a dead child's) has no reader
         context.term()
@@ -264,13 +288,28 @@ async def _wait_ready(receiver: zmq.asyncio.Socket, children: Children, replicas
     return [facts[replica] for replica in range(replicas)]
 
 
-async def _run_http(config: ServeConfig, replica_facts: list[dict[str, Any]], listener: socket.socket,
-                    receiver: zmq.asyncio.Socket, senders: list[zmq.Socket], children: Children) -> int:
+@dataclass(frozen=True)
+class ProcessTies:
+    """How one HTTP process (API server) is tied to the server's other processes."""
+
+    # Each returns once a process this one needs is gone, calling back with what happened.
+    watches: list[Callable[[Callable[[str], None]], Awaitable[None]]]
+    # Before it listens: starts what serves beside it (given "should it stop?"); False: it stops.
+    start: Callable[[Callable[[], bool]], Awaitable[bool]] | None = None
+    listening: Callable[[], None] | None = None  # once it listens
+    forward_signal: Callable[[int], None] | None = None  # a SIGTERM or SIGINT it got, passed on
+
+
+async def run_http(config: ServeConfig, replica_facts: list[dict[str, Any]], listener: socket.socket,
+                   receiver: zmq.asyncio.Socket, senders: list[zmq.Socket], ties: ProcessTies, peers: Peers,
+                   samples_in_flight: SamplesInFlight | None = None) -> int:
+    """Serves HTTP on ``listener`` until stopped, as API server ``peers.me`` (0 also serves gRPC);
+    returns the exit code. Every API server process runs this, the launcher and those it started."""
     facts = replica_facts[0]  # the replicas serve one artifact
     tokenizer = Tokenizer.from_dir(facts["tokenizer_dir"]) if facts["tokenizer_dir"] else None
     info = ModelInfo(config.served_model_name, facts["vocab_size"], facts["max_seq_len"], int(time.time()),
                      sum(f["max_running"] for f in replica_facts))
-    metrics = ServerMetrics(config.dp)
+    metrics = ServerMetrics(config.dp, peers.me)
     metrics.replica_stats.update((f["replica"], f["stats"]) for f in replica_facts)
     state = ServerState()
     server: KilnServer | None = None
@@ -279,25 +318,28 @@ async def _run_http(config: ServeConfig, replica_facts: list[dict[str, Any]], li
         log.error("%s", message)
         server.stop(1, message)
 
-    def child_exited(name: str, code: int) -> None:
-        message = f"the {name} process exited unexpectedly (code {code})"
+    def process_gone(message: str) -> None:
         manager.failure = message
         fatal(message)
 
     manager = TokenizerManager(tokenizer, info, senders, metrics, on_fatal=fatal,
-                               router=CacheAwareRouter(config.dp, metrics, config.router), admission=config.admission)
+                               router=CacheAwareRouter(config.dp, metrics, config.router), admission=config.admission,
+                               api_server=peers.me, samples_in_flight=samples_in_flight)
     layout = LoraLayout.from_json(facts["lora"]) if facts.get("lora") else None
     ctx = ServerContext(manager, state, metrics, config.max_n, resolve_parser(config.tool_call_parser, tokenizer),
-                        ServerAdapters(layout, dict(config.lora_modules)))
+                        ServerAdapters(layout, dict(config.lora_modules)), peers)
     app = build_app(ctx, config.api_key, config.max_body_bytes)
     server = KilnServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                        access_log=False, lifespan="off", timeout_graceful_shutdown=GRACEFUL_CLOSE_S),
-                        state, manager, config.drain_timeout)
-    tasks = [asyncio.ensure_future(manager.receive_loop(receiver)), asyncio.ensure_future(children.watch(child_exited))]
+                        state, manager, config.drain_timeout, ties.forward_signal)
+    tasks = [asyncio.ensure_future(manager.receive_loop(receiver, peers.handle)),
+             *(asyncio.ensure_future(watch(process_gone)) for watch in ties.watches)]
     tasks[0].add_done_callback(lambda t: t.cancelled() or fatal(f"the output receiver failed: {t.exception()!r}"))
     grpc_server = None
     try:
-        if config.grpc_port is not None:
+        if ties.start is not None and not await ties.start(lambda: server.should_exit):
+            return max(server.exit_code, 1)
+        if config.grpc_port is not None and peers.me == 0:
             from .grpc.servicer import start_grpc_server
 
             try:
@@ -307,7 +349,12 @@ async def _run_http(config: ServeConfig, replica_facts: list[dict[str, Any]], li
                 log.error("%s", error)
                 return 1
             log.info("gRPC on %s:%d", config.host, config.grpc_port)
-        log.info("model ready; serving it as %r", config.served_model_name)
+        if peers.me == 0:
+            log.info("model ready; serving it as %r", config.served_model_name)
+        if ties.listening is not None:
+            tasks.append(asyncio.ensure_future(_once_started(server, ties.listening)))
+        # uvicorn's signal handlers take over from start-up's (which would still see the signals).
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
         await server.serve(sockets=[listener])
     finally:
         if grpc_server is not None:
@@ -316,3 +363,8 @@ async def _run_http(config: ServeConfig, replica_facts: list[dict[str, Any]], li
             task.cancel()
     return server.exit_code
 
+
+async def _once_started(server: uvicorn.Server, callback: Callable[[], None]) -> None:
+    while not server.started:
+        await asyncio.sleep(0.01)
+    callback()

@@ -55,7 +55,10 @@ class SchedulerLoop:
         while self.parent.alive():
             self.core.worker.check()  # a dead worker rank ends the server, also while it is idle
             busy = self.core.has_work()
-            for message in ipc.recv_ready(self.inbox, 0 if busy else self._idle_wait_ms()):
+            messages = ipc.recv_ready(self.inbox, 0 if busy else self._idle_wait_ms())
+            # Loads first: an API server answers a load once it is sent, and a request another API
+            # server sends after that answer may arrive beside it on another pipe.
+            for message in sorted(messages, key=lambda m: m[0] != ipc.LORA_LOAD):
                 if not self._handle(message):
                     return
             if self.core.has_work():
@@ -93,15 +96,17 @@ class SchedulerLoop:
         except (ValueError, LookupError) as exc:
             log.error("LoRA %s failed: %s", " ".join(args), exc)
 
-    def _add(self, rid: str, prompt_ids: list[int], params: dict[str, Any], lora: str | None = None) -> None:
+    def _add(self, rid: str, prompt_ids: list[int], params: dict[str, Any], lora: str | None = None,
+             origin: int = 0) -> None:
+        """``origin``: the API server that sent it, where its outputs go (the detokenizer routes them)."""
         try:
             sampling = SamplingParams(**params)
             self.core.add_request(rid, prompt_ids, sampling, lora=lora)
         except (ValueError, TypeError, LookupError) as exc:  # the HTTP side validates too; this is the last word
-            self._send([ipc.REJECT, rid, str(exc)])
+            self._send([ipc.REJECT, rid, str(exc), origin])
             return
         # The detokenizer needs only the prompt's tail (context for the first tokens' text).
-        self._send([ipc.NEW, rid, prompt_ids[-PROMPT_CONTEXT_TOKENS:], asdict(sampling)])
+        self._send([ipc.NEW, rid, prompt_ids[-PROMPT_CONTEXT_TOKENS:], asdict(sampling), origin])
 
     def _idle_wait_ms(self) -> int:
         if not self._stats_dirty:
