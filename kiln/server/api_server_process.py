@@ -35,7 +35,8 @@ from kiln.server.peers import Peers
 
 def main(argv: list[str] | None = None) -> int:
     config = json.loads((argv if argv is not None else sys.argv[1:])[0])
-    logging.basicConfig(level=config["log_level"].upper(), format=f"kiln API server {config['api_server']}: %(message)s")
+    logging.basicConfig(level=config["log_level"].upper(),
+                        format=f"kiln API server {config['api_server']}: %(message)s")
     # Until uvicorn's handlers take over, being told to stop ends this process at once.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: ipc.exit_now(0))
