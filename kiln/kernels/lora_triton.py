@@ -5,9 +5,14 @@ Two layouts of the same two steps:
   so the rows of a tile share one adapter and the products are ``tl.dot`` tiles. The first grid axis
   is sized for the longest sequence (``max_q_len``, else ``T``); blocks past a sequence's length,
   and sequences on slot -1 (the base model) or without tokens, return at once.
-- rows (BGMV, decode steps: one token a sequence): a program takes one sequence's row and a block
-  of the outputs, a GEMV against that sequence's adapter. At few rows the shrink also splits K over
-  programs (partial sums added into h atomically), so a batch of one does not walk K on one SM.
+- rows (BGMV, decode steps: one token a sequence): a shrink program takes one sequence's row, a
+  block of h's columns and a split of K (at few rows K is split over about one program per SM, so
+  a batch of one does not walk K on one SM); each split writes its partial sums to a plane of its
+  own (h itself when there is one split), so there is no zeroed buffer to fill first and no atomic
+  add. An expand program takes one row and a run of up to ``ROW_N_STEPS`` blocks of output columns,
+  loads every plane of its row at once and adds them (the program of the first run also writes the
+  sum to h). Rows on slot -1 return at once, and the runs keep the grid to a few programs a row
+  (one per 64 columns launched up to 28672 programs a row for Llama-3-8B's gate/up).
 
 The expand reads slice ``i``'s rows of h (``i*R .. i*R + R``) for the columns of y in slice ``i``
 (up to three slices: fused q/k/v); it adds in f32 and rounds once into y. Under the interpreter
@@ -28,6 +33,10 @@ PROLOGUE_CODES = {"none": 0, "rmsnorm": 1, "silu_mul": 2}
 SEGMENT_ROWS = 16     # token rows of a segment tile (tl.dot's least)
 K_BLOCK = 64          # in-features a shrink step reads
 N_BLOCK = 64          # output columns of an expand program
+ROW_K_BLOCK = 128     # in-features a decode shrink step reads
+NORM_BLOCK = 2048     # in-features a decode shrink reads per step of the RMSNorm prologue's sum of squares
+MAX_SPLITS = 64       # K splits of a decode shrink at most (the expand loads all their planes at once)
+ROW_N_STEPS = 4       # column blocks a decode expand program walks at most
 
 
 @triton.jit
@@ -114,9 +123,9 @@ def _expand_segments(y_ptr, h_ptr, b_ptr, slot_ptr, q_start_ptr, q_len_ptr, N, R
 
 
 @triton.jit
-def _shrink_rows(x_ptr, a_ptr, h_ptr, slot_ptr, q_start_ptr, q_len_ptr, norm_ptr, eps, K, NR, K_PER_SPLIT, x_stride,
-                 a_slot_stride, h_stride, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                 PROLOGUE: tl.constexpr):
+def _shrink_rows(x_ptr, a_ptr, out_ptr, slot_ptr, q_start_ptr, q_len_ptr, norm_ptr, eps, K, NR, K_PER_SPLIT, x_stride,
+                 a_slot_stride, out_split_stride, out_stride, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                 NORM_BLOCK: tl.constexpr, PROLOGUE: tl.constexpr):
     b, r_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slot_ptr + b)
     if slot < 0 or tl.load(q_len_ptr + b) == 0:
@@ -127,10 +136,10 @@ def _shrink_rows(x_ptr, a_ptr, h_ptr, slot_ptr, q_start_ptr, q_len_ptr, norm_ptr
     a_base = a_ptr + slot.to(tl.int64) * a_slot_stride
     x_row = x_ptr + row * x_stride
     rstd = 0.0
-    if PROLOGUE == 1:  # every split needs the whole row's norm: one row is cheap to read twice
-        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
+    if PROLOGUE == 1:  # every split needs the whole row's norm: read in wide blocks, a few round trips
+        squares = tl.zeros((NORM_BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, NORM_BLOCK):
+            offs_k = k0 + tl.arange(0, NORM_BLOCK)
             v = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
             squares += v * v
         rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
@@ -142,33 +151,45 @@ def _shrink_rows(x_ptr, a_ptr, h_ptr, slot_ptr, q_start_ptr, q_len_ptr, norm_ptr
         x = _gemm_input(x_row + offs_k, k_ok, norm_ptr + offs_k, k_ok, K, rstd, PROLOGUE).to(tl.float32)
         a = tl.load(a_base + offs_r[:, None] * K + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
-    if SPLIT:
-        tl.atomic_add(h_ptr + row * h_stride + offs_r, acc, mask=r_ok)
-    else:
-        tl.store(h_ptr + row * h_stride + offs_r, acc, mask=r_ok)
+    # Each split's partial sum goes to its own plane (one plane, h itself, without splits): no zeroed
+    # buffer, no atomics; the expand adds the planes.
+    tl.store(out_ptr + split.to(tl.int64) * out_split_stride + row * out_stride + offs_r, acc, mask=r_ok)
 
 
 @triton.jit
-def _expand_rows(y_ptr, h_ptr, b_ptr, slot_ptr, q_start_ptr, q_len_ptr, N, R, END0, END1, y_stride, h_stride,
-                 b_slot_stride, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SLICES: tl.constexpr):
-    b, n_block = tl.program_id(0), tl.program_id(1)
+def _expand_rows(y_ptr, h_ptr, part_ptr, b_ptr, slot_ptr, q_start_ptr, q_len_ptr, N, R, END0, END1, SPLITS, y_stride,
+                 h_stride, part_split_stride, b_slot_stride, N_PER_PROGRAM, BLOCK_N: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SLICES: tl.constexpr, SPLIT: tl.constexpr):
+    b, n_program = tl.program_id(0), tl.program_id(1)
     slot = tl.load(slot_ptr + b)
     if slot < 0 or tl.load(q_len_ptr + b) == 0:
         return
     row = tl.load(q_start_ptr + b).to(tl.int64)
-    offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
-    n_ok, r_ok = offs_n < N, offs_r < R
-    piece = (offs_n >= END0).to(tl.int32) + (offs_n >= END1).to(tl.int32)
+    r_ok = offs_r < R
     b_base = b_ptr + slot.to(tl.int64) * b_slot_stride
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for i in tl.static_range(SLICES):
-        h = tl.load(h_ptr + row * h_stride + i * R + offs_r, mask=r_ok, other=0.0)
-        w = tl.load(b_base + offs_n[:, None] * R + offs_r[None, :], mask=(n_ok & (piece == i))[:, None] & r_ok[None, :],
-                    other=0.0)
-        acc += tl.sum(w.to(tl.float32) * h[None, :], axis=1)
-    y = tl.load(y_ptr + row * y_stride + offs_n, mask=n_ok, other=0.0)
-    tl.store(y_ptr + row * y_stride + offs_n, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=n_ok)
+    n_first = n_program * N_PER_PROGRAM
+    n_end = tl.minimum(n_first + N_PER_PROGRAM, N)
+    for n0 in range(n_first, n_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_end
+        piece = (offs_n >= END0).to(tl.int32) + (offs_n >= END1).to(tl.int32)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for i in tl.static_range(SLICES):
+            if SPLIT:  # the shrink's planes, all loaded at once: one round trip, not one per split
+                offs_s = tl.arange(0, BLOCK_S)
+                planes = tl.load(part_ptr + offs_s[:, None] * part_split_stride + row * h_stride + i * R
+                                 + offs_r[None, :], mask=(offs_s < SPLITS)[:, None] & r_ok[None, :], other=0.0)
+                h = tl.sum(planes, axis=0)
+                if n_program == 0 and n0 == n_first:  # h is the op's output too: one program writes it
+                    tl.store(h_ptr + row * h_stride + i * R + offs_r, h, mask=r_ok)
+            else:
+                h = tl.load(h_ptr + row * h_stride + i * R + offs_r, mask=r_ok, other=0.0)
+            w = tl.load(b_base + offs_n[:, None] * R + offs_r[None, :],
+                        mask=(n_ok & (piece == i))[:, None] & r_ok[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * h[None, :], axis=1)
+        y = tl.load(y_ptr + row * y_stride + offs_n, mask=n_ok, other=0.0)
+        tl.store(y_ptr + row * y_stride + offs_n, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 def launch_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, lora_slot: torch.Tensor,
@@ -183,20 +204,7 @@ def launch_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     block_r = min(pow2(nr, 16), 64)
     common = (lora_slot, q_start, q_len)
     if max_q_len == 1:
-        # Few rows would leave most of the GPU idle while a program walks all of K: split K over
-        # programs that add their partial sums into h (zeroed first), up to about one per SM.
-        r_blocks, k_blocks = triton.cdiv(nr, block_r), triton.cdiv(k, 2 * K_BLOCK)
-        splits = max(1, min(k_blocks, sm_count(x) // (batch * r_blocks)))
-        per_split = triton.cdiv(k_blocks, splits) * 2 * K_BLOCK
-        splits = triton.cdiv(k, per_split)
-        if splits > 1:
-            h.zero_()
-        _shrink_rows[(batch, r_blocks, splits)](x, lora_a, h, *common, norm, eps, k, nr, per_split, x.stride(0),
-                                                 lora_a.stride(0), h.stride(0), BLOCK_R=block_r, BLOCK_K=2 * K_BLOCK,
-                                                 SPLIT=splits > 1, PROLOGUE=prologue)
-        _expand_rows[(batch, triton.cdiv(n, N_BLOCK))](y, h, lora_b, *common, n, r, ends[0], ends[1], y.stride(0),
-                                                        h.stride(0), lora_b.stride(0), BLOCK_N=N_BLOCK,
-                                                        BLOCK_R=pow2(r, 16), SLICES=len(slices))
+        _launch_rows(y, x, lora_a, lora_b, common, h, slices, ends, norm, prologue, eps)
         return
     m_blocks = triton.cdiv(max_q_len, SEGMENT_ROWS)
     dot_f32 = dot_in_f32(x.dtype)
@@ -206,3 +214,34 @@ def launch_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     _expand_segments[(m_blocks, batch, triton.cdiv(n, N_BLOCK))](
         y, h, lora_b, *common, n, r, ends[0], ends[1], y.stride(0), h.stride(0), lora_b.stride(0),
         BLOCK_M=SEGMENT_ROWS, BLOCK_N=N_BLOCK, BLOCK_R=pow2(r, 16), SLICES=len(slices), DOT_F32=dot_f32)
+
+
+def _launch_rows(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                 common: tuple[torch.Tensor, ...], h: torch.Tensor, slices: tuple[int, ...], ends: list[int],
+                 norm: torch.Tensor, prologue: int, eps: float) -> None:
+    """The decode layout: a program per (row, block of h's columns, split of K), then a program per
+    (row, run of output columns)."""
+    batch, (_, nr, k), (_, n, r) = common[0].shape[0], lora_a.shape, lora_b.shape
+    sms = sm_count(x)
+    block_r = min(pow2(nr, 16), 64)
+    # Few rows would leave most of the GPU idle while a program walks all of K: split K over programs
+    # (about one per SM), each writing its partial sums to a plane of its own that the expand adds.
+    r_blocks, k_blocks = triton.cdiv(nr, block_r), triton.cdiv(k, ROW_K_BLOCK)
+    splits = max(1, min(k_blocks, MAX_SPLITS, sms // (batch * r_blocks)))
+    per_split = triton.cdiv(k_blocks, splits) * ROW_K_BLOCK
+    splits = triton.cdiv(k, per_split)
+    planes = h if splits == 1 else torch.empty((splits, *h.shape), dtype=h.dtype, device=h.device)
+    _shrink_rows[(batch, r_blocks, splits)](
+        x, lora_a, planes, *common, norm, eps, k, nr, per_split, x.stride(0), lora_a.stride(0), h.numel(),
+        h.stride(0), BLOCK_R=block_r, BLOCK_K=ROW_K_BLOCK, NORM_BLOCK=min(pow2(k), NORM_BLOCK), PROLOGUE=prologue)
+    # Output columns in runs of at most ROW_N_STEPS blocks: a program of a row without an adapter
+    # returns at once, so the grid stays a few programs per row instead of one per block of columns.
+    block_r2 = pow2(r, 16)
+    block_n = max(64, min(256, 4096 // block_r2))
+    n_blocks = triton.cdiv(n, block_n)
+    programs = min(n_blocks, max(triton.cdiv(n_blocks, ROW_N_STEPS), triton.cdiv(2 * sms, batch)))
+    per_program = triton.cdiv(n_blocks, programs) * block_n
+    _expand_rows[(batch, triton.cdiv(n, per_program))](
+        y, h, planes, lora_b, *common, n, r, ends[0], ends[1], splits, y.stride(0), h.stride(0), h.numel(),
+        lora_b.stride(0), per_program, BLOCK_N=block_n, BLOCK_R=block_r2, BLOCK_S=pow2(splits),
+        SLICES=len(slices), SPLIT=splits > 1)
