@@ -18,6 +18,7 @@ import torch
 
 from kiln.ir.types import TensorType
 
+from .config import DEFAULTS, KernelConfig
 from .elementwise import ref_silu_mul
 from .lora_triton import PROLOGUE_CODES, launch_lora
 from .norm import ref_rmsnorm
@@ -71,7 +72,7 @@ def _torch_lora(y, x, lora_a, lora_b, lora_slot, q_start, q_len, norm_weight=Non
 
 
 def triton_lora(y, x, lora_a, lora_b, lora_slot, q_start, q_len, norm_weight=None, *, out, slices, prologue="none",
-                eps=0.0, sizes=None):
+                eps=0.0, sizes=None, config: KernelConfig = DEFAULTS):
     """Decode steps (every sequence one token: ``max_q_len`` 1) take the row-per-sequence kernels
     (BGMV), others the segment kernels (SGMV) with a grid sized by the longest sequence."""
     require_device("lora", y, x, lora_a, lora_b, lora_slot, q_start, q_len, out)
@@ -83,7 +84,7 @@ def triton_lora(y, x, lora_a, lora_b, lora_slot, q_start, q_len, norm_weight=Non
     tokens = x.shape[0]
     bound = tokens if max_q_len is None else min(max_q_len, tokens)
     launch_lora(y, x, lora_a, lora_b, lora_slot, q_start, q_len, out, tuple(slices), bound,
-                norm_weight if norm_weight is not None else x, PROLOGUE_CODES[prologue], eps)
+                norm_weight if norm_weight is not None else x, PROLOGUE_CODES[prologue], eps, config)
     return y
 
 
@@ -94,4 +95,4 @@ def _checker(types: Sequence[TensorType], attrs: Mapping[str, Any]) -> bool:
 
 
 register_impl("lora", "torch", _torch_lora)
-register_impl("lora", "triton", triton_lora, checker=_checker, priority=10, wants_sizes=True)
+register_impl("lora", "triton", triton_lora, checker=_checker, priority=10, wants_sizes=True, wants_config=True)

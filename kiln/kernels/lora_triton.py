@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_support import dot_in_f32, pow2, sm_count
+from .config import KernelConfig
+from .triton_support import await_previous_kernel, dot_in_f32, pdl_launch, pow2, sm_count
 
 # What x is (the op's ``prologue``): the GEMM input itself, an RMSNorm's input (normalized and scaled
 # here, rounded as the unfused norm rounds), or the gate/up GEMM's output (silu(gate) * up made here).
@@ -125,7 +126,10 @@ def _expand_segments(y_ptr, h_ptr, b_ptr, slot_ptr, q_start_ptr, q_len_ptr, N, R
 @triton.jit
 def _shrink_rows(x_ptr, a_ptr, out_ptr, slot_ptr, q_start_ptr, q_len_ptr, norm_ptr, eps, K, NR, K_PER_SPLIT, x_stride,
                  a_slot_stride, out_split_stride, out_stride, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                 NORM_BLOCK: tl.constexpr, PROLOGUE: tl.constexpr):
+                 NORM_BLOCK: tl.constexpr, PROLOGUE: tl.constexpr, PDL: tl.constexpr):
+    # Every program waits first, before any early return, so that this kernel's end still implies
+    # the previous kernel's (the next PDL kernel relies on it); PDL overlaps the launch itself.
+    await_previous_kernel(PDL)
     b, r_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slot_ptr + b)
     if slot < 0 or tl.load(q_len_ptr + b) == 0:
@@ -159,7 +163,9 @@ def _shrink_rows(x_ptr, a_ptr, out_ptr, slot_ptr, q_start_ptr, q_len_ptr, norm_p
 @triton.jit
 def _expand_rows(y_ptr, h_ptr, part_ptr, b_ptr, slot_ptr, q_start_ptr, q_len_ptr, N, R, END0, END1, SPLITS, y_stride,
                  h_stride, part_split_stride, b_slot_stride, N_PER_PROGRAM, BLOCK_N: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SLICES: tl.constexpr, SPLIT: tl.constexpr):
+                 BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SLICES: tl.constexpr, SPLIT: tl.constexpr,
+                 PDL: tl.constexpr):
+    await_previous_kernel(PDL)  # (first, as in _shrink_rows)
     b, n_program = tl.program_id(0), tl.program_id(1)
     slot = tl.load(slot_ptr + b)
     if slot < 0 or tl.load(q_len_ptr + b) == 0:
@@ -194,7 +200,7 @@ def _expand_rows(y_ptr, h_ptr, part_ptr, b_ptr, slot_ptr, q_start_ptr, q_len_ptr
 
 def launch_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, lora_slot: torch.Tensor,
                 q_start: torch.Tensor, q_len: torch.Tensor, h: torch.Tensor, slices: tuple[int, ...],
-                max_q_len: int, norm: torch.Tensor, prologue: int, eps: float) -> None:
+                max_q_len: int, norm: torch.Tensor, prologue: int, eps: float, config: KernelConfig) -> None:
     """Shrink then expand, on inputs the dispatcher has checked; ``max_q_len`` bounds every q_len;
     ``norm`` is the RMSNorm's weight with prologue 1 (else any tensor: never read)."""
     batch, (_, nr, k), (_, n, r) = lora_slot.shape[0], lora_a.shape, lora_b.shape
@@ -204,7 +210,7 @@ def launch_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     block_r = min(pow2(nr, 16), 64)
     common = (lora_slot, q_start, q_len)
     if max_q_len == 1:
-        _launch_rows(y, x, lora_a, lora_b, common, h, slices, ends, norm, prologue, eps)
+        _launch_rows(y, x, lora_a, lora_b, common, h, slices, ends, norm, prologue, eps, config)
         return
     m_blocks = triton.cdiv(max_q_len, SEGMENT_ROWS)
     dot_f32 = dot_in_f32(x.dtype)
@@ -218,11 +224,12 @@ def launch_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
 
 def _launch_rows(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                  common: tuple[torch.Tensor, ...], h: torch.Tensor, slices: tuple[int, ...], ends: list[int],
-                 norm: torch.Tensor, prologue: int, eps: float) -> None:
+                 norm: torch.Tensor, prologue: int, eps: float, config: KernelConfig) -> None:
     """The decode layout: a program per (row, block of h's columns, split of K), then a program per
     (row, run of output columns)."""
     batch, (_, nr, k), (_, n, r) = common[0].shape[0], lora_a.shape, lora_b.shape
     sms = sm_count(x)
+    pdl = pdl_launch(x, config.pdl)
     block_r = min(pow2(nr, 16), 64)
     # Few rows would leave most of the GPU idle while a program walks all of K: split K over programs
     # (about one per SM), each writing its partial sums to a plane of its own that the expand adds.
@@ -233,7 +240,8 @@ def _launch_rows(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b:
     planes = h if splits == 1 else torch.empty((splits, *h.shape), dtype=h.dtype, device=h.device)
     _shrink_rows[(batch, r_blocks, splits)](
         x, lora_a, planes, *common, norm, eps, k, nr, per_split, x.stride(0), lora_a.stride(0), h.numel(),
-        h.stride(0), BLOCK_R=block_r, BLOCK_K=ROW_K_BLOCK, NORM_BLOCK=min(pow2(k), NORM_BLOCK), PROLOGUE=prologue)
+        h.stride(0), BLOCK_R=block_r, BLOCK_K=ROW_K_BLOCK, NORM_BLOCK=min(pow2(k), NORM_BLOCK), PROLOGUE=prologue,
+        **pdl)
     # Output columns in runs of at most ROW_N_STEPS blocks: a program of a row without an adapter
     # returns at once, so the grid stays a few programs per row instead of one per block of columns.
     block_r2 = pow2(r, 16)
@@ -244,4 +252,4 @@ def _launch_rows(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b:
     _expand_rows[(batch, triton.cdiv(n, per_program))](
         y, h, planes, lora_b, *common, n, r, ends[0], ends[1], splits, y.stride(0), h.stride(0), h.numel(),
         lora_b.stride(0), per_program, BLOCK_N=block_n, BLOCK_R=block_r2, BLOCK_S=pow2(splits),
-        SLICES=len(slices), SPLIT=splits > 1)
+        SLICES=len(slices), SPLIT=splits > 1, **pdl)
