@@ -101,7 +101,7 @@ def _adapter_tile(slot_ptr, q_start_ptr, q_len_ptr, slot, m_tile, BATCH, BLOCK_M
 
 @triton.jit
 def _tile_h(h_ptr, part_ptr, rows, m_ok, col, R, SPLITS, part_split_stride, h_stride, rstd, WRITE,
-            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr):
     """One slice's h for a tile's rows (columns ``col .. col + R``): the sum of the shrink's planes
     (times 1/rms), written to h by the programs with ``WRITE``; or h itself without splits."""
     offs_r = tl.arange(0, BLOCK_R)
@@ -109,8 +109,10 @@ def _tile_h(h_ptr, part_ptr, rows, m_ok, col, R, SPLITS, part_split_stride, h_st
     mask = m_ok[:, None] & (offs_r < R)[None, :]
     if SPLIT:
         h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for s in range(SPLITS):
-            h += tl.load(part_ptr + s * part_split_stride + ptrs, mask=mask, other=0.0)
+        # Unrolled over the planes' power-of-two bound: a runtime loop here, inlined once per slice,
+        # made Triton 3.6's layout pass fail at three slices ("operand does not dominate this use").
+        for s in tl.static_range(BLOCK_S):
+            h += tl.load(part_ptr + s * part_split_stride + ptrs, mask=mask & (s < SPLITS), other=0.0)
         h = h * rstd[:, None]
         tl.store(h_ptr + ptrs, h, mask=mask & WRITE)
     else:
@@ -239,15 +241,15 @@ def _expand_grouped(y_ptr, h_ptr, part_ptr, sq_ptr, b_ptr, slot_ptr, q_start_ptr
         rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     write = n_program == 0
     h0 = _tile_h(h_ptr, part_ptr, rows, m_ok, 0, R, SPLITS, part_split_stride, h_stride, rstd, write, BLOCK_M,
-                 BLOCK_R, SPLIT)
+                 BLOCK_R, BLOCK_S, SPLIT)
     h1 = h0
     h2 = h0
     if SLICES > 1:
         h1 = _tile_h(h_ptr, part_ptr, rows, m_ok, R, R, SPLITS, part_split_stride, h_stride, rstd, write, BLOCK_M,
-                     BLOCK_R, SPLIT)
+                     BLOCK_R, BLOCK_S, SPLIT)
     if SLICES > 2:
         h2 = _tile_h(h_ptr, part_ptr, rows, m_ok, 2 * R, R, SPLITS, part_split_stride, h_stride, rstd, write,
-                     BLOCK_M, BLOCK_R, SPLIT)
+                     BLOCK_M, BLOCK_R, BLOCK_S, SPLIT)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < R
     b_base = b_ptr + slot.to(tl.int64) * b_slot_stride
