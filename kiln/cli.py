@@ -176,6 +176,12 @@ def _add_serve(commands) -> None:
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel replicas, each its own scheduler process, engine and KV cache (on GPUs its "
                         "own devices), behind one endpoint with a cache-aware router (default 1)")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="machines the ranks are spread over, each running --tp / --nnodes of them (default 1)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this machine's node (default 0): node 0 serves, nodes > 0 run only their ranks")
+    p.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                   help="node 0's rendezvous address, the same on every node (needed with --nnodes > 1)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--reference-fallback", action="store_true",
                    help="on a GPU that cannot run the model's FP8 (compute capability < 8.9), run the torch "
@@ -199,7 +205,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     if args.device == "cpu" and args.backend is None:
         args.backend = "torch"  # Triton kernels need a GPU
     artifact = ensure_artifact(args.model, compile_options_from(args))
-    engine = {"device": args.device, "kv_cache_tokens": args.kv_cache_tokens, "mem_fraction": args.mem_fraction,
+    if args.nnodes > 1 and args.dp > 1:
+        raise ValueError("--dp: data-parallel replicas run on one node; with --nnodes > 1 leave --dp at 1")
+    if args.node_rank > 0:
+        return _run_node(str(artifact), args)
+    engine = {"nnodes": args.nnodes, "dist_init_addr": args.dist_init_addr, "device": args.device, "kv_cache_tokens": args.kv_cache_tokens, "mem_fraction": args.mem_fraction,
               "max_batch_tokens": args.max_batch_tokens, "schedule_policy": args.schedule_policy,
               "world_size": args.world_size, "reference_fallback": args.reference_fallback,
               "debug_fail_token_id": args.debug_fail_token_id, **speculative_keywords(args)}
@@ -211,6 +221,21 @@ def _run_serve(args: argparse.Namespace) -> int:
         engine=engine, dp=args.dp)
     # Its child processes are gone; the interpreter's teardown would only delay a prompt exit.
     exit_now(serve(str(artifact), config))
+
+
+def _run_node(artifact: str, args: argparse.Namespace) -> int:
+    """A node > 0 of a multi-node group: only its ranks, no server (runtime/worker/node_process.py)."""
+    import logging
+
+    import torch
+
+    from kiln.runtime.worker.node_process import run_node
+    from kiln.runtime.worker.nodes import check_layout
+
+    check_layout(None, args.nnodes, args.node_rank, args.dist_init_addr)
+    logging.basicConfig(level=args.log_level.upper(), format="kiln: %(message)s")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return run_node(artifact, device, args.nnodes, args.node_rank, args.dist_init_addr)
 
 
 if __name__ == "__main__":

@@ -72,12 +72,24 @@ class RankConfig:
     # Tokens a sequence brings to a speculative verify step (drafts + 1; 1: no speculation): with
     # decode buckets, uniform verify steps run as decode graphs of that many tokens a sequence.
     verify_tokens: int = 1
+    # Machines the ranks are spread over (``nodes.py``): node n runs ranks n*k..(n+1)*k-1 (k =
+    # world_size / nnodes) and every rank meets the others at ``dist_init_addr`` (HOST:PORT, node 0's
+    # rendezvous store). One node: the group's store is on loopback, on a free port.
+    nnodes: int = 1
+    dist_init_addr: str | None = None
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def node_ranks(self, node: int) -> range:
+        return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
 
     def rank_device(self, rank: int) -> torch.device:
         device = torch.device(self.device)
         if device.type != "cuda":
             return device  # CPU ranks share the host
-        return torch.device("cuda", (device.index or 0) + rank)
+        return torch.device("cuda", (device.index or 0) + rank % self.ranks_per_node)
 
     def build_runner(self, artifact: Artifact, rank: int) -> ModelRunner:
         return ModelRunner(artifact, self.rank_device(rank), self.num_pages, self.decode_buckets, self.prefill_graphs,
