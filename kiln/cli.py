@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     cli_bench.add_parser(commands)
     cli_plan.add_parser(commands)
     _add_serve(commands)
+    _add_router(commands)
     args = parser.parse_args(argv)
     try:
         return args.run(args) or 0
@@ -182,6 +183,12 @@ def _add_serve(commands) -> None:
                    help="this machine's node (default 0): node 0 serves, nodes > 0 run only their ranks")
     p.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
                    help="node 0's rendezvous address, the same on every node (needed with --nnodes > 1)")
+    p.add_argument("--disaggregation-mode", default="null", choices=["null", "prefill", "decode"],
+                   help="prefill/decode disaggregation (docs/distributed.md): this server only prefills and hands "
+                        "the KV pages over, or only decodes requests whose pages it is handed; behind "
+                        "`kiln router --pd-disaggregation` (default null: both)")
+    p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998,
+                   help="the prefill server's port where its decode server connects for the KV handoff (default 8998)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--reference-fallback", action="store_true",
                    help="on a GPU that cannot run the model's FP8 (compute capability < 8.9), run the torch "
@@ -218,9 +225,35 @@ def _run_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or artifact_model_name(artifact),
         max_body_bytes=args.max_body_bytes, max_n=args.max_n, drain_timeout=args.drain_timeout,
         log_level=args.log_level, tool_call_parser=args.tool_call_parser, grpc_port=args.grpc_port,
-        engine=engine, dp=args.dp)
+        engine=engine, dp=args.dp, disaggregation_mode=args.disaggregation_mode,
+        bootstrap_port=args.disaggregation_bootstrap_port)
     # Its child processes are gone; the interpreter's teardown would only delay a prompt exit.
     exit_now(serve(str(artifact), config))
+
+
+def _add_router(commands) -> None:
+    p = commands.add_parser("router", help="SGLang's PD router: one endpoint in front of a prefill and a decode server")
+    p.add_argument("--pd-disaggregation", action="store_true", required=True,
+                   help="route each request to a prefill and a decode server (the only mode)")
+    p.add_argument("--prefill", nargs="+", required=True, metavar=("URL", "BOOTSTRAP_PORT"),
+                   help="the prefill server's URL and its --disaggregation-bootstrap-port (default 8998)")
+    p.add_argument("--decode", required=True, metavar="URL", help="the decode server's URL")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.set_defaults(run=_run_router)
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kiln.server.pd_router import DEFAULT_BOOTSTRAP_PORT, build_router_app
+
+    if len(args.prefill) > 2 or (len(args.prefill) == 2 and not args.prefill[1].isdigit()):
+        raise ValueError(f"--prefill: expected URL [BOOTSTRAP_PORT], got {' '.join(args.prefill)}")
+    port = int(args.prefill[1]) if len(args.prefill) == 2 else DEFAULT_BOOTSTRAP_PORT
+    app = build_router_app(args.prefill[0].rstrip("/"), port, args.decode.rstrip("/"))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
 
 
 def _run_node(artifact: str, args: argparse.Namespace) -> int:

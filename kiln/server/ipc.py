@@ -10,13 +10,14 @@ is one msgpack array whose first item names its kind (the constants below). msgp
 plain data (no pickle, no ext types), so nothing a request sends can execute code on the way.
 
 Messages:
-    ADD [rid, prompt_ids, params]      HTTP -> the routed replica's scheduler; params is ``SamplingParams`` as a dict
+    ADD [rid, prompt_ids, params, bootstrap]  HTTP -> the routed replica's scheduler; params is ``SamplingParams``
+                                       as a dict, bootstrap a disaggregated request's room and prefill address or None
     ABORT [rid]                        HTTP -> scheduler
     SHUTDOWN []                        HTTP -> scheduler, HTTP -> detokenizer
     NEW [rid, prompt_tail, params]     scheduler -> detokenizer, before any event of rid
     EVENTS [[event...]]                scheduler -> detokenizer (``event_to_wire``)
     OUTPUTS [[output...]]              detokenizer -> HTTP (``detokenizer_process`` builds them)
-    REJECT [rid, message]              the scheduler refused a request (bad input); forwarded
+    REJECT [rid, message(, status)]    the scheduler refused a request (bad input: 400; or the status given); forwarded
     STATS [{name: number}, replica]    EngineCore.stats() of one replica; forwarded
     READY {model facts}                a scheduler loaded the model (facts name its replica); forwarded once the
                                        detokenizer is ready too

@@ -79,6 +79,9 @@ class ServeConfig:
     engine: dict[str, Any] = field(default_factory=dict)  # EngineOptions fields
     dp: int = 1                                            # data-parallel replicas
     router: RouterOptions = RouterOptions()
+    # Prefill/decode disaggregation (server/disaggregation.py): "null" (off), "prefill" or "decode".
+    disaggregation_mode: str = "null"
+    bootstrap_port: int = 8998   # the prefill side's KV handoff port
 
     def scheduler_name(self, replica: int) -> str:
         return "scheduler" if self.dp == 1 else f"replica {replica} scheduler"
@@ -172,6 +175,8 @@ def serve(artifact: str, config: ServeConfig) -> int:
     """Runs the server until it is stopped; returns the process exit code."""
     if config.dp < 1:
         raise ValueError(f"dp must be at least 1, got {config.dp}")
+    if config.disaggregation_mode != "null" and config.dp > 1:
+        raise ValueError("--disaggregation-mode: a prefill or decode server runs one replica; leave --dp at 1")
     config.router.validate()
     logging.basicConfig(level=config.log_level.upper(), format="kiln: %(message)s")
     return asyncio.run(_serve(artifact, config))
@@ -218,7 +223,8 @@ async def _serve_on(listener: socket.socket, artifact: str, config: ServeConfig)
         child_config = {"ipc_dir": ipc_dir, "parent_pid": os.getpid(), "log_level": config.log_level}
         for replica in range(config.dp):
             children.start(config.scheduler_name(replica), "kiln.server.scheduler_process",
-                           {**child_config, "artifact": artifact, "engine": config.engine, "replica": replica})
+                           {**child_config, "artifact": artifact, "engine": config.engine, "replica": replica,
+                            "disaggregation": config.disaggregation_mode, "bootstrap_port": config.bootstrap_port})
         children.start("detokenizer", "kiln.server.detokenizer_process", child_config)
         try:
             facts = await _wait_ready(receiver, children, config.dp)

@@ -34,6 +34,7 @@ from kiln.runtime.engine_options import EngineOptions
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.text.detokenizer import PROMPT_CONTEXT_TOKENS
 from kiln.server import ipc
+from kiln.server.disaggregation import DecodeSide, PrefillSide
 
 log = logging.getLogger("kiln.server.scheduler")
 
@@ -42,8 +43,11 @@ STATS_INTERVAL_S = 0.25
 
 class SchedulerLoop:
     def __init__(self, core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, parent: ipc.ParentWatch,
-                 replica: int = 0) -> None:
+                 replica: int = 0, disaggregation: str = "null", bootstrap_port: int = 0) -> None:
         self.core = core
+        # Prefill/decode disaggregation (server/disaggregation.py): at most one of these.
+        self.prefill = PrefillSide(core, bootstrap_port) if disaggregation == "prefill" else None
+        self.decode = DecodeSide(core, self._reject) if disaggregation == "decode" else None
         self.replica = replica
         self.inbox = inbox
         self.outbox = outbox
@@ -54,13 +58,18 @@ class SchedulerLoop:
     def run(self) -> None:
         while self.parent.alive():
             self.core.worker.check()  # a dead worker rank ends the server, also while it is idle
-            busy = self.core.has_work()
+            busy = self.core.has_work() or (self.decode is not None and self.decode.has_work())
             for message in ipc.recv_ready(self.inbox, 0 if busy else self._idle_wait_ms()):
                 if not self._handle(message):
                     return
+            if self.decode is not None:
+                for request in self.decode.ready():
+                    self._add(*request)
             if self.core.has_work():
                 events = self.core.step()
                 self._stats_dirty = True
+                if self.prefill is not None:
+                    self.prefill.after_step(events)
                 if events:
                     self._send([ipc.EVENTS, [ipc.event_to_wire(e) for e in events]])
             self._publish_stats()
@@ -69,7 +78,7 @@ class SchedulerLoop:
     def _handle(self, message: list[Any]) -> bool:
         kind = message[0]
         if kind == ipc.ADD:
-            self._add(*message[1:])
+            self._route(*message[1:])
         elif kind == ipc.ABORT:
             events = self.core.abort(message[1])
             if events:
@@ -80,6 +89,19 @@ class SchedulerLoop:
             log.warning("ignoring an unknown message %r", kind)
         self._stats_dirty = True
         return True
+
+    def _route(self, rid: str, prompt_ids: list[int], params: dict[str, Any],
+               bootstrap: dict[str, Any] | None = None) -> None:
+        """An ADD: to the core, or through the disaggregation side when the request names a bootstrap room."""
+        if bootstrap is None or (self.prefill is None and self.decode is None):
+            self._add(rid, prompt_ids, params)
+        elif self.prefill is not None:
+            self.prefill.add(rid, prompt_ids, params, bootstrap["room"], self._add)
+        else:
+            self.decode.add(rid, prompt_ids, params, bootstrap["room"], bootstrap["host"], bootstrap["port"])
+
+    def _reject(self, rid: str, message: str, status: int) -> None:
+        self._send([ipc.REJECT, rid, message, status])
 
     def _add(self, rid: str, prompt_ids: list[int], params: dict[str, Any]) -> None:
         try:
@@ -121,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         outbox.send(ipc.pack([ipc.READY, {**model_facts(core), "replica": replica}]))
         try:
-            SchedulerLoop(core, inbox, outbox, ipc.ParentWatch(config["parent_pid"]), replica).run()
+            SchedulerLoop(core, inbox, outbox, ipc.ParentWatch(config["parent_pid"]), replica,
+                          config.get("disaggregation", "null"), config.get("bootstrap_port", 0)).run()
         except Exception as exc:
             log.exception("a step failed")
             outbox.send(ipc.pack([ipc.FATAL, f"the scheduler failed: {type(exc).__name__}: {exc}"]))

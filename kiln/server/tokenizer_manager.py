@@ -215,7 +215,11 @@ class TokenizerManager:
     # ---- requests ------------------------------------------------------------------------------
 
     def submit(self, prompts: list[list[int]], params: SamplingParams,
-               max_tokens_param: str = "max_tokens") -> RequestStream:
+               max_tokens_param: str = "max_tokens", bootstrap: dict[str, Any] | None = None) -> RequestStream:
+        """Sends the prompts' ADDs; ``bootstrap`` (a disaggregated request's room and prefill address,
+        server/disaggregation.py) travels with a single prompt's."""
+        if bootstrap is not None and (len(prompts) > 1 or params.n > 1):
+            raise invalid("bootstrap_room", "bootstrap_room: a disaggregated request has one prompt and n=1")
         if self.failure is not None:
             raise APIError(503, f"the engine is unavailable: {self.failure}")
         stream = RequestStream(self, len(prompts) * params.n, max_tokens_param)
@@ -226,7 +230,7 @@ class TokenizerManager:
             replica = self._router.route(prompt_ids)
             self._live[rid] = _Live(stream, index, params.n, now, replica)
             stream.rids.append(rid)
-            self._send(replica, [ipc.ADD, rid, prompt_ids, wire_params])
+            self._send(replica, [ipc.ADD, rid, prompt_ids, wire_params, bootstrap])
         return stream
 
     def release(self, stream: RequestStream) -> None:
@@ -269,7 +273,9 @@ class TokenizerManager:
             live = self._forget(message[1])
             if live is not None:
                 renames = {"max_new_tokens": live.stream.max_tokens_param}
-                live.stream.put(from_value_error(ValueError(message[2]), renames))
+                # A status after the message: a refusal that is no bad input (a disaggregation peer gone).
+                live.stream.put(APIError(message[3], message[2]) if len(message) > 3
+                                else from_value_error(ValueError(message[2]), renames))
         elif kind == ipc.FATAL:
             self.failure = message[1]
             self.fail_all(500, message[1])

@@ -1,0 +1,122 @@
+"""Prefill/decode disaggregation with real processes on the CPU: a ``--disaggregation-mode prefill``
+server, a ``--disaggregation-mode decode`` server and ``kiln router --pd-disaggregation`` in front.
+Prompts of several lengths, sent concurrently through the router, get the plain engine's tokens
+(greedy); the decode server reuses the handed-over pages (its prefix-cache hits) and the prefill
+server's own prefix cache still works (prompts sharing a passage). A dead prefill server gives a
+clean 503 naming it, not a hang; bad bootstrap fields are a 400."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kiln.compiler.compile import compile_model
+from kiln.compiler.options import CompileOptions
+from kiln.runtime.engine_core import EngineCore
+from kiln.runtime.engine_options import EngineOptions
+from kiln.runtime.sampling import SamplingParams
+from tests.server.harness import ServerProcess, free_port, wait_gone
+from tests.support.hf_models import make_hf_model
+
+PASSAGE = list(range(40, 60))
+PROMPTS = [[1, 5, 9, 33, 2, 7, 100], [3, 4], [*PASSAGE, 7], [*PASSAGE, 8, 9, 10], list(range(100, 137))]
+PARAMS = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("pd")
+    return compile_model(make_hf_model("llama3", tmp / "src"), tmp / "m.kiln", CompileOptions(
+        dtype="fp32", page_size=4, max_batch_tokens=64, max_batch_size=16, max_seq_len=64))
+
+
+def plain_tokens(artifact: Path) -> list[list[int]]:
+    core = EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=1024))
+    for index, prompt in enumerate(PROMPTS):
+        core.add_request(str(index), prompt, SamplingParams(**PARAMS))
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
+    while core.has_work():
+        for event in core.step():
+            tokens[event.rid] += event.token_ids
+    return [tokens[str(i)] for i in range(len(PROMPTS))]
+
+
+def metric_reaches(url: str, name: str, at_least: float) -> bool:
+    """Whether the server's metric reaches ``at_least`` within a few seconds (stats are published
+    every quarter second, not at once)."""
+    deadline = time.monotonic() + 10
+    while True:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        value = float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
+        if value >= at_least or time.monotonic() > deadline:
+            return value >= at_least
+        time.sleep(0.2)
+
+
+def test_prefill_and_decode_servers_behind_the_router_answer_as_the_plain_engine(artifact, tmp_path):
+    expected = plain_tokens(artifact)
+    bootstrap = free_port()
+    prefill = ServerProcess(artifact, tmp_path / "prefill.log", "--disaggregation-mode", "prefill",
+                            "--disaggregation-bootstrap-port", str(bootstrap), api_key=None)
+    decode = ServerProcess(artifact, tmp_path / "decode.log", "--disaggregation-mode", "decode", api_key=None)
+    router_port = free_port()
+    router_url = f"http://127.0.0.1:{router_port}"
+    with open(tmp_path / "router.log", "wb") as router_log:
+        router = subprocess.Popen([sys.executable, "-m", "kiln", "router", "--pd-disaggregation", "--prefill",
+                                   prefill.url, str(bootstrap), "--decode", decode.url, "--port", str(router_port)],
+                                  stdout=router_log, stderr=subprocess.STDOUT)
+        try:
+            prefill.wait_healthy()
+            decode.wait_healthy()
+            _wait_router(router_url)
+
+            def generate(prompt: list[int]) -> httpx.Response:
+                return httpx.post(f"{router_url}/generate", json={"input_ids": prompt, "sampling_params": PARAMS},
+                                  timeout=120)
+
+            first = generate(PROMPTS[2])  # the passage reaches the prefill server's cache first
+            with ThreadPoolExecutor(len(PROMPTS) - 1) as pool:
+                rest = list(pool.map(generate, PROMPTS[:2] + PROMPTS[3:]))
+            replies = [*rest[:2], first, *rest[2:]]
+            assert [r.status_code for r in replies] == [200] * len(PROMPTS)
+            assert [r.json()["output_ids"] for r in replies] == expected
+            # The prefill server reused the passage's whole pages; the decode server the handed-over pages.
+            assert metric_reaches(prefill.url, "kiln_prefix_cache_hit_tokens_total", len(PASSAGE))
+            assert metric_reaches(decode.url, "kiln_prefix_cache_hit_tokens_total",
+                                  sum((len(p) - 1) // 4 * 4 for p in PROMPTS))
+
+            bad = httpx.post(f"{decode.url}/generate", json={"input_ids": [1, 2], "sampling_params": PARAMS, "bootstrap_room": 5}, timeout=30)
+            assert bad.status_code == 400 and "bootstrap_host" in bad.json()["error"]["message"]
+
+            prefill_children = prefill.child_pids()
+            prefill.proc.kill()
+            assert wait_gone(prefill_children, 10) == []
+            started = time.monotonic()
+            dead = generate(PROMPTS[0])
+            assert dead.status_code == 503 and "prefill server" in dead.json()["error"]["message"]
+            assert time.monotonic() - started < 30
+        finally:
+            router.kill()
+            router.wait()
+            prefill.proc.kill()
+            prefill.stop()
+            decode.stop()
+
+
+def _wait_router(url: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("the router did not become healthy")
