@@ -52,6 +52,7 @@ class PrefillSide:
         self.rooms: dict[str, tuple[int, list[int]]] = {}  # rid -> (room, prompt ids)
         self.outgoing: queue.Queue[Handoff] = queue.Queue()
         self.port = bootstrap_port
+        self.link_failed = False  # then nothing more is exported: no decode server reads it
         threading.Thread(target=self._send_loop, name="kiln-kv-sender", daemon=True).start()
 
     def add(self, rid: str, prompt_ids: list[int], params: dict[str, Any], room: int,
@@ -63,7 +64,7 @@ class PrefillSide:
         for event in events:
             if event.finish_reason is not None and event.rid in self.rooms:
                 room, prompt_ids = self.rooms.pop(event.rid)
-                if event.finish_reason != "abort":
+                if event.finish_reason != "abort" and not self.link_failed:
                     self.outgoing.put(export_prompt(self.core, room, prompt_ids))
 
     def _send_loop(self) -> None:
@@ -74,7 +75,8 @@ class PrefillSide:
             try:
                 link.send(handoff)
             except KVLinkError as exc:
-                log.error("%s", exc)
+                log.error("%s; no more KV handoffs from this server (restart both to pair them again)", exc)
+                self.link_failed = True
                 return
 
 
@@ -107,7 +109,11 @@ class DecodeSide:
             if isinstance(item, KVLinkError):
                 self.failure = str(item)
             else:
-                import_prompt(self.core, item)
+                try:
+                    import_prompt(self.core, item)
+                except ValueError as exc:  # the two servers serve different artifacts: nothing will fit
+                    self.failure = str(exc)
+                    continue
                 self.arrived.add(item.room)
         released = []
         now = time.monotonic()

@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation with real processes on the CPU: a ``--disaggregation-mode prefill``
 server, a ``--disaggregation-mode decode`` server and ``kiln router --pd-disaggregation`` in front.
 Prompts of several lengths, sent concurrently through the router, get the plain engine's tokens
-(greedy); the decode server reuses the handed-over pages (its prefix-cache hits) and the prefill
+(greedy), and a streamed request streams; the decode server reuses the handed-over pages (its prefix-cache hits) and the prefill
 server's own prefix cache still works (prompts sharing a passage). A dead prefill server gives a
 clean 503 naming it, not a hang; bad bootstrap fields are a 400."""
 
@@ -91,6 +91,11 @@ def test_prefill_and_decode_servers_behind_the_router_answer_as_the_plain_engine
             assert metric_reaches(prefill.url, "kiln_prefix_cache_hit_tokens_total", len(PASSAGE))
             assert metric_reaches(decode.url, "kiln_prefix_cache_hit_tokens_total",
                                   sum((len(p) - 1) // 4 * 4 for p in PROMPTS))
+
+            streamed = httpx.post(f"{router_url}/generate", json={"input_ids": PROMPTS[1], "sampling_params": PARAMS,
+                                                                   "stream": True}, timeout=120)
+            assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+            assert "data: [DONE]" in streamed.text
 
             bad = httpx.post(f"{decode.url}/generate", json={"input_ids": [1, 2], "sampling_params": PARAMS, "bootstrap_room": 5}, timeout=30)
             assert bad.status_code == 400 and "bootstrap_host" in bad.json()["error"]["message"]
