@@ -17,7 +17,8 @@ server's ``bootstrap_host``/``bootstrap_port``.
   ``ROOM_TIMEOUT_S``, fails its requests with 503 naming the prefill side.
 
 One decode server per prefill server (the link is one pair of ranks); both serve the same artifact
-on one rank (tp=1).
+on one rank (tp=1, checked at start-up). A request without a bootstrap room is served whole by
+either server, as without disaggregation.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from kiln.runtime.outputs import SampleEvent
 
 log = logging.getLogger("kiln.server.disaggregation")
 
-MODES = ("null", "prefill", "decode")
 ROOM_TIMEOUT_S = 60.0
 # The links wait as long as the servers run: for the decode server's first request (which connects it)
 # and, on the decode side, for the next handoff. A peer that dies closes its connection, which fails

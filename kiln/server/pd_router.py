@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
@@ -58,7 +59,7 @@ def build_router_app(prefill_url: str, bootstrap_port: int, decode_url: str) -> 
         except httpx.TransportError as exc:
             return error(503, f"the decode server {decode_url} is unavailable: {exc!r}")
         return StreamingResponse(answer.aiter_raw(), answer.status_code,
-                                 media_type=answer.headers.get("content-type"), background=_closer(answer))
+                                 media_type=answer.headers.get("content-type"), background=BackgroundTask(answer.aclose))
 
     def route(path: str):
         async def endpoint(request: Request) -> Response:
@@ -86,8 +87,3 @@ def build_router_app(prefill_url: str, bootstrap_port: int, decode_url: str) -> 
 
     return app
 
-
-def _closer(answer: httpx.Response):
-    from starlette.background import BackgroundTask
-
-    return BackgroundTask(answer.aclose)

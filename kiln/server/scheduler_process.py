@@ -15,6 +15,10 @@ longer trustworthy): it reports FATAL and exits non-zero, and the HTTP process f
 flight and stops; so does a worker rank's death (``EngineOptions.world_size`` > 1), idle or not. It
 exits on SHUTDOWN or when its parent is gone, closing the core (its worker processes) on the way out;
 SIGINT/SIGTERM are left to the parent, which drains before stopping its children.
+
+With ``kiln serve --disaggregation-mode prefill|decode`` an ADD that names a bootstrap room goes
+through ``server/disaggregation.py``: the prefill side runs it for its prompt and hands its KV pages
+over; the decode side holds it until they arrive.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 import torch
 import zmq
 
+from kiln.runtime.disagg.handoff import check_single_rank
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.engine_options import EngineOptions
 from kiln.runtime.sampling import SamplingParams
@@ -137,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                             ipc.DETOKENIZER_SOCKET) as (config, inbox, outbox):
         try:
             core = EngineCore(config["artifact"], replica_options(EngineOptions(**config["engine"]), replica))
+            if config.get("disaggregation", "null") != "null":
+                check_single_rank(core)
         except Exception as exc:  # any load failure is reported the same way: a message and exit 1
             outbox.send(ipc.pack([ipc.FATAL, f"loading {config['artifact']} failed: {exc}"]))
             log.error("loading the model failed: %s", exc)

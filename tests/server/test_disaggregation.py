@@ -1,13 +1,15 @@
 """Prefill/decode disaggregation with real processes on the CPU: a ``--disaggregation-mode prefill``
 server, a ``--disaggregation-mode decode`` server and ``kiln router --pd-disaggregation`` in front.
 Prompts of several lengths, sent concurrently through the router, get the plain engine's tokens
-(greedy), and a streamed request streams; the decode server reuses the handed-over pages (its prefix-cache hits) and the prefill
-server's own prefix cache still works (prompts sharing a passage). A dead prefill server gives a
-clean 503 naming it, not a hang; bad bootstrap fields are a 400."""
+(greedy), and a streamed request streams; the official ``openai`` client gets the plain engine's chat
+answer, whole and streamed; the decode server reuses the handed-over pages (its prefix-cache hits) and the prefill
+server's own prefix cache still works (prompts sharing a passage). A dead decode server, then a dead
+prefill server, give a clean 503 naming it, not a hang; bad bootstrap fields are a 400."""
 
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -15,14 +17,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
+
+from kiln import Engine
 
 from kiln.compiler.compile import compile_model
 from kiln.compiler.options import CompileOptions
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.engine_options import EngineOptions
 from kiln.runtime.sampling import SamplingParams
-from tests.server.harness import ServerProcess, free_port, wait_gone
+from tests.server.harness import MODEL, ServerProcess, free_port, wait_gone
 from tests.support.hf_models import make_hf_model
 
 PASSAGE = list(range(40, 60))
@@ -30,10 +35,17 @@ PROMPTS = [[1, 5, 9, 33, 2, 7, 100], [3, 4], [*PASSAGE, 7], [*PASSAGE, 8, 9, 10]
 PARAMS = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 
 
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory) -> Path:
+def artifact(smollm2_dir, tmp_path_factory) -> Path:
+    """A tiny random Llama in SmolLM2's vocabulary, with its tokenizer and chat template."""
     tmp = tmp_path_factory.mktemp("pd")
-    return compile_model(make_hf_model("llama3", tmp / "src"), tmp / "m.kiln", CompileOptions(
+    source = make_hf_model("llama3", tmp / "src", vocab_size=49152)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(smollm2_dir / name, source / name)
+    return compile_model(source, tmp / "m.kiln", CompileOptions(
         dtype="fp32", page_size=4, max_batch_tokens=64, max_batch_size=16, max_seq_len=64))
 
 
@@ -62,6 +74,8 @@ def metric_reaches(url: str, name: str, at_least: float) -> bool:
 
 def test_prefill_and_decode_servers_behind_the_router_answer_as_the_plain_engine(artifact, tmp_path):
     expected = plain_tokens(artifact)
+    with Engine(str(artifact), device="cpu", kv_cache_tokens=1024) as engine:
+        answer = engine.chat(QUESTION, SamplingParams(temperature=0, max_new_tokens=8)).text
     bootstrap = free_port()
     prefill = ServerProcess(artifact, tmp_path / "prefill.log", "--disaggregation-mode", "prefill",
                             "--disaggregation-bootstrap-port", str(bootstrap), api_key=None)
@@ -100,6 +114,19 @@ def test_prefill_and_decode_servers_behind_the_router_answer_as_the_plain_engine
             bad = httpx.post(f"{decode.url}/generate", json={"input_ids": [1, 2], "sampling_params": PARAMS, "bootstrap_room": 5}, timeout=30)
             assert bad.status_code == 400 and "bootstrap_host" in bad.json()["error"]["message"]
 
+            client = openai.OpenAI(base_url=f"{router_url}/v1", api_key="none", max_retries=0, timeout=120)
+            reply = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=8)
+            assert reply.choices[0].message.content == answer
+            chunks = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=8,
+                                                    stream=True)
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
+
+            decode_children = decode.child_pids()
+            decode.proc.kill()
+            assert wait_gone(decode_children, 10) == []
+            dead = generate(PROMPTS[0])
+            assert dead.status_code == 503 and "decode server" in dead.json()["error"]["message"]
+
             prefill_children = prefill.child_pids()
             prefill.proc.kill()
             assert wait_gone(prefill_children, 10) == []
@@ -112,6 +139,7 @@ def test_prefill_and_decode_servers_behind_the_router_answer_as_the_plain_engine
             router.wait()
             prefill.proc.kill()
             prefill.stop()
+            decode.proc.kill()
             decode.stop()
 
 
