@@ -44,6 +44,8 @@ from kiln.server.disaggregation import DecodeSide, PrefillSide
 log = logging.getLogger("kiln.server.scheduler")
 
 STATS_INTERVAL_S = 0.25
+# How often a decode server holding requests for their KV pages looks for arrivals (server/disaggregation.py).
+HANDOFF_POLL_MS = 2
 
 
 class SchedulerLoop:
@@ -63,8 +65,10 @@ class SchedulerLoop:
     def run(self) -> None:
         while self.parent.alive():
             self.core.worker.check()  # a dead worker rank ends the server, also while it is idle
-            busy = self.core.has_work() or (self.decode is not None and self.decode.has_work())
-            for message in ipc.recv_ready(self.inbox, 0 if busy else self._idle_wait_ms()):
+            wait_ms = 0 if self.core.has_work() else self._idle_wait_ms()
+            if self.decode is not None and self.decode.has_work():
+                wait_ms = min(wait_ms, HANDOFF_POLL_MS)  # requests waiting for their pages: look again soon
+            for message in ipc.recv_ready(self.inbox, wait_ms):
                 if not self._handle(message):
                     return
             if self.decode is not None:

@@ -153,3 +153,17 @@ def _wait_router(url: str) -> None:
             pass
         time.sleep(0.2)
     raise TimeoutError("the router did not become healthy")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["serve", "{artifact}", "--device", "cpu", "--dp", "2", "--disaggregation-mode", "prefill"],
+     "--disaggregation-mode: a prefill or decode server runs one replica; leave --dp at 1"),
+    (["serve", "{artifact}", "--device", "cpu", "--dp", "2", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1"],
+     "--dp: data-parallel replicas run on one node"),
+    (["router", "--pd-disaggregation", "--prefill", "http://a:1", "port", "--decode", "http://b:2"],
+     "--prefill: expected URL [BOOTSTRAP_PORT], got http://a:1 port"),
+])
+def test_unsupported_layouts_are_refused_by_name(artifact, args, message):
+    done = subprocess.run([sys.executable, "-m", "kiln", *(a.format(artifact=artifact) for a in args)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and f"kiln: error: {message}" in done.stderr
