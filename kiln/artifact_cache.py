@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from kiln import __version__
-from kiln.artifact_format import MANIFEST
+from kiln.artifact_format import FORMAT_VERSION, MANIFEST
 from kiln.paths import kiln_home
 
 
@@ -28,8 +28,10 @@ def ensure_artifact(model: str | Path, options) -> Path:
     from kiln.compiler.compile import compile_model, load_source
 
     source = load_source(model)
-    key = json.dumps({"fingerprint": source.fingerprint, "options": options.to_json(), "kiln": __version__},
-                     sort_keys=True)
+    # The format version too: an artifact cached by an older kiln of the same version number would be
+    # refused by this one's loader rather than recompiled.
+    key = json.dumps({"fingerprint": source.fingerprint, "options": options.to_json(), "kiln": __version__,
+                      "format": FORMAT_VERSION}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     slug = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(str(model)).name or "model")
     target = kiln_home() / "artifacts" / f"{slug}-{digest}.kiln"

@@ -92,6 +92,10 @@ class SchedulerLoop:
             events = self.core.abort(message[1])
             if events:
                 self._send([ipc.EVENTS, [ipc.event_to_wire(e) for e in events]])
+        elif kind == ipc.LORA_LOAD:
+            self._lora(self.core.load_lora, *message[1:])
+        elif kind == ipc.LORA_UNLOAD:
+            self._lora(self.core.unload_lora, *message[1:])
         elif kind == ipc.SHUTDOWN:
             return False
         else:
@@ -99,11 +103,15 @@ class SchedulerLoop:
         self._stats_dirty = True
         return True
 
-    def _route(self, rid: str, prompt_ids: list[int], params: dict[str, Any],
-               bootstrap: dict[str, Any] | None = None) -> None:
+    def _route(self, rid: str, prompt_ids: list[int], params: dict[str, Any], wire_options: dict[str, Any]) -> None:
         """An ADD: to the core, or through the disaggregation side when the request names a bootstrap room."""
+        options = ipc.AddOptions.from_wire(wire_options)
+        bootstrap = options.bootstrap
         if bootstrap is None or (self.prefill is None and self.decode is None):
-            self._add(rid, prompt_ids, params)
+            self._add(rid, prompt_ids, params, options.lora)
+        elif options.lora is not None:
+            self._reject(rid, f"model: a disaggregated request runs the base model; LoRA adapter {options.lora!r} "
+                              "is served only without bootstrap_room", 400)
         elif self.prefill is not None:
             self.prefill.add(rid, prompt_ids, params, bootstrap["room"], self._add)
         else:
@@ -112,11 +120,19 @@ class SchedulerLoop:
     def _reject(self, rid: str, message: str, status: int) -> None:
         self._send([ipc.REJECT, rid, message, status])
 
-    def _add(self, rid: str, prompt_ids: list[int], params: dict[str, Any]) -> None:
+    def _lora(self, change, *args: str) -> None:
+        """A LoRA load or unload the HTTP process checked already; a failure here (the directory
+        changed since) leaves the adapter unknown, so its requests are rejected by name."""
+        try:
+            change(*args)
+        except (ValueError, LookupError) as exc:
+            log.error("LoRA %s failed: %s", " ".join(args), exc)
+
+    def _add(self, rid: str, prompt_ids: list[int], params: dict[str, Any], lora: str | None = None) -> None:
         try:
             sampling = SamplingParams(**params)
-            self.core.add_request(rid, prompt_ids, sampling)
-        except (ValueError, TypeError) as exc:  # the HTTP side validates too; this is the last word
+            self.core.add_request(rid, prompt_ids, sampling, lora=lora)
+        except (ValueError, TypeError, LookupError) as exc:  # the HTTP side validates too; this is the last word
             self._send([ipc.REJECT, rid, str(exc)])
             return
         # The detokenizer needs only the prompt's tail (context for the first tokens' text).
@@ -148,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             core = EngineCore(config["artifact"], replica_options(EngineOptions(**config["engine"]), replica))
             if config.get("disaggregation", "null") != "null":
                 check_single_rank(core)
+            for name, path in config.get("lora_modules", {}).items():
+                core.load_lora(name, path)
         except Exception as exc:  # any load failure is reported the same way: a message and exit 1
             outbox.send(ipc.pack([ipc.FATAL, f"loading {config['artifact']} failed: {exc}"]))
             log.error("loading the model failed: %s", exc)
@@ -181,8 +199,10 @@ def replica_options(options: EngineOptions, replica: int) -> EngineOptions:
 
 def model_facts(core: EngineCore) -> dict[str, Any]:
     return {"vocab_size": core.vocab_size, "max_seq_len": core.max_seq_len, "page_size": core.page_size,
+            "max_running": core.scheduler.config.max_running,
             "tokenizer_dir": str(core.artifact.tokenizer_dir) if core.artifact.tokenizer_dir else None,
             "device": str(core.runner.device),
+            "lora": core.artifact.manifest.get("lora"),
             "stats": core.stats()}
 
 

@@ -1,6 +1,7 @@
 """Ranks spread over machines: SGLang's ``--nnodes N --node-rank R --dist-init-addr HOST:PORT``.
 
-A tensor-parallel group of W ranks over N nodes puts ranks n*W/N..(n+1)*W/N-1 on node n. Node 0
+A group of W ranks (pp x max(tp, ep), ``rank_grid.py``) over N nodes puts ranks n*W/N..(n+1)*W/N-1
+on node n: a contiguous range, so the grid's tp/pp groups are those of one node. Node 0
 runs the server (HTTP, scheduler, rank 0 and its local ranks) and hosts the group's rendezvous: a
 ``torch.distributed.TCPStore`` listening on ``dist_init_addr``, where every rank meets the others
 through ``init_process_group`` as on one machine (no transport of kiln's own). Nodes > 0 run only
@@ -50,7 +51,7 @@ def check_layout(world_size: int | None, nnodes: int, node_rank: int, dist_init_
     parse_addr(dist_init_addr)
     if world_size is not None and (world_size % nnodes or world_size < nnodes):
         raise ValueError(f"nnodes: {world_size} rank(s) cannot be spread evenly over {nnodes} nodes; "
-                         "the ranks (--tp) must be a multiple of --nnodes")
+                         "the ranks (pp x max(tp, ep)) must be a multiple of --nnodes")
 
 
 def heartbeat_key(node: int) -> str:

@@ -103,7 +103,7 @@ def test_a_stopped_server_stops_the_other_node(artifacts, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    ((2, 3, 0, "h:1"), "the ranks (--tp) must be a multiple of --nnodes"),
+    ((2, 3, 0, "h:1"), "the ranks (pp x max(tp, ep)) must be a multiple of --nnodes"),
     ((2, 2, 2, "h:1"), "node_rank: must be in 0..1"),
     ((2, 2, 0, None), "dist_init_addr: nnodes > 1 needs"),
     ((2, 2, 0, "host"), "expected HOST:PORT"),
