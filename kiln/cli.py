@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from kiln.lora_layout import TARGET_MODULES
+from kiln.runtime.worker.nccl_env import keep_multicast_off
 
 EXPECTED_ERRORS = (ValueError, FileNotFoundError, FileExistsError, LookupError)
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_multicast_off()  # before any process or communicator kiln makes: they inherit it
     parser = argparse.ArgumentParser(prog="kiln", description="Compile, serve and benchmark LLMs.")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_compile(commands)

@@ -17,7 +17,8 @@ server's ``bootstrap_host``/``bootstrap_port``.
   ``ROOM_TIMEOUT_S``, fails its requests with 503 naming the prefill side.
 
 One decode server per prefill server (the link is one pair of ranks); both serve the same artifact
-on one rank (tp=1, checked at start-up). A request without a bootstrap room is served whole by
+on one rank (tp=1, no speculative decoding: ``runtime/disagg/support.py``, checked at start-up), and
+a disaggregated request runs the base model (one naming a LoRA adapter is a 400). A request without a bootstrap room is served whole by
 either server, as without disaggregation.
 """
 
@@ -30,8 +31,9 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
-from kiln.runtime.disagg.handoff import check_single_rank, export_prompt, import_prompt
+from kiln.runtime.disagg.handoff import export_prompt, import_prompt
 from kiln.runtime.disagg.kv_link import Handoff, KVLink, KVLinkError
+from kiln.runtime.disagg.support import check_core
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.outputs import SampleEvent
 
@@ -47,7 +49,7 @@ UNAVAILABLE = 503
 
 class PrefillSide:
     def __init__(self, core: EngineCore, bootstrap_port: int) -> None:
-        check_single_rank(core)
+        check_core(core)
         self.core = core
         self.rooms: dict[str, tuple[int, list[int]]] = {}  # rid -> (room, prompt ids)
         self.outgoing: queue.Queue[Handoff] = queue.Queue()
@@ -82,7 +84,7 @@ class PrefillSide:
 
 class DecodeSide:
     def __init__(self, core: EngineCore, reject: Callable[[str, str, int], None]) -> None:
-        check_single_rank(core)
+        check_core(core)
         self.core = core
         self.reject = reject
         self.incoming: queue.Queue[Handoff | KVLinkError] = queue.Queue()

@@ -43,6 +43,9 @@ import zmq
 import zmq.asyncio
 
 from kiln.lora_layout import LoraLayout
+from kiln.runtime.disagg.support import check_artifact_supported
+from kiln.runtime.engine_options import EngineOptions
+from kiln.runtime.worker.nccl_env import keep_multicast_off
 from kiln.runtime.text.tokenizer import Tokenizer
 
 from . import ipc
@@ -175,14 +178,25 @@ class KilnServer(uvicorn.Server):
         self.stop(0, "the drain timeout passed")
 
 
+def check_disaggregation(artifact: str, config: ServeConfig) -> None:
+    """What a prefill or decode server cannot run, refused before anything starts (runtime/disagg/support.py)."""
+    if config.dp > 1:
+        raise ValueError("--disaggregation-mode: a prefill or decode server runs one replica; leave --dp at 1")
+    if config.lora_modules:
+        raise ValueError("--disaggregation-mode: LoRA adapters are not served with disaggregation (the handed-over "
+                         "KV pages are the base model's); serve --lora-modules without it")
+    check_artifact_supported(artifact, EngineOptions(**config.engine))
+
+
 def serve(artifact: str, config: ServeConfig) -> int:
     """Runs the server until it is stopped; returns the process exit code."""
     if config.dp < 1:
         raise ValueError(f"dp must be at least 1, got {config.dp}")
-    if config.disaggregation_mode != "null" and config.dp > 1:
-        raise ValueError("--disaggregation-mode: a prefill or decode server runs one replica; leave --dp at 1")
+    if config.disaggregation_mode != "null":
+        check_disaggregation(artifact, config)
     config.router.validate()
     config.admission.validate()
+    keep_multicast_off()  # the children inherit it (serve may be called without the command line)
     logging.basicConfig(level=config.log_level.upper(), format="kiln: %(message)s")
     return asyncio.run(_serve(artifact, config))
 

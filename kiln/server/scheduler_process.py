@@ -33,7 +33,6 @@ from typing import Any
 import torch
 import zmq
 
-from kiln.runtime.disagg.handoff import check_single_rank
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.engine_options import EngineOptions
 from kiln.runtime.sampling import SamplingParams
@@ -162,8 +161,6 @@ def main(argv: list[str] | None = None) -> int:
                             ipc.DETOKENIZER_SOCKET) as (config, inbox, outbox):
         try:
             core = EngineCore(config["artifact"], replica_options(EngineOptions(**config["engine"]), replica))
-            if config.get("disaggregation", "null") != "null":
-                check_single_rank(core)
             for name, path in config.get("lora_modules", {}).items():
                 core.load_lora(name, path)
         except Exception as exc:  # any load failure is reported the same way: a message and exit 1

@@ -155,15 +155,39 @@ def _wait_router(url: str) -> None:
     raise TimeoutError("the router did not become healthy")
 
 
+@pytest.fixture(scope="module")
+def sharded(artifact, tmp_path_factory) -> dict[str, Path]:
+    """The same model compiled for tp=2 and for pp=2 (the disaggregated servers refuse both)."""
+    tmp = tmp_path_factory.mktemp("pd-sharded")
+    options = dict(dtype="fp32", page_size=4, max_batch_tokens=64, max_batch_size=16, max_seq_len=64)
+    source = artifact.parent / "src"
+    return {"tp2": compile_model(source, tmp / "tp2.kiln", CompileOptions(**options, tp=2)),
+            "pp2": compile_model(source, tmp / "pp2.kiln", CompileOptions(**options, pp=2))}
+
+
 @pytest.mark.parametrize("args, message", [
     (["serve", "{artifact}", "--device", "cpu", "--dp", "2", "--disaggregation-mode", "prefill"],
      "--disaggregation-mode: a prefill or decode server runs one replica; leave --dp at 1"),
+    (["serve", "{tp2}", "--device", "cpu", "--disaggregation-mode", "prefill"],
+     "--disaggregation-mode: runs on one-rank artifacts (tp=1, pp=1, ep=1) for now; this one runs on 2 ranks "
+     "(tp=2, pp=1, ep=1)"),
+    (["serve", "{pp2}", "--device", "cpu", "--disaggregation-mode", "decode"],
+     "--disaggregation-mode: runs on one-rank artifacts (tp=1, pp=1, ep=1) for now; this one runs on 2 ranks "
+     "(tp=1, pp=2, ep=1)"),
+    (["serve", "{artifact}", "--device", "cpu", "--world-size", "2", "--disaggregation-mode", "decode"],
+     "--disaggregation-mode: runs on one rank for now; leave --world-size at 1, not 2"),
+    (["serve", "{artifact}", "--device", "cpu", "--disaggregation-mode", "decode", "--speculative-algorithm", "ngram",
+      "--speculative-num-draft-tokens", "4"],
+     "--disaggregation-mode: speculative decoding (--speculative-algorithm ngram) is not supported"),
+    (["serve", "{artifact}", "--device", "cpu", "--disaggregation-mode", "prefill", "--lora-modules", "mine=/adapter"],
+     "--disaggregation-mode: LoRA adapters are not served with disaggregation"),
     (["serve", "{artifact}", "--device", "cpu", "--dp", "2", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1"],
      "--dp: data-parallel replicas run on one node"),
     (["router", "--pd-disaggregation", "--prefill", "http://a:1", "port", "--decode", "http://b:2"],
      "--prefill: expected URL [BOOTSTRAP_PORT], got http://a:1 port"),
 ])
-def test_unsupported_layouts_are_refused_by_name(artifact, args, message):
-    done = subprocess.run([sys.executable, "-m", "kiln", *(a.format(artifact=artifact) for a in args)],
+def test_unsupported_layouts_are_refused_by_name(artifact, sharded, args, message):
+    paths = {"artifact": artifact, **sharded}
+    done = subprocess.run([sys.executable, "-m", "kiln", *(a.format(**paths) for a in args)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and f"kiln: error: {message}" in done.stderr

@@ -14,7 +14,7 @@ kept and the copies freed (``RadixCache.insert``), and imported pages are evicta
 the handoff never changes what a request computes, only how much of it is reused.
 
 One rank only: a tensor-parallel engine's KV heads are spread over processes whose pools this
-process cannot read (``check_single_rank``).
+process cannot read (``support.check_core``).
 """
 
 from __future__ import annotations
@@ -24,17 +24,12 @@ import torch
 from ..engine_core import EngineCore
 from ..sampling import SamplingParams
 from .kv_link import Handoff, KVLink
-
-
-def check_single_rank(core: EngineCore) -> None:
-    if core.artifact.runtime["tp"] > 1 or core.options.world_size > 1:
-        raise ValueError("disaggregation: runs on one-rank engines (tp=1, world_size=1) for now; "
-                         f"this one has tp={core.artifact.runtime['tp']}, world_size={core.options.world_size}")
+from .support import check_core
 
 
 def export_prompt(core: EngineCore, room: int, prompt_ids: list[int]) -> Handoff:
     """The cached whole pages of ``prompt_ids`` in ``core`` (after its prefill finished), as a handoff."""
-    check_single_rank(core)
+    check_core(core)
     match = core.cache.peek_prefix(None, prompt_ids)
     slots = _slots(match.pages, core.page_size, core.runner.pool.device)
     kv = core.runner.pool.buffer.index_select(2, slots).to("cpu")
@@ -44,7 +39,7 @@ def export_prompt(core: EngineCore, room: int, prompt_ids: list[int]) -> Handoff
 def import_prompt(core: EngineCore, handoff: Handoff) -> int:
     """Caches the handoff's KV in ``core``'s pool and radix tree; returns the tokens it added (0 when the
     pool has no room even after evicting, which only costs the decode side the prompt's prefill)."""
-    check_single_rank(core)
+    check_core(core)
     pool = core.runner.pool
     expected = (pool.num_layers, 2, len(handoff.token_ids), pool.kv_heads, pool.head_dim)
     if tuple(handoff.kv.shape) != expected or handoff.kv.dtype != pool.dtype:

@@ -36,13 +36,11 @@ from ..scheduler.batch import StepLists
 from .rank_grid import leave_groups
 from .rank_process import HOST, READY, RENDEZVOUS_TIMEOUT, load_and_join, run_rank
 from .executor import StepResult
+from .nccl_env import keep_multicast_off
 from .nodes import HEARTBEAT_S, NodeWatch, parse_addr, publish_config
 from .step_wire import send_step
 from .worker import LocalWorker, RankConfig, Worker, WorkerDied
 
-# NVLink multicast stays off in every rank's NCCL (it can take shared GPUs out of service); set here,
-# before any communicator exists, so rank 0 and the workers (which inherit it) agree.
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 # How long workers get to exit after the stop message (close) or SIGTERM (failure) before SIGKILL.
 STOP_TIMEOUT_S = 5.0
 KILL_TIMEOUT_S = 1.0
@@ -76,7 +74,7 @@ class WorkerGroup:
             if last.index >= torch.cuda.device_count():
                 raise ValueError(f"world_size: {config.world_size} ranks from {device} need {last}, and this "
                                  f"host has {torch.cuda.device_count()} GPUs")
-            os.environ.update(NCCL_ENV)
+        keep_multicast_off()  # before any communicator, so rank 0 and the workers (which inherit it) agree
         self.failure: WorkerDied | None = None
         self.processes: list[BaseProcess] = []   # rank r is processes[r - 1]
         self._reports: list[Connection] = []

@@ -1,7 +1,9 @@
 """Two "nodes" on loopback (``kiln serve A --nnodes 2 --node-rank R --dist-init-addr 127.0.0.1:P``,
 two real server processes): a tp=2 artifact with one rank on each node answers with the tokens of
 one node at tp=2 and of the one-rank artifact; killing the second node ends the server, naming the
-node, with no process left on either side. Plus the layout checks' messages."""
+node, with no process left on either side. Every process on both nodes, started from an environment
+without them, has NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (multicast stays off).
+Plus the layout checks' messages."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.engine_options import EngineOptions
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.worker.nodes import NODE_TIMEOUT_S, check_layout, parse_addr
-from tests.server.harness import ServerProcess, children_of, free_port, wait_gone
+from kiln.runtime.worker.nccl_env import MULTICAST_OFF
+from tests.server.harness import ServerProcess, children_of, environ_of, free_port, wait_gone
 from tests.support.hf_models import make_hf_model
 
 PROMPTS = [[1, 5, 9, 33, 2, 7, 100], [3, 4], [200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210]]
@@ -38,8 +41,8 @@ def artifacts(tmp_path_factory) -> tuple[Path, Path]:
             compile_model(source, tmp / "tp2.kiln", CompileOptions(**OPTIONS, tp=2)))
 
 
-def engine_tokens(artifact: Path) -> list[list[int]]:
-    core = EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=1024))
+def engine_tokens(artifact: Path, **options) -> list[list[int]]:
+    core = EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=1024, **options))
     try:
         for index, prompt in enumerate(PROMPTS):
             core.add_request(str(index), prompt, SamplingParams(**PARAMS))
@@ -52,10 +55,12 @@ def engine_tokens(artifact: Path) -> list[list[int]]:
         core.close()
 
 
-def test_two_loopback_nodes_answer_as_one_and_end_when_the_second_dies(artifacts, tmp_path):
+def test_two_loopback_nodes_answer_as_one_and_end_when_the_second_dies(artifacts, tmp_path, monkeypatch):
     tp1, tp2 = artifacts
     expected = engine_tokens(tp1)
     assert engine_tokens(tp2) == expected  # one node at tp=2
+    for name in MULTICAST_OFF:  # the servers' processes get them from kiln, not from this process
+        monkeypatch.delenv(name, raising=False)
     addr = f"127.0.0.1:{free_port()}"
     layout = ["--nnodes", "2", "--dist-init-addr", addr]
     # Node 1 first: it waits for node 0's rendezvous.
@@ -72,6 +77,9 @@ def test_two_loopback_nodes_answer_as_one_and_end_when_the_second_dies(artifacts
         node1_children = children_of(node1.pid)
         assert sum(b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in node1_children) == 1
         node0 = [*server.child_pids(), *(p for c in server.child_pids() for p in children_of(c))]
+        # The processes kiln started (/proc shows the environment a process was started with).
+        for pid in [*node0, *node1_children]:
+            assert {name: environ_of(pid).get(name) for name in MULTICAST_OFF} == MULTICAST_OFF, pid
         os.kill(node1.pid, signal.SIGKILL)
         assert server.proc.wait(EXIT_BOUND_S) != 0
         assert "node 1 (ranks 1..1) stopped answering" in server.log()
@@ -82,6 +90,24 @@ def test_two_loopback_nodes_answer_as_one_and_end_when_the_second_dies(artifacts
         log1.close()
         server.proc.kill()
         server.stop()
+
+
+def test_pipeline_stages_on_two_nodes_answer_as_one_rank(artifacts, tmp_path):
+    """pp=2 with one stage on each node (node 0: rank 0, stage 0; node 1: rank 1, stage 1): an engine
+    on node 0, node 1 a ``kiln serve --node-rank 1`` process; the tokens of the one-rank artifact."""
+    tp1, _ = artifacts
+    pp2 = compile_model(tp1.parent / "src", tmp_path / "pp2.kiln", CompileOptions(**OPTIONS, pp=2))
+    expected = engine_tokens(tp1)
+    addr = f"127.0.0.1:{free_port()}"
+    with open(tmp_path / "node1.log", "wb") as log1:
+        node1 = subprocess.Popen([sys.executable, "-m", "kiln", "serve", str(pp2), "--device", "cpu", "--nnodes", "2",
+                                  "--dist-init-addr", addr, "--node-rank", "1"], stdout=log1, stderr=subprocess.STDOUT)
+        try:
+            assert engine_tokens(pp2, nnodes=2, dist_init_addr=addr) == expected
+            assert node1.wait(30) == 0  # the engine closed: its stage got the stop message
+        finally:
+            node1.kill()
+            node1.wait()
 
 
 def test_a_stopped_server_stops_the_other_node(artifacts, tmp_path):
