@@ -70,7 +70,7 @@ class PrefillSide:
                     self.outgoing.put(export_prompt(self.core, room, prompt_ids))
 
     def _send_loop(self) -> None:
-        link = KVLink.prefill("0.0.0.0", self.port, timeout=LINK_TIMEOUT)
+        link = KVLink.prefill("0.0.0.0", self.port, timeout=LINK_TIMEOUT, device=self.core.runner.pool.device)
         log.info("the decode server connected to the bootstrap port %d", self.port)
         while True:
             handoff = self.outgoing.get()
@@ -136,7 +136,7 @@ class DecodeSide:
 
     def _receive_loop(self, host: str, port: int) -> None:
         try:
-            link = KVLink.decode(host, port, timeout=LINK_TIMEOUT)
+            link = KVLink.decode(host, port, timeout=LINK_TIMEOUT, device=self.core.runner.pool.device)
             while True:
                 self.incoming.put(link.receive())
         except (KVLinkError, RuntimeError) as exc:

@@ -32,7 +32,7 @@ def export_prompt(core: EngineCore, room: int, prompt_ids: list[int]) -> Handoff
     check_core(core)
     match = core.cache.peek_prefix(None, prompt_ids)
     slots = _slots(match.pages, core.page_size, core.runner.pool.device)
-    kv = core.runner.pool.buffer.index_select(2, slots).to("cpu")
+    kv = core.runner.pool.buffer.index_select(2, slots)  # stays on the pool's device: the link moves it
     return Handoff(room, list(prompt_ids[:match.length]), kv)
 
 

@@ -5,7 +5,9 @@ prompts of several lengths: shorter than a page, whole pages, longer, decoded to
 only each prompt's last partial page itself (its prefix-cache hits count the handed-over tokens).
 The prefill side's own prefix cache still works (a second batch sharing the first's passage hits
 it). A prefill process that dies makes the decode side's receive fail with a clear error, not hang;
-so does a decode side that is gone for the prefill side's send."""
+so does a decode side that is gone for the prefill side's send. With two GPUs, the same with the
+prefill engine on one and the decode engine on the other, the pages going over the link's NCCL group
+(skipped without two GPUs)."""
 
 from __future__ import annotations
 
@@ -51,10 +53,10 @@ def run(core: EngineCore, prompts: dict[int, list[int]]) -> dict[int, list[int]]
     return tokens
 
 
-def prefill_side(artifact: str, port: int, batches: list[dict[int, list[int]]], report) -> None:
+def prefill_side(artifact: str, port: int, batches: list[dict[int, list[int]]], report, device: str = "cpu") -> None:
     """The prefill process: hands every batch over, then reports its prefix-cache hits per batch."""
-    core = EngineCore(artifact, EngineOptions(**ENGINE))
-    link = KVLink.prefill("127.0.0.1", port)
+    core = EngineCore(artifact, EngineOptions(**{**ENGINE, "device": device}))
+    link = KVLink.prefill("127.0.0.1", port, device=core.runner.pool.device)
     hits = []
     for batch in batches:
         before = core.stats()["cache_hit_tokens"]
@@ -64,15 +66,30 @@ def prefill_side(artifact: str, port: int, batches: list[dict[int, list[int]]], 
 
 
 def test_prefill_in_another_process_then_decode_gives_the_plain_engines_tokens(artifact):
-    expected = run(EngineCore(str(artifact), EngineOptions(**ENGINE)), {**FIRST, **SECOND})
+    check_prefill_then_decode(artifact, "cpu", "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_prefill_on_one_gpu_hands_pages_over_nccl_to_decode_on_another(artifact):
+    """The KV goes GPU to GPU (the link's NCCL group): prefill on cuda:0, decode on cuda:1."""
+    link = check_prefill_then_decode(artifact, "cuda:0", "cuda:1")
+    assert link.device_group is not None
+
+
+def check_prefill_then_decode(artifact: Path, prefill_device: str, decode_device: str) -> KVLink:
+    """A prefill engine in another process on ``prefill_device`` hands two batches over to a decode engine
+    here on ``decode_device``: the plain engine's tokens, the handed pages reused. Returns the decode link."""
+    expected = run(EngineCore(str(artifact), EngineOptions(**{**ENGINE, "device": decode_device})),
+                   {**FIRST, **SECOND})
     context = multiprocessing.get_context("spawn")
     reader, writer = context.Pipe(duplex=False)
     port = free_port()
-    prefill = context.Process(target=prefill_side, args=(str(artifact), port, [FIRST, SECOND], writer), daemon=True)
+    prefill = context.Process(target=prefill_side, args=(str(artifact), port, [FIRST, SECOND], writer, prefill_device),
+                              daemon=True)
     prefill.start()
     try:
-        decode = EngineCore(str(artifact), EngineOptions(**ENGINE))
-        link = KVLink.decode("127.0.0.1", port)
+        decode = EngineCore(str(artifact), EngineOptions(**{**ENGINE, "device": decode_device}))
+        link = KVLink.decode("127.0.0.1", port, device=decode.runner.pool.device)
         for batch in (FIRST, SECOND):
             handed = {(h := receive_prompt(decode, link)).room: h for _ in batch}
             assert {room: len(h.token_ids) for room, h in handed.items()} == \
@@ -88,6 +105,7 @@ def test_prefill_in_another_process_then_decode_gives_the_plain_engines_tokens(a
         assert hits[0] == 0 and hits[1] >= 2 * (len(PASSAGE) // PAGE * PAGE)
         prefill.join(30)
         assert prefill.exitcode == 0
+        return link
     finally:
         prefill.kill()
 
