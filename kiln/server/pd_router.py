@@ -79,6 +79,14 @@ def build_router_app(prefill_url: str, bootstrap_port: int, decode_url: str) -> 
                 return error(503, f"the {name} server {url} is unavailable")
         return Response(status_code=200)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        """Both servers serve one artifact, so one tokenizer: the decode server's answer (load generators
+        calibrate prompt lengths with it)."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+        answer = await client.post(decode_url + "/tokenize", content=await request.body(), headers=headers)
+        return Response(answer.content, answer.status_code, media_type="application/json")
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}

@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation with real processes on the CPU: a ``--disaggregation-mode prefill``
 server, a ``--disaggregation-mode decode`` server and ``kiln router --pd-disaggregation`` in front.
 Prompts of several lengths, sent concurrently through the router, get the plain engine's tokens
-(greedy), and a streamed request streams; the official ``openai`` client gets the plain engine's chat
+(greedy), and a streamed request streams; the router's /tokenize is the servers'; the official ``openai`` client gets the plain engine's chat
 answer, whole and streamed; the decode server reuses the handed-over pages (its prefix-cache hits) and the prefill
 server's own prefix cache still works (prompts sharing a passage). A dead decode server, then a dead
 prefill server, give a clean 503 naming it, not a hang; bad bootstrap fields are a 400."""
@@ -110,6 +110,11 @@ def test_prefill_and_decode_servers_behind_the_router_answer_as_the_plain_engine
                                                                    "stream": True}, timeout=120)
             assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
             assert "data: [DONE]" in streamed.text
+
+            text = {"prompt": "What is the capital of France?"}  # /tokenize: the servers' one tokenizer
+            tokenized = httpx.post(f"{router_url}/tokenize", json=text, timeout=30)
+            assert tokenized.status_code == 200
+            assert tokenized.json() == httpx.post(f"{decode.url}/tokenize", json=text, timeout=30).json()
 
             bad = httpx.post(f"{decode.url}/generate", json={"input_ids": [1, 2], "sampling_params": PARAMS, "bootstrap_room": 5}, timeout=30)
             assert bad.status_code == 400 and "bootstrap_host" in bad.json()["error"]["message"]
