@@ -44,6 +44,7 @@ from .spec.speculator import Speculator
 from .text.stop_rules import STOP_RULES, StopRules, finish_reason, matched_stop, sampled_on_device
 from .text.tokenizer import Tokenizer
 from .worker.executor import graph_blockers
+from .worker.nodes import check_layout
 from .worker.ranks import start_worker
 from .worker.token_readback import InflightStep, TokenReadback
 from .worker.worker import LocalWorker, RankConfig
@@ -71,10 +72,12 @@ class EngineCore:
                              f"the context length {self.max_seq_len}; raise kv_cache_tokens or mem_fraction")
         # What the core drives (every rank), and rank 0's model runner, for tools that look inside it.
         ranks = rt["ranks"]  # a sharded artifact's own ranks: pp x max(tp, ep)
+        world_size = self._world_size(rt)
+        check_layout(world_size, self.options.nnodes, 0, self.options.dist_init_addr)
         self.worker = start_worker(self.artifact, RankConfig(
-            str(self.artifact.path), str(device), num_pages, buckets, prefill_graphs, self._world_size(rt),
+            str(self.artifact.path), str(device), num_pages, buckets, prefill_graphs, world_size,
             ranks > 1, self.options.reference_fallback, spec.tokens_per_verify if spec is not None else 1,
-            pp=rt["pp"]))
+            pp=rt["pp"], nnodes=self.options.nnodes, dist_init_addr=self.options.dist_init_addr))
         self.runner = self.worker.runner
         self.allocator = PageAllocator(self.worker.num_pages)
         self.cache = RadixCache(self.allocator, self.page_size)

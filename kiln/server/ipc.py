@@ -10,8 +10,8 @@ is one msgpack array whose first item names its kind (the constants below). msgp
 plain data (no pickle, no ext types), so nothing a request sends can execute code on the way.
 
 Messages:
-    ADD [rid, prompt_ids, params, lora] HTTP -> the routed replica's scheduler; params is ``SamplingParams`` as a
-                                       dict, lora the adapter's name (None: the base model)
+    ADD [rid, prompt_ids, params, options]  HTTP -> the routed replica's scheduler; params is ``SamplingParams``
+                                       as a dict, options an ``AddOptions`` as a map of the fields set
     LORA_LOAD [name, path]             HTTP -> every scheduler: serve the PEFT adapter at path as name
     LORA_UNLOAD [name]                 HTTP -> every scheduler: forget it (its requests in flight finish)
     ABORT [rid]                        HTTP -> scheduler
@@ -19,7 +19,7 @@ Messages:
     NEW [rid, prompt_tail, params]     scheduler -> detokenizer, before any event of rid
     EVENTS [[event...]]                scheduler -> detokenizer (``event_to_wire``)
     OUTPUTS [[output...]]              detokenizer -> HTTP (``detokenizer_process`` builds them)
-    REJECT [rid, message]              the scheduler refused a request (bad input); forwarded
+    REJECT [rid, message(, status)]    the scheduler refused a request (bad input: 400; or the status given); forwarded
     STATS [{name: number}, replica]    EngineCore.stats() of one replica; forwarded
     READY {model facts}                a scheduler loaded the model (facts name its replica); forwarded once the
                                        detokenizer is ready too
@@ -34,6 +34,7 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
@@ -54,6 +55,22 @@ STATS, READY, FATAL = "stats", "ready", "fatal"
 IDLE_POLL_MS = 500
 # Pending messages are flushed for at most this long when a socket closes at shutdown.
 LINGER_MS = 1000
+
+
+@dataclass(frozen=True)
+class AddOptions:
+    """An ADD's optional parts. On the wire a map of the fields set, by name, so that a feature adds
+    its field here without moving another's; a name left out reads as None."""
+
+    lora: str | None = None                   # the LoRA adapter's name (None: the base model)
+    bootstrap: dict[str, Any] | None = None   # a disaggregated request's room and prefill address
+
+    def to_wire(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> "AddOptions":
+        return cls(**wire)
 
 
 def scheduler_socket(replica: int) -> str:

@@ -43,6 +43,9 @@ import zmq
 import zmq.asyncio
 
 from kiln.lora_layout import LoraLayout
+from kiln.runtime.disagg.support import check_artifact_supported
+from kiln.runtime.engine_options import EngineOptions
+from kiln.runtime.worker.nccl_env import keep_multicast_off
 from kiln.runtime.text.tokenizer import Tokenizer
 
 from . import ipc
@@ -83,6 +86,9 @@ class ServeConfig:
     router: RouterOptions = RouterOptions()
     admission: Admission = Admission()                     # the queue limit (--max-queued-requests)
     lora_modules: dict[str, str] = field(default_factory=dict)  # LoRA adapters served from the start, by name
+    # Prefill/decode disaggregation (server/disaggregation.py): "null" (off), "prefill" or "decode".
+    disaggregation_mode: str = "null"
+    bootstrap_port: int = 8998   # the prefill side's KV handoff port
 
     def scheduler_name(self, replica: int) -> str:
         return "scheduler" if self.dp == 1 else f"replica {replica} scheduler"
@@ -172,12 +178,25 @@ class KilnServer(uvicorn.Server):
         self.stop(0, "the drain timeout passed")
 
 
+def check_disaggregation(artifact: str, config: ServeConfig) -> None:
+    """What a prefill or decode server cannot run, refused before anything starts (runtime/disagg/support.py)."""
+    if config.dp > 1:
+        raise ValueError("--disaggregation-mode: a prefill or decode server runs one replica; leave --dp at 1")
+    if config.lora_modules:
+        raise ValueError("--disaggregation-mode: LoRA adapters are not served with disaggregation (the handed-over "
+                         "KV pages are the base model's); serve --lora-modules without it")
+    check_artifact_supported(artifact, EngineOptions(**config.engine))
+
+
 def serve(artifact: str, config: ServeConfig) -> int:
     """Runs the server until it is stopped; returns the process exit code."""
     if config.dp < 1:
         raise ValueError(f"dp must be at least 1, got {config.dp}")
+    if config.disaggregation_mode != "null":
+        check_disaggregation(artifact, config)
     config.router.validate()
     config.admission.validate()
+    keep_multicast_off()  # the children inherit it (serve may be called without the command line)
     logging.basicConfig(level=config.log_level.upper(), format="kiln: %(message)s")
     return asyncio.run(_serve(artifact, config))
 
@@ -224,7 +243,8 @@ async def _serve_on(listener: socket.socket, artifact: str, config: ServeConfig)
         for replica in range(config.dp):
             children.start(config.scheduler_name(replica), "kiln.server.scheduler_process",
                            {**child_config, "artifact": artifact, "engine": config.engine, "replica": replica,
-                            "lora_modules": config.lora_modules})
+                            "lora_modules": config.lora_modules, "disaggregation": config.disaggregation_mode,
+                            "bootstrap_port": config.bootstrap_port})
         children.start("detokenizer", "kiln.server.detokenizer_process", child_config)
         try:
             facts = await _wait_ready(receiver, children, config.dp)

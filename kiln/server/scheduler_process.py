@@ -15,6 +15,10 @@ longer trustworthy): it reports FATAL and exits non-zero, and the HTTP process f
 flight and stops; so does a worker rank's death (``EngineOptions.world_size`` > 1), idle or not. It
 exits on SHUTDOWN or when its parent is gone, closing the core (its worker processes) on the way out;
 SIGINT/SIGTERM are left to the parent, which drains before stopping its children.
+
+With ``kiln serve --disaggregation-mode prefill|decode`` an ADD that names a bootstrap room goes
+through ``server/disaggregation.py``: the prefill side runs it for its prompt and hands its KV pages
+over; the decode side holds it until they arrive.
 """
 
 from __future__ import annotations
@@ -34,16 +38,22 @@ from kiln.runtime.engine_options import EngineOptions
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.text.detokenizer import PROMPT_CONTEXT_TOKENS
 from kiln.server import ipc
+from kiln.server.disaggregation import DecodeSide, PrefillSide
 
 log = logging.getLogger("kiln.server.scheduler")
 
 STATS_INTERVAL_S = 0.25
+# How often a decode server holding requests for their KV pages looks for arrivals (server/disaggregation.py).
+HANDOFF_POLL_MS = 2
 
 
 class SchedulerLoop:
     def __init__(self, core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, parent: ipc.ParentWatch,
-                 replica: int = 0) -> None:
+                 replica: int = 0, disaggregation: str = "null", bootstrap_port: int = 0) -> None:
         self.core = core
+        # Prefill/decode disaggregation (server/disaggregation.py): at most one of these.
+        self.prefill = PrefillSide(core, bootstrap_port) if disaggregation == "prefill" else None
+        self.decode = DecodeSide(core, self._reject) if disaggregation == "decode" else None
         self.replica = replica
         self.inbox = inbox
         self.outbox = outbox
@@ -54,13 +64,20 @@ class SchedulerLoop:
     def run(self) -> None:
         while self.parent.alive():
             self.core.worker.check()  # a dead worker rank ends the server, also while it is idle
-            busy = self.core.has_work()
-            for message in ipc.recv_ready(self.inbox, 0 if busy else self._idle_wait_ms()):
+            wait_ms = 0 if self.core.has_work() else self._idle_wait_ms()
+            if self.decode is not None and self.decode.has_work():
+                wait_ms = min(wait_ms, HANDOFF_POLL_MS)  # requests waiting for their pages: look again soon
+            for message in ipc.recv_ready(self.inbox, wait_ms):
                 if not self._handle(message):
                     return
+            if self.decode is not None:
+                for request in self.decode.ready():
+                    self._add(*request)
             if self.core.has_work():
                 events = self.core.step()
                 self._stats_dirty = True
+                if self.prefill is not None:
+                    self.prefill.after_step(events)
                 if events:
                     self._send([ipc.EVENTS, [ipc.event_to_wire(e) for e in events]])
             self._publish_stats()
@@ -69,7 +86,7 @@ class SchedulerLoop:
     def _handle(self, message: list[Any]) -> bool:
         kind = message[0]
         if kind == ipc.ADD:
-            self._add(*message[1:])
+            self._route(*message[1:])
         elif kind == ipc.ABORT:
             events = self.core.abort(message[1])
             if events:
@@ -84,6 +101,23 @@ class SchedulerLoop:
             log.warning("ignoring an unknown message %r", kind)
         self._stats_dirty = True
         return True
+
+    def _route(self, rid: str, prompt_ids: list[int], params: dict[str, Any], wire_options: dict[str, Any]) -> None:
+        """An ADD: to the core, or through the disaggregation side when the request names a bootstrap room."""
+        options = ipc.AddOptions.from_wire(wire_options)
+        bootstrap = options.bootstrap
+        if bootstrap is None or (self.prefill is None and self.decode is None):
+            self._add(rid, prompt_ids, params, options.lora)
+        elif options.lora is not None:
+            self._reject(rid, f"model: a disaggregated request runs the base model; LoRA adapter {options.lora!r} "
+                              "is served only without bootstrap_room", 400)
+        elif self.prefill is not None:
+            self.prefill.add(rid, prompt_ids, params, bootstrap["room"], self._add)
+        else:
+            self.decode.add(rid, prompt_ids, params, bootstrap["room"], bootstrap["host"], bootstrap["port"])
+
+    def _reject(self, rid: str, message: str, status: int) -> None:
+        self._send([ipc.REJECT, rid, message, status])
 
     def _lora(self, change, *args: str) -> None:
         """A LoRA load or unload the HTTP process checked already; a failure here (the directory
@@ -135,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         outbox.send(ipc.pack([ipc.READY, {**model_facts(core), "replica": replica}]))
         try:
-            SchedulerLoop(core, inbox, outbox, ipc.ParentWatch(config["parent_pid"]), replica).run()
+            SchedulerLoop(core, inbox, outbox, ipc.ParentWatch(config["parent_pid"]), replica,
+                          config.get("disaggregation", "null"), config.get("bootstrap_port", 0)).run()
         except Exception as exc:
             log.exception("a step failed")
             outbox.send(ipc.pack([ipc.FATAL, f"the scheduler failed: {type(exc).__name__}: {exc}"]))

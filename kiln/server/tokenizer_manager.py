@@ -241,13 +241,19 @@ class TokenizerManager:
     # ---- requests ------------------------------------------------------------------------------
 
     def submit(self, prompts: list[list[int]], params: SamplingParams,
-               max_tokens_param: str = "max_tokens", lora: str | None = None) -> RequestStream:
-        """Sends each prompt to its replica; ``lora``: the adapter to run them under (None: the base)."""
+               max_tokens_param: str = "max_tokens", lora: str | None = None,
+               bootstrap: dict[str, Any] | None = None) -> RequestStream:
+        """Sends each prompt to its replica; ``lora``: the adapter to run them under (None: the base);
+        ``bootstrap``: a disaggregated request's room and prefill address (server/disaggregation.py),
+        for a single prompt."""
+        if bootstrap is not None and (len(prompts) > 1 or params.n > 1):
+            raise invalid("bootstrap_room", "bootstrap_room: a disaggregated request has one prompt and n=1")
         if self.failure is not None:
             raise APIError(503, f"the engine is unavailable: {self.failure}")
         self._admit(len(prompts) * params.n)
         stream = RequestStream(self, len(prompts) * params.n, max_tokens_param)
         wire_params = asdict(params)
+        options = ipc.AddOptions(lora=lora, bootstrap=bootstrap).to_wire()
         now = time.monotonic()
         for index, prompt_ids in enumerate(prompts):
             rid = uuid.uuid4().hex
@@ -255,7 +261,7 @@ class TokenizerManager:
             self._live[rid] = _Live(stream, index, params.n, now, replica)
             self._samples_in_flight += params.n
             stream.rids.append(rid)
-            self._send(replica, [ipc.ADD, rid, prompt_ids, wire_params, lora])
+            self._send(replica, [ipc.ADD, rid, prompt_ids, wire_params, options])
         return stream
 
     def _admit(self, samples: int) -> None:
@@ -315,7 +321,9 @@ class TokenizerManager:
             live = self._forget(message[1])
             if live is not None:
                 renames = {"max_new_tokens": live.stream.max_tokens_param}
-                live.stream.put(from_value_error(ValueError(message[2]), renames))
+                # A status after the message: a refusal that is no bad input (a disaggregation peer gone).
+                live.stream.put(APIError(message[3], message[2]) if len(message) > 3
+                                else from_value_error(ValueError(message[2]), renames))
         elif kind == ipc.FATAL:
             self.failure = message[1]
             self.fail_all(500, message[1])

@@ -162,7 +162,7 @@ def test_bench_dispatch():
     result = kiln("bench", "no-such-bench")
     assert result.returncode == 2 and "unknown benchmark 'no-such-bench'" in result.stderr
     available = result.stderr.split("available: ", 1)[1].strip().split(", ")
-    assert set(available) == {"decode", "kernels", "lora_decode", "moe_decode", "offline", "serving", "structured"}, "helpers and experiments are not"
+    assert set(available) == {"decode", "disagg", "kernels", "lora_decode", "moe_decode", "offline", "serving", "structured"}, "helpers and experiments are not"
     result = kiln("bench", "offline", "--help")
     assert result.returncode == 0 and "--prefix-words" in result.stdout
     # `kernels` names bench/kernel_bench.py (a bench module named kernels would shadow a package).

@@ -79,12 +79,25 @@ class RankConfig:
     # and the micro-batches a step is split into so that they overlap (pipeline_runner.py).
     pp: int = 1
     micro_batches: int = 2
+    # Machines the ranks are spread over (``nodes.py``): node n runs ranks n*k..(n+1)*k-1 (k =
+    # world_size / nnodes), a contiguous range of the grid's ranks (so the tp/pp groups are the same
+    # on one node or several), and every rank meets the others at ``dist_init_addr`` (HOST:PORT, node
+    # 0's rendezvous store). One node: the group's store is on loopback, on a free port.
+    nnodes: int = 1
+    dist_init_addr: str | None = None
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def node_ranks(self, node: int) -> range:
+        return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
 
     def rank_device(self, rank: int) -> torch.device:
         device = torch.device(self.device)
         if device.type != "cuda":
             return device  # CPU ranks share the host
-        return torch.device("cuda", (device.index or 0) + rank)
+        return torch.device("cuda", (device.index or 0) + rank % self.ranks_per_node)
 
     @property
     def grid(self) -> RankGrid:
