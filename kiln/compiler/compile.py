@@ -64,7 +64,8 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
     quantization = _quantization(options.quantization, source)
     ctx = PassContext(backend=options.backend, symbol_bounds=bounds, recipes=list(built.recipes),
                       quantization=quantization, tp=options.tp, kv_cache_dtype=options.kv_cache_dtype,
-                      kv_cache_scales=options.kv_cache_scales)
+                      kv_cache_scales=options.kv_cache_scales, step_outputs=options.step_outputs,
+                      aux_hidden_layers=options.aux_hidden_layers)
     graph, pass_log = run_pipeline(built.graph, ctx, dump_dir=dump_ir, skip=options.skip_passes)
 
     store = WeightStore(source.tensors, built.computed, ctx.recipes, str(source.path))

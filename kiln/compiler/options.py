@@ -26,6 +26,9 @@ class CompileOptions:
     step_fields: tuple[StepField, ...] = ()
     # Outputs beyond the logits each step returns, by name (kiln.step_schema.OPTIONAL_OUTPUTS).
     step_outputs: tuple[str, ...] = ()
+    # The layers whose input ``aux_hidden_states`` (EAGLE-3's draft input) holds; (): SGLang's default
+    # (passes/expose_hidden_states.default_aux_layers).
+    aux_hidden_layers: tuple[int, ...] = ()
     kernel_config: KernelConfig = DEFAULTS  # the kernels' tunables, recorded in the manifest
     skip_passes: tuple[str, ...] = ()  # pipeline passes left out, for experiments (pipeline.run_pipeline)
     quantization: str | None = None  # a method of kiln.compiler.quantization.METHODS (fp8, w8a8_int8, ...)

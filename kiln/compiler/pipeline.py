@@ -1,6 +1,7 @@
 """The ordered pass list, and the loop that runs it, timing and optionally dumping the IR after each.
 
-Transforms rewrite the graph; analyses (kernel selection, memory planning) leave their results in
+The per-token hidden states EAGLE draft heads read are exposed first, on the model's own residual
+adds (``expose_hidden_states``). Transforms rewrite the graph; analyses (kernel selection, memory planning) leave their results in
 the context for codegen. The order matters: tensor-parallel sharding comes first, on the graph as
 the model wrote it (its patterns are the model's primitive ops), so the fusions see the sharded
 GEMMs and the collectives between them; the linear fusions must see the unfused projections,
@@ -26,6 +27,7 @@ from kiln.ir import Graph, print_graph, verify
 
 from .passes.base import Pass, PassContext
 from .passes.dce import eliminate_dead_code
+from .passes.expose_hidden_states import expose_hidden_states
 from .passes.fuse_add_rmsnorm import fuse_add_rmsnorm
 from .passes.fuse_linear_residual import fuse_linear_residual
 from .passes.fuse_linears import fuse_linears
@@ -48,6 +50,7 @@ def _verify(graph: Graph, ctx: PassContext) -> Graph:
 
 PIPELINE: list[tuple[str, Pass]] = [
     ("verify", _verify),
+    ("expose_hidden_states", expose_hidden_states),
     ("shard_tp", shard_tp),
     ("fuse_linears", fuse_linears),
     ("fuse_silu_mul", fuse_silu_mul),
@@ -63,9 +66,9 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("select_kernels", select_kernels),
     ("plan_memory", plan_memory),
 ]
-# Without these there is no checked graph, no kernel table or no memory plan to write, or no rank's
-# shard of a tensor-parallel model.
-REQUIRED = frozenset({"verify", "shard_tp", "select_kernels", "plan_memory"})
+# Without these there is no checked graph, no kernel table or no memory plan to write, no rank's
+# shard of a tensor-parallel model, or no step output the options ask for.
+REQUIRED = frozenset({"verify", "expose_hidden_states", "shard_tp", "select_kernels", "plan_memory"})
 
 
 def selected_passes(skip: Sequence[str] = ()) -> list[tuple[int, str, Pass]]:

@@ -152,6 +152,23 @@ def _cast(t: Types, a: Attrs) -> tuple[TensorType, ...]:
     return (t[0].with_dtype(DType(a["dtype"])),)
 
 
+def _concat(t: Types, a: Attrs) -> tuple[TensorType, ...]:
+    first = t[0]
+    expect_rank("concat", "a", first, 2)
+    width = 0
+    for name, x in zip("abc", t):
+        expect(x.rank == 2 and same_dim(x.shape[0], first.shape[0]) and x.dtype == first.dtype,
+               f"concat: {name} {x} does not match a {first} in rows and dtype")
+        expect(isinstance(x.shape[1], int), f"concat: {name} {x} needs a static width")
+        width += x.shape[1]
+    return (TensorType((first.shape[0], width), first.dtype),)
+
+
+def _argmax(t: Types, a: Attrs) -> tuple[TensorType, ...]:
+    expect_rank("argmax", "x", t[0], 2)
+    return (TensorType((t[0].shape[0],), DType.i32),)
+
+
 register_op(OpDef("embedding", ("ids", "table", "row_start?"), {}, _embedding,
                   doc="rows of table picked by ids; with row_start, the table holds the vocabulary's rows from "
                       "row_start on (one rank's shard) and ids outside it give zero rows"))
@@ -185,3 +202,5 @@ register_op(OpDef(
 ))
 register_op(OpDef("gather_rows", ("x", "index"), {}, _gather_rows, doc="x[index]"))
 register_op(OpDef("cast", ("x",), {"dtype": AttrSpec("dtype")}, _cast))
+register_op(OpDef("concat", ("a", "b", "c?"), {}, _concat, doc="the rows of a, b (and c) side by side: [rows, a + b (+ c)]"))
+register_op(OpDef("argmax", ("x",), {}, _argmax, doc="each row's index of its largest value (ties: the lowest), i32"))

@@ -25,6 +25,9 @@ class PassContext:
     tp: int = 1  # tensor-parallel ranks the shard_tp pass shards for
     kv_cache_dtype: str = "auto"  # the pool's dtype (quantize_kv_cache.KV_CACHE_DTYPES; auto: the model's)
     kv_cache_scales: tuple[tuple[float, float], ...] = ()  # an FP8 pool's (k, v) scales per layer; (): 1.0
+    # Per-token outputs expose_hidden_states adds (step output names), and the layers EAGLE-3 reads.
+    step_outputs: tuple[str, ...] = ()
+    aux_hidden_layers: tuple[int, ...] = ()
     # Results of the analysis passes, read by codegen and the manifest.
     kernel_choice: list[str] = field(default_factory=list)
     generated_kernels: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (op, source)
