@@ -150,5 +150,8 @@ STEP_SCHEMA = StepSchema((
     StepField("page_table", SEQUENCE, 0, "each sequence's pages (row b, column j: the j-th page)", columns="P"),
     StepField("logits_index", LOGIT_ROW, 0, "the token rows whose logits the step returns"),
 ))
+# A draft head's greedy proposal per row, already in the target's vocabulary (EAGLE-3's d2t applied).
+DRAFT_TOKENS = StepOutput("draft_tokens", "each wanted row's greedy draft token, in the target's vocabulary [N] i32")
 # The outputs a step may return beyond the logits, by name (what ``CompileOptions.step_outputs`` takes).
-OPTIONAL_OUTPUTS = {o.name: o for o in (HIDDEN_STATES, TOKEN_HIDDEN_STATES, AUX_HIDDEN_STATES)}
+OPTIONAL_OUTPUTS = {o.name: o for o in (HIDDEN_STATES, TOKEN_HIDDEN_STATES, AUX_HIDDEN_STATES,
+                                               DRAFT_TOKENS)}
