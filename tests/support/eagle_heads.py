@@ -19,7 +19,8 @@ DRAFT_CONFIG = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=1, n
 DRAFT_VOCAB = 96  # EAGLE-3's draft vocabulary: a subset of the target's 320 tokens
 
 
-def write_eagle_head(directory: Path, version: str, seed: int = 0, hidden: int = 64) -> Path:
+def write_eagle_head(directory: Path, version: str, seed: int = 0, hidden: int = 64,
+                     vocab: int = TINY["vocab_size"]) -> Path:
     """An EAGLE (``version`` "eagle": SafeAILab's names, ``fc`` with a bias, no embedding or head) or
     EAGLE-3 head (``midlayer.*``, ``norm``, its own ``lm_head`` over ``DRAFT_VOCAB`` tokens, ``d2t``
     and ``t2d``) with random weights."""
@@ -44,10 +45,10 @@ def write_eagle_head(directory: Path, version: str, seed: int = 0, hidden: int =
         f"{prefix}.mlp.up_proj.weight": rand(inter, hidden),
         f"{prefix}.mlp.down_proj.weight": rand(hidden, inter),
     }
-    config = dict(DRAFT_CONFIG, hidden_size=hidden)
+    config = dict(DRAFT_CONFIG, hidden_size=hidden, vocab_size=vocab)
     if version == "eagle3":
-        hot = torch.randperm(TINY["vocab_size"], generator=gen)[:DRAFT_VOCAB].sort().values
-        t2d = torch.zeros(TINY["vocab_size"], dtype=torch.bool)
+        hot = torch.randperm(vocab, generator=gen)[:DRAFT_VOCAB].sort().values
+        t2d = torch.zeros(vocab, dtype=torch.bool)
         t2d[hot] = True
         tensors.update({"fc.weight": rand(hidden, 3 * 64), f"{prefix}.input_layernorm.weight": norm(),
                         f"{prefix}.hidden_norm.weight": norm(), "norm.weight": norm(),

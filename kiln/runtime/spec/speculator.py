@@ -31,11 +31,12 @@ from kiln.kernels.bitmask import allocate_bitmask
 from ..constraints import GRAMMAR
 from ..outputs import SampleEvent, TokenLogprob
 from ..sampling import SamplingBatch, SamplingRow
-from ..scheduler.batch import build_verify_lists
+from ..scheduler.batch import StepLists, build_verify_lists
 from ..scheduler.request import Request
 from ..scheduler.scheduler import ScheduleBatch
 from ..text.stop_rules import STOP_RULES, finish_reason, matched_stop
-from .config import SpecConfig
+from .config import DRAFT_HEADS, SpecConfig
+from .eagle import EagleDrafter
 from .ngram import NgramDrafter
 from .verify import accept, row_choices
 
@@ -51,6 +52,8 @@ class Speculator:
         self.config = config
         self.core = core
         self.drafter = NgramDrafter(config.ngram_min_window, config.ngram_max_window, config.num_draft_tokens)
+        # EAGLE: a draft head proposes instead (and reads the target's features after every step).
+        self.eagle = EagleDrafter(config.draft_model_path, core) if config.algorithm in DRAFT_HEADS else None
         bounds = core.artifact.runtime["symbol_bounds"]
         self._max_tokens, self._max_rows = bounds["T"], bounds["N"]
         # Totals over all verify steps (a decoding request in a step counts once), and the last step's mean.
@@ -63,7 +66,8 @@ class Speculator:
         core = self.core
         drafts, masks = self._drafts(batch)
         lists = build_verify_lists(batch, drafts, core.page_size)
-        logits = core.worker.forward(lists).logits
+        outputs = core.worker.forward(lists).outputs
+        logits = outputs["logits"]
         core.scheduler.complete_step(batch)
         # Each request's first logits row and drafts: the decoding requests', then the prefill chunks'
         # that reached their prompt's end (one row, no draft).
@@ -81,10 +85,16 @@ class Speculator:
             if any(r.params.logprobs or r.params.top_logprobs for r, _, _ in plan) else None
         events: list[SampleEvent] = []
         step_tokens = 0
+        # Each sequence's token rows whose target features the draft head reads: a decoding request's
+        # last token and accepted drafts, a prefill chunk's tokens.
+        kept_rows = [(request, 0) for request in batch.decodes] + \
+            [(chunk.request, chunk.end - chunk.start) for chunk in batch.chunks]
         for index, (request, first, draft) in enumerate(plan):
             if request.done:
                 continue
             accepted, tokens = accept(choices, first, draft)
+            if index < len(batch.decodes):
+                kept_rows[index] = (request, accepted + 1)
             kept, reason = [], None
             for token in tokens:
                 request.output_ids.append(token)
@@ -109,11 +119,19 @@ class Speculator:
             events.append(SampleEvent(request.rid, request.index, tuple(kept), logprobs, reason, None,
                                       len(request.prompt_ids), request.cached_tokens, verify_ct, verify_tokens,
                                       matched_stop=matched_stop(request) if reason == "stop" else None))
+        if self.eagle is not None:
+            self.eagle.absorb(lists, outputs, kept_rows)
         self.verify_steps += len(batch.decodes)
         self.verify_tokens += step_tokens
         self.drafted_tokens += sum(map(len, drafts))
         self.last_accept_length = step_tokens / len(batch.decodes)
         return events
+
+    def absorb_prefill(self, batch: ScheduleBatch, lists: StepLists, outputs: dict[str, torch.Tensor]) -> None:
+        """After a step without decoding requests (run by the engine core): the draft head reads its
+        prefill chunks' target features."""
+        if self.eagle is not None:
+            self.eagle.absorb(lists, outputs, [(chunk.request, chunk.end - chunk.start) for chunk in batch.chunks])
 
     def stats(self) -> dict[str, float]:
         """For ``EngineCore.stats``: verify steps, the tokens they gave, and accepted lengths."""
@@ -134,10 +152,14 @@ class Speculator:
         graphs = self.core.runner.verify_graphs
         pad = graphs is not None and not batch.chunks and len(batch.decodes) <= graphs.max_batch
         drafts, masks = [], []
-        for request in batch.decodes:
+        proposals = self._eagle_proposals(batch.decodes, room) if self.eagle is not None else None
+        for index, request in enumerate(batch.decodes):
             rules = request.extras[STOP_RULES]
             limit = min(room, rules.max_output - len(request.output_ids) - 1)
-            draft = self.drafter.propose(request.all_ids, limit) if limit > 0 else []
+            if proposals is not None:
+                draft = proposals[index][:max(limit, 0)]
+            else:
+                draft = self.drafter.propose(request.all_ids, limit) if limit > 0 else []
             if pad:
                 draft = self._padded(request, draft, room)
             mask = None
@@ -149,6 +171,18 @@ class Speculator:
             drafts.append(draft)
             masks.append(None if mask is None else mask[:len(draft) + 1])
         return drafts, masks
+
+    def _eagle_proposals(self, requests: list[Request], room: int) -> list[list[int]]:
+        """The draft head's chains, each as long as its request's output budget, the step's room and
+        the pages reserved for it allow (reserved first: the chain writes the draft KV of those slots)."""
+        lengths = []
+        for request in requests:
+            budget = request.extras[STOP_RULES].max_output - len(request.output_ids) - 1
+            limit = min(room, budget, self.config.num_draft_tokens)
+            reserved = self.core.scheduler.reserve_drafts(request, limit) if limit > 0 else 0
+            room -= reserved
+            lengths.append(reserved)
+        return self.eagle.propose(requests, lengths)
 
     def _padded(self, request: Request, draft: list[int], room: int) -> list[int]:
         """The draft filled to a full chain with repeats of its last token, so that the step brings
