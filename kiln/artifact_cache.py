@@ -31,6 +31,17 @@ def ensure_artifact(model: str | Path, options) -> Path:
     return _compiled(model, load_source(model), options, {})
 
 
+def ensure_model_artifacts(model: str | Path, options, algorithm: str | None,
+                           draft_path: str | None) -> tuple[Path, str | None]:
+    """(the artifact to serve, the draft path the engine options take): for an EAGLE algorithm with a
+    draft head, both compiled (``ensure_speculative_artifacts``) and the draft's artifact given;
+    otherwise the model's artifact and ``draft_path`` as it was (the engine refuses what cannot work)."""
+    if algorithm in ("eagle", "eagle3") and draft_path is not None:
+        target, draft = ensure_speculative_artifacts(model, draft_path, algorithm, options)
+        return target, str(draft)
+    return ensure_artifact(model, options), draft_path
+
+
 def ensure_speculative_artifacts(model: str | Path, draft_path: str | Path, algorithm: str, options) -> tuple[Path, Path]:
     """(target artifact, draft artifact) for an EAGLE head: the target compiled to also return the
     features the head reads (``expose_hidden_states``), the head compiled against it (sharing its

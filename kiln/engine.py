@@ -18,13 +18,12 @@ import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence, Union
 
-from kiln.artifact_cache import ensure_artifact, ensure_speculative_artifacts
+from kiln.artifact_cache import ensure_model_artifacts
 from kiln.compiler.options import CompileOptions
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.engine_options import EngineOptions
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.request_handle import RequestHandle
-from kiln.runtime.spec.config import DRAFT_HEADS
 from kiln.runtime.sampling import SamplingParams
 
 Prompt = Union[str, Sequence[int]]
@@ -50,13 +49,9 @@ class Engine:
                                          max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size,
                                          max_seq_len=max_seq_len, page_size=page_size, quantization=quantization,
                                          kv_cache_dtype=kv_cache_dtype, tp=tp)
-        if speculative_algorithm in DRAFT_HEADS and speculative_draft_model_path is not None:
-            # The target returns the features the head reads; the head is compiled against it.
-            self.artifact_path, draft_artifact = ensure_speculative_artifacts(
-                model, speculative_draft_model_path, speculative_algorithm, compile_options)
-            speculative_draft_model_path = str(draft_artifact)
-        else:
-            self.artifact_path = ensure_artifact(model, compile_options)
+        # With an EAGLE head, the target returns the features the head reads and the head is compiled too.
+        self.artifact_path, speculative_draft_model_path = ensure_model_artifacts(
+            model, compile_options, speculative_algorithm, speculative_draft_model_path)
         self.core = EngineCore(str(self.artifact_path), EngineOptions(
             device=device, kv_cache_tokens=kv_cache_tokens, mem_fraction=mem_fraction,
             schedule_policy=schedule_policy, enable_prefix_cache=enable_prefix_cache, world_size=world_size,

@@ -109,3 +109,22 @@ def test_refusals_name_what_cannot_work(models):
         run(plain, [], speculative_algorithm="eagle3", speculative_draft_model_path=str(built["eagle3"][1]))
     with pytest.raises(ValueError, match="is a compiled artifact; give the model's source"):
         ensure_speculative_artifacts(plain, target, "eagle", OPTIONS)
+
+
+def test_engine_keywords_compile_target_and_head(tmp_path, monkeypatch):
+    """Engine(model source, speculative_algorithm=, speculative_draft_model_path=head checkpoint):
+    both compiled, outputs as without speculation."""
+    from kiln import Engine
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
+    target = make_hf_model("llama3", tmp_path / "target", num_hidden_layers=4)
+    head = write_eagle_head(tmp_path / "head", "eagle3")
+    params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [3, 4]]
+    options = dict(dtype="f32", max_batch_tokens=64, max_batch_size=8, max_seq_len=64, device="cpu")
+    with Engine(str(target), **options) as engine:
+        plain = [o.token_ids for o in engine.generate(prompts, params)]
+    with Engine(str(target), speculative_algorithm="eagle3", speculative_draft_model_path=str(head),
+                speculative_num_steps=2, **options) as engine:
+        assert [o.token_ids for o in engine.generate(prompts, params)] == plain
+        assert engine.core.speculator.stats()["spec_drafted_tokens"] > 0
