@@ -1,4 +1,5 @@
-"""Rejection sampling keeps the target's distribution: on a random model with an 8-token vocabulary,
+"""Rejection sampling keeps the target's distribution (n-gram drafts and an EAGLE head's): on a random
+model with an 8-token vocabulary,
 speculative samples of three tokens against the exact joint distribution the model gives (products
 of HF's softmax(logits / T)), by a chi-square goodness-of-fit test at significance 0.001 (cells
 expected to hold fewer than 5 draws pooled into one). The prompt holds every token, so the n-gram
@@ -19,6 +20,8 @@ from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.engine_options import EngineOptions
 from kiln.runtime.sampling import SamplerKernels, SamplingBatch, SamplingParams, SamplingRow
 from kiln.runtime.spec.verify import accept, row_choices
+from kiln.artifact_cache import ensure_speculative_artifacts
+from tests.support.eagle_heads import write_eagle_head
 from tests.support.hf_models import load_hf, make_hf_model
 
 VOCAB = 8
@@ -62,10 +65,29 @@ def tiny(tmp_path_factory):
     return hf_dir, compile_model(hf_dir, directory / "m.kiln", options)
 
 
-def test_speculative_samples_follow_the_target_distribution(tiny):
-    hf_dir, artifact = tiny
-    core = EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=4096, speculative_algorithm="ngram",
-                                                   speculative_num_draft_tokens=3))
+@pytest.fixture(scope="module")
+def tiny_eagle(tiny, tmp_path_factory):
+    """The same target compiled to return its features, and a random EAGLE head of its vocabulary."""
+    hf_dir, _ = tiny
+    directory = tmp_path_factory.mktemp("tiny_eagle")
+    options = CompileOptions(dtype="fp32", page_size=4, max_batch_tokens=256, max_batch_size=64, max_seq_len=32)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KILN_HOME", str(directory / "home"))
+        target, draft = ensure_speculative_artifacts(hf_dir, write_eagle_head(directory / "head", "eagle", vocab=VOCAB),
+                                                     "eagle", options)
+    return hf_dir, target, draft
+
+
+@pytest.mark.parametrize("algorithm", ["ngram", "eagle"])
+def test_speculative_samples_follow_the_target_distribution(tiny, tiny_eagle, algorithm):
+    """n-gram drafts, and an EAGLE head's greedy chains (a deterministic proposal too: the same rule)."""
+    if algorithm == "ngram":
+        hf_dir, artifact = tiny
+        spec = dict(speculative_algorithm="ngram", speculative_num_draft_tokens=3)
+    else:
+        hf_dir, artifact, draft = tiny_eagle
+        spec = dict(speculative_algorithm="eagle", speculative_draft_model_path=str(draft), speculative_num_steps=3)
+    core = EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=4096, **spec))
     for i in range(REQUESTS):
         core.add_request(str(i), PROMPT, SamplingParams(temperature=TEMPERATURE, max_new_tokens=3, ignore_eos=True,
                                                         n=SAMPLES_PER_REQUEST, seed=1000 + i))
