@@ -4,12 +4,14 @@
 clear margins) and a kiln ``ModelSource`` over the same tensors, so kiln and HF run identical
 weights without a checkpoint round trip through the disk. ``random_engine`` compiles one for the
 triton backend (with the ``--kernel-config`` and ``--skip-pass`` of ``add_model_arguments``) and
-loads it into an ``EngineCore``, as the breakdown benchmarks run it.
+loads it into an ``EngineCore``, as the breakdown benchmarks run it. ``random_artifact`` writes one
+to disk with a tokenizer beside it, for ``kiln serve`` and ``kiln.Engine``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import tempfile
 from pathlib import Path
@@ -19,7 +21,7 @@ import torch
 from kiln.cli import add_tuning_options, tuning_options
 from kiln.compiler.compile import compile_model
 from kiln.compiler.options import CompileOptions
-from kiln.compiler.sources.hf import MemoryTensors, ModelSource
+from kiln.compiler.sources.hf import TOKENIZER_FILES, MemoryTensors, ModelSource
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.engine_options import EngineOptions
 
@@ -90,3 +92,16 @@ def random_engine(args: argparse.Namespace, max_seq_len: int, **options) -> Engi
             max_batch_size=args.batch, max_seq_len=max_seq_len, **tuning_options(args)))
         return EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=args.batch * 1024,
                                                        enable_prefix_cache=False, **options))
+
+
+def random_artifact(shape: str, out: Path, on_gpu: bool, tokenizer_dir: Path | None = None, layers: int | None = None,
+                    max_seq_len: int = 2048) -> Path:
+    """An artifact at ``out`` of random ``shape`` weights (bf16 and triton on a GPU, fp32 and torch on the
+    CPU), with the tokenizer files found in ``tokenizer_dir`` when given."""
+    _, source = random_model(shape, dtype=torch.bfloat16 if on_gpu else torch.float32, layers=layers,
+                             device="cuda" if on_gpu else "cpu")
+    if tokenizer_dir is not None:
+        files = tuple(tokenizer_dir / n for n in TOKENIZER_FILES if (tokenizer_dir / n).is_file())
+        source = dataclasses.replace(source, tokenizer_files=files)
+    return compile_model(source, out, CompileOptions(dtype="bf16" if on_gpu else "fp32",
+                                                     backend="triton" if on_gpu else "torch", max_seq_len=max_seq_len))

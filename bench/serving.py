@@ -6,6 +6,17 @@ to first token (TTFT), the gaps between streamed chunks (ITL), the time per outp
 first (TPOT) and the end-to-end latency. Reports request and token throughput and p50/p90/p99 of each
 latency, as a short table and as JSON (``--out``).
 
+One client process saturates before a fast server does (JSON and SSE parsing cost the client about
+what they cost the server), so ``--workers N`` drives the load from N processes: the prompts are dealt
+round robin, the concurrency and rate split among them, every process is started before they all begin
+together (a barrier), and their raw samples are merged (``serving_stats.summarize``: percentiles over all
+requests, not averages of per-process percentiles). The server's own figures (kiln's ``/metrics``:
+tokens generated, TTFT, ITL and latency histograms) are read before and after and reported beside the
+client's. ``--offline-shape S`` then runs ``bench/offline.py`` on random weights of shape S for the same
+workload (prompts, lengths, concurrency), so the served/offline ratio comes out of one run; serve the
+same weights with ``bench/offline.py --shape S --tokenizer-dir DIR --save-artifact ART`` and
+``kiln serve ART``.
+
 Datasets (fixed ``--seed``): ``random`` prompts of about ``--input-len`` tokens drawn from a word
 list, and ``shared-prefix``: ``--num-groups`` long prefixes of ``--prefix-len`` tokens, each
 shared by its group's requests (a system prompt for chat), followed by a unique ``--input-len``
@@ -14,6 +25,8 @@ else counted in words. Token counts come from the streamed ``usage`` when the se
 
     python bench/serving.py --base-url http://127.0.0.1:30000 --model smollm2-135m-instruct \\
         --dataset shared-prefix --num-prompts 200 --request-rate 8 --max-concurrency 64 --out serving.json
+    python bench/serving.py --model m --num-prompts 512 --input-len 256 --output-len 128 --ignore-eos \\
+        --max-concurrency 64 --workers 4 --offline-shape smollm2-135m
 """
 
 from __future__ import annotations
@@ -22,13 +35,19 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
 import random
-import statistics
+import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving_stats import Result, WorkerRun, parse_metrics, server_figures, summarize  # noqa: E402
 
 WORDS = ("time year people way day man thing woman life child world school state family student group country "
          "problem hand part place case week company system program question work government number night point "
@@ -36,23 +55,24 @@ WORDS = ("time year people way day man thing woman life child world school state
          "side kind head house service friend father power hour game line end member law car city community name "
          "president team minute idea kid body information back parent face others level office door health person "
          "art war history party result change morning reason research girl guy moment air teacher force education").split()
+OFFLINE = Path(__file__).resolve().parent / "offline.py"
 
 
 @dataclass
 class Prompt:
     prefix: str  # shared part ("" for the random dataset)
     text: str    # unique part
+    output_len: int
 
 
 @dataclass
-class Result:
-    ok: bool
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    ttft: float = 0.0
-    e2e: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    error: str = ""
+class Share:
+    """One load process's part of the run."""
+
+    prompts: list[Prompt]
+    concurrency: int | None
+    rate: float
+    seed: int
 
 
 def words(rng: random.Random, count: int) -> str:
@@ -73,16 +93,31 @@ async def tokens_per_word(client: httpx.AsyncClient, rng: random.Random) -> floa
 def make_prompts(args: argparse.Namespace, rng: random.Random, ratio: float) -> list[Prompt]:
     def length(tokens: int) -> int:
         low = int(tokens * (1 - args.range_ratio))
-        return max(1, round(rng.randint(max(1, low), tokens) / ratio))
+        return max(1, rng.randint(max(1, low), tokens))
+
+    def output_len() -> int:
+        return length(args.output_len)
 
     if args.dataset == "random":
-        return [Prompt("", words(rng, length(args.input_len))) for _ in range(args.num_prompts)]
+        return [Prompt("", words(rng, round(length(args.input_len) / ratio)), output_len())
+                for _ in range(args.num_prompts)]
     prefixes = [words(rng, round(args.prefix_len / ratio)) for _ in range(args.num_groups)]
-    return [Prompt(prefixes[i % args.num_groups], words(rng, length(args.input_len))) for i in range(args.num_prompts)]
+    return [Prompt(prefixes[i % args.num_groups], words(rng, round(length(args.input_len) / ratio)), output_len())
+            for i in range(args.num_prompts)]
 
 
-def request_body(args: argparse.Namespace, prompt: Prompt, output_len: int) -> dict:
-    body = {"model": args.model, "max_tokens": output_len, "temperature": args.temperature, "stream": True,
+def split(prompts: list[Prompt], args: argparse.Namespace) -> list[Share]:
+    """The prompts dealt round robin among ``args.workers`` processes, with the concurrency and the
+    rate divided among them (the first processes take the remainder of the concurrency)."""
+    workers = min(args.workers, len(prompts))
+    concurrency = args.max_concurrency
+    return [Share(prompts[i::workers],
+                  None if concurrency is None else max(1, concurrency // workers + (i < concurrency % workers)),
+                  args.request_rate / workers, args.seed + 1 + i) for i in range(workers)]
+
+
+def request_body(args: argparse.Namespace, prompt: Prompt) -> dict:
+    body = {"model": args.model, "max_tokens": prompt.output_len, "temperature": args.temperature, "stream": True,
             "stream_options": {"include_usage": True}}
     if args.ignore_eos:
         body["ignore_eos"] = True  # an extension kiln, vLLM and SGLang accept: fixed output lengths
@@ -95,8 +130,7 @@ def request_body(args: argparse.Namespace, prompt: Prompt, output_len: int) -> d
 
 
 async def send(client: httpx.AsyncClient, path: str, body: dict) -> Result:
-    start = time.perf_counter()
-    result = Result(ok=False)
+    result = Result(ok=False, start=time.monotonic())
     last = None
     chunks = 0
     try:
@@ -116,9 +150,9 @@ async def send(client: httpx.AsyncClient, path: str, body: dict) -> Result:
                     result.output_tokens = data["usage"]["completion_tokens"]
                 if not any(_content(c) for c in data.get("choices", [])):
                     continue
-                now = time.perf_counter()
+                now = time.monotonic()
                 if last is None:
-                    result.ttft = now - start
+                    result.ttft = now - result.start
                 else:
                     result.itl.append(now - last)
                 last = now
@@ -126,7 +160,8 @@ async def send(client: httpx.AsyncClient, path: str, body: dict) -> Result:
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return result
-    result.e2e = time.perf_counter() - start
+    finally:
+        result.end = time.monotonic()
     result.output_tokens = result.output_tokens or chunks
     result.ok = last is not None
     return result
@@ -136,71 +171,118 @@ def _content(choice: dict) -> str:
     return (choice.get("delta") or {}).get("content") or choice.get("text") or ""
 
 
-async def run(args: argparse.Namespace) -> dict:
-    rng = random.Random(args.seed)
+def client(args: argparse.Namespace) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=args.timeout, limits=limits) as client:
-        prompts = make_prompts(args, rng, await tokens_per_word(client, rng))
-        path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
-        gate = asyncio.Semaphore(args.max_concurrency or len(prompts))
+    return httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=args.timeout, limits=limits)
 
-        async def one(prompt: Prompt, output_len: int) -> Result:
+
+async def drive(args: argparse.Namespace, share: Share, ready=None) -> WorkerRun:
+    """Sends ``share``'s requests; with ``ready`` (a barrier), waits on it first, once connected."""
+    rng = random.Random(share.seed)
+    path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
+    async with client(args) as session:
+        gate = asyncio.Semaphore(share.concurrency or len(share.prompts))
+
+        async def one(prompt: Prompt) -> Result:
             async with gate:
-                return await send(client, path, request_body(args, prompt, output_len))
+                return await send(session, path, request_body(args, prompt))
 
+        if ready is not None:
+            await asyncio.to_thread(ready.wait)
+        start = time.monotonic()
         tasks = []
-        start = time.perf_counter()
-        for prompt in prompts:
-            low = max(1, int(args.output_len * (1 - args.range_ratio)))
-            tasks.append(asyncio.create_task(one(prompt, rng.randint(low, args.output_len))))
-            if math.isfinite(args.request_rate):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-    return summarize(args, results, duration)
+        for prompt in share.prompts:
+            tasks.append(asyncio.create_task(one(prompt)))
+            if math.isfinite(share.rate):
+                await asyncio.sleep(rng.expovariate(share.rate))
+        return WorkerRun(start, list(await asyncio.gather(*tasks)))
 
 
-def percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
-    ordered = sorted(values)
-
-    def at(q: float) -> float:  # nearest rank
-        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] * 1000
-
-    return {"mean": statistics.fmean(ordered) * 1000, "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+def _worker(args: argparse.Namespace, share: Share, ready, results) -> None:
+    results.put(asyncio.run(drive(args, share, ready)))
 
 
-def summarize(args: argparse.Namespace, results: list[Result], duration: float) -> dict:
-    done = [r for r in results if r.ok]
-    output_tokens = sum(r.output_tokens for r in done)
-    return {
-        # JSON has no infinity: an unlimited rate is written "inf".
-        "config": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v)
-                   for k, v in vars(args).items() if k != "api_key"},
-        "duration_s": duration,
-        "completed": len(done),
-        "failed": len(results) - len(done),
-        "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "request_throughput": len(done) / duration,
-        "input_tokens": sum(r.prompt_tokens for r in done),
-        "output_tokens": output_tokens,
-        "output_throughput": output_tokens / duration,
-        "ttft_ms": percentiles([r.ttft for r in done]),
-        "itl_ms": percentiles([gap for r in done for gap in r.itl]),
-        "tpot_ms": percentiles([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]),
-        "e2e_ms": percentiles([r.e2e for r in done]),
-    }
+def run_load(args: argparse.Namespace, shares: list[Share]) -> list[WorkerRun]:
+    """Every share's run: in this process for one, else one forked process each, started together."""
+    if len(shares) == 1:
+        return [asyncio.run(drive(args, shares[0]))]
+    context = multiprocessing.get_context("fork")  # kiln bench runs this file with runpy: spawn could not re-import it
+    ready, results = context.Barrier(len(shares)), context.Queue()
+    processes = [context.Process(target=_worker, args=(args, share, ready, results), daemon=True) for share in shares]
+    for process in processes:
+        process.start()
+    runs = [results.get() for _ in processes]
+    for process in processes:
+        process.join()
+    return runs
+
+
+async def scrape(args: argparse.Namespace, rng: random.Random | None = None) -> tuple[dict, float | None]:
+    """The server's /metrics parsed (empty when it has none) and, given ``rng``, its tokens per word."""
+    async with client(args) as session:
+        ratio = await tokens_per_word(session, rng) if rng is not None else None
+        try:
+            response = await session.get("/metrics")
+            metrics = parse_metrics(response.text) if response.status_code == 200 else {}
+        except httpx.HTTPError:
+            metrics = {}
+    return metrics, ratio
+
+
+def offline(args: argparse.Namespace, summary: dict) -> dict:
+    """``bench/offline.py`` on random weights of ``--offline-shape`` for this run's workload."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "offline.json"
+        command = [sys.executable, str(OFFLINE), "--shape", args.offline_shape, "--workload", "random",
+                   "--num-requests", str(args.num_prompts), "--input-len", str(args.input_len),
+                   "--output-len", str(args.output_len), "--out", str(out)]
+        if args.max_concurrency:
+            command += ["--max-running", str(args.max_concurrency)]
+        if args.offline_layers:
+            command += ["--layers", str(args.offline_layers)]
+        subprocess.run(command, check=True)
+        result = json.loads(out.read_text())["results"][0]
+    return {"shape": args.offline_shape, "layers": args.offline_layers, **result,
+            "served_over_offline": summary["output_throughput"] / result["output_tok_s"]}
+
+
+def run(args: argparse.Namespace) -> dict:
+    rng = random.Random(args.seed)
+    before, ratio = asyncio.run(scrape(args, rng))
+    prompts = make_prompts(args, rng, ratio)
+    runs = run_load(args, split(prompts, args))
+    after, _ = asyncio.run(scrape(args))
+    # JSON has no infinity: an unlimited rate is written "inf".
+    config = {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()
+              if k != "api_key"}
+    summary = summarize(runs, config)
+    summary["server"] = server_figures(before, after, summary["duration_s"])
+    if args.offline_shape:
+        summary["offline"] = offline(args, summary)
+    return summary
 
 
 def table(summary: dict) -> str:
-    lines = [f"requests: {summary['completed']} ok, {summary['failed']} failed in {summary['duration_s']:.1f} s",
-             f"throughput: {summary['request_throughput']:.2f} req/s, {summary['output_throughput']:.1f} output tok/s",
-             f"{'latency (ms)':<14}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}"]
+    lines = [f"requests: {summary['completed']} ok, {summary['failed']} failed in {summary['duration_s']:.1f} s "
+             f"({summary['workers']} load process{'es' if summary['workers'] > 1 else ''})",
+             f"throughput: {summary['request_throughput']:.2f} req/s, {summary['output_throughput']:.1f} output tok/s"]
+    server = summary.get("server")
+    if server:
+        lines.append(f"server (/metrics): {server['generation_tokens']:.0f} tokens generated, "
+                     f"{server['output_throughput']:.1f} tok/s")
+    offline_run = summary.get("offline")
+    if offline_run:
+        lines.append(f"offline engine ({offline_run['shape']}): {offline_run['output_tok_s']:.1f} output tok/s; "
+                     f"served/offline {offline_run['served_over_offline']:.2f}")
+    lines.append(f"{'latency (ms)':<20}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
     for name in ("ttft", "itl", "tpot", "e2e"):
-        row = summary[f"{name}_ms"]
-        lines.append(f"{name.upper():<14}" + "".join(f"{row[k]:>10.1f}" for k in ("mean", "p50", "p90", "p99")))
+        rows = [("client", summary[f"{name}_ms"])]
+        if server and f"{name}_ms" in server:
+            rows.append(("server", server[f"{name}_ms"]))
+        for source, row in rows:
+            lines.append(f"{name.upper() + ' ' + source:<20}" +
+                         "".join(f"{row[k]:>10.1f}" for k in ("mean", "p50", "p90", "p99")))
     return "\n".join(lines + [f"error: {e}" for e in summary["errors"]])
 
 
@@ -218,23 +300,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens in each shared prefix")
     p.add_argument("--num-groups", type=int, default=8, help="shared-prefix: distinct prefixes")
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson arrivals (inf: all at once)")
-    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (over all workers)")
+    p.add_argument("--workers", type=int, default=1, help="load processes (default 1)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length (an extension)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--offline-shape", default=None,
+                   help="also run bench/offline.py on random weights of this shape (bench/models.py) for the workload")
+    p.add_argument("--offline-layers", type=int, default=None, help="cut the offline shape to this many layers")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1 or not 0 <= args.range_ratio < 1:
         p.error("--num-prompts, --input-len and --output-len must be >= 1 and --range-ratio in [0, 1)")
     if args.request_rate <= 0:
         p.error("--request-rate must be > 0 (inf: all at once)")
+    if args.workers < 1 or (args.max_concurrency is not None and args.max_concurrency < args.workers):
+        p.error("--workers must be >= 1 and at most --max-concurrency")
+    if args.offline_shape and args.dataset != "random":
+        p.error("--offline-shape runs the random dataset's workload: use --dataset random")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    summary = asyncio.run(run(args))
+    summary = run(args)
     print(table(summary))
     if args.out:
         with open(args.out, "w") as f:

@@ -33,9 +33,6 @@ from pathlib import Path
 import torch
 
 from kiln import Engine, SamplingParams
-from kiln.compiler.compile import compile_model
-from kiln.compiler.options import CompileOptions
-from kiln.compiler.sources.hf import TOKENIZER_FILES
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40},
@@ -98,15 +95,11 @@ def timed(engine: Engine, prompts: list[list[int]], params: SamplingParams, prof
 def random_artifact(shape: str, tokenizer_dir: Path | None, workdir: Path, on_gpu: bool) -> Path:
     """An artifact of random ``shape`` weights with the tokenizer files found in ``tokenizer_dir``."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from models import random_model
+    import models
 
     if tokenizer_dir is None or not (tokenizer_dir / "tokenizer.json").is_file():
         sys.exit("--random-shape needs --tokenizer-dir holding tokenizer.json (and tokenizer_config.json)")
-    _, source = random_model(shape, dtype=torch.bfloat16 if on_gpu else torch.float32,
-                             device="cuda" if on_gpu else "cpu")
-    files = tuple(tokenizer_dir / n for n in TOKENIZER_FILES if (tokenizer_dir / n).is_file())
-    return compile_model(dataclasses.replace(source, tokenizer_files=files), workdir / "model.kiln", CompileOptions(
-        dtype="bf16" if on_gpu else "fp32", backend="triton" if on_gpu else "torch", max_seq_len=2048))
+    return models.random_artifact(shape, workdir / "model.kiln", on_gpu, tokenizer_dir)
 
 
 def main() -> None:

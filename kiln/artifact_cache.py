@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kiln import __version__
-from kiln.artifact_format import MANIFEST
+from kiln.artifact_format import FORMAT_VERSION, MANIFEST
 from kiln.paths import kiln_home
 
 
@@ -49,6 +49,12 @@ def ensure_speculative_artifacts(model: str | Path, draft_path: str | Path, algo
     if is_artifact(model):
         raise ValueError(f"speculative_algorithm {algorithm!r}: {model} is a compiled artifact; give the model's "
                          "source (the target is compiled to return the hidden states the draft head reads)")
+    if options.pp > 1 or options.max_loras:
+        # The head reads the target's last-layer features on the scheduler's rank (a pipelined
+        # artifact returns only the logits there), and drafts for the base model, not an adapter.
+        what = f"pp={options.pp} (pipeline parallelism)" if options.pp > 1 else f"max_loras={options.max_loras} (LoRA)"
+        raise ValueError(f"speculative_algorithm {algorithm!r} with {what} is not supported; EAGLE heads run with "
+                         "pp=1 and no LoRA slots")
     from kiln.compiler.compile import load_source
     from kiln.compiler.sources.eagle import load_draft_source
 
@@ -58,8 +64,8 @@ def ensure_speculative_artifacts(model: str | Path, draft_path: str | Path, algo
                              aux_hidden_layers=draft.aux_hidden_layers or options.aux_hidden_layers)
     max_seq_len = options.max_seq_len or int(target.config.get("max_position_embeddings", 4096))
     draft_options = replace(options, step_outputs=("hidden_states", "draft_tokens"), aux_hidden_layers=(),
-                            max_seq_len=max_seq_len, quantization=None, tp=1, kv_cache_dtype="auto",
-                            kv_cache_scales=())
+                            max_seq_len=max_seq_len, quantization=None, tp=1, ep=1, expert_placement=(),
+                            kv_cache_dtype="auto", kv_cache_scales=())
     return (_compiled(model, target, target_options, {}),
             _compiled(draft_path, draft.source, draft_options, {"target": target.fingerprint, "algorithm": algorithm},
                       draft.source))
@@ -70,8 +76,10 @@ def _compiled(model: str | Path, source, options, extra: dict, compile_from=None
     cache, once per ``source``'s fingerprint, the options and ``extra``."""
     from kiln.compiler.compile import compile_model
 
-    key = json.dumps({"fingerprint": source.fingerprint, "options": options.to_json(), "kiln": __version__, **extra},
-                     sort_keys=True)
+    # The format version too: an artifact cached by an older kiln of the same version number would be
+    # refused by this one's loader rather than recompiled.
+    key = json.dumps({"fingerprint": source.fingerprint, "options": options.to_json(), "kiln": __version__,
+                      "format": FORMAT_VERSION, **extra}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     slug = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(str(model)).name or "model")
     target = kiln_home() / "artifacts" / f"{slug}-{digest}.kiln"

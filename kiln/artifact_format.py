@@ -7,7 +7,10 @@ from __future__ import annotations
 
 # 3: the runtime section records ``tp`` and each rank's ``num_kv_heads``; a tensor-parallel artifact
 # holds a weights file per rank, and a reader that ignored that would run one rank's shard alone.
-FORMAT_VERSION = 3
+# 4: the runtime section records ``pp``, ``ep`` and ``ranks`` (pp x max(tp, ep)); a pipelined artifact
+# (pp > 1) holds each stage's graph and program under stages/{s}/; every rank has its weights file
+# (stage * max(tp, ep) + the rank within its stage), which a version-3 reader would run on one rank.
+FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 GRAPH_TEXT = "graph.txt"
 GRAPH_JSON = "graph.json"
@@ -22,6 +25,11 @@ GENERATED_KERNEL_PREFIX = "generated."
 
 def generated_kernel_file(name: str) -> str:
     return f"{KERNELS_DIR}/{name[len(GENERATED_KERNEL_PREFIX):]}.py"
+
+
+def stage_dir(stage: int) -> str:
+    """Where a pipelined artifact keeps stage ``stage``'s graph and program."""
+    return f"stages/{stage}"
 
 
 def weights_file(rank: int) -> str:

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kiln.lora_layout import TARGET_MODULES
+
 EXPECTED_ERRORS = (ValueError, FileNotFoundError, FileExistsError, LookupError)
 
 
@@ -55,12 +57,34 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens (default 16)")
     p.add_argument("--quantization", default=None, type=_quantization, metavar="SCHEME",
                    help="quantize the GEMMs' weights: fp8, w8a8_int8, w8a16_int8 or mxfp4 (default: none)")
-    p.add_argument("--tp", type=int, default=1,
+    p.add_argument("--tp", type=_rank_count("--tp"), default=1,
                    help="tensor-parallel ranks: the artifact holds one weights shard per rank, and serving it "
-                        "starts every rank (default 1)")
+                        "starts every rank; auto: the planner's choice for the GPUs (kiln plan) (default 1)")
+    p.add_argument("--pp", type=_rank_count("--pp"), default=None,
+                   help="pipeline stages: the layers split into this many stages of --tp ranks each, which "
+                        "overlap on micro-batches; serving starts tp x pp ranks; auto: the planner's (default 1, "
+                        "or the planner's with --tp auto)")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="for --tp auto: the GPUs to plan for (default: this machine's; one without any)")
+    p.add_argument("--gpu-memory-gb", type=float, default=None,
+                   help="for --tp auto: memory per GPU in GB (default: the first GPU's, else an H100's)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks for a mixture-of-experts model: its routed experts partitioned "
+                        "over them, inside --tp (with --tp 1, or --tp a multiple of --ep; default 1)")
+    p.add_argument("--expert-load", type=Path, default=None, metavar="FILE",
+                   help="measured tokens per expert, a JSON object of layer -> counts (the expert_load kiln bench "
+                        "offline --out records): with --redundant-experts, copies of the hottest experts are placed "
+                        "so that the --ep ranks share the tokens evenly (EPLB-style)")
+    p.add_argument("--redundant-experts", type=int, default=0,
+                   help="extra expert slots per sparse layer for --expert-load's placement (default 0)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
                    help="the KV cache's dtype: auto (the model's) or fp8_e4m3 (half the bytes a token, per-tensor "
                         "scales of 1.0)")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="LoRA adapter slots on the device (default: 1 with --lora-modules, else no LoRA)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA adapter rank served (default 16)")
+    p.add_argument("--lora-target-modules", nargs="+", default=list(TARGET_MODULES), metavar="MODULE",
+                   help=f"projections that take LoRA adapters (default: {' '.join(TARGET_MODULES)})")
 
 
 def add_tuning_options(p: argparse.ArgumentParser, skip_pass: bool = True) -> None:
@@ -104,6 +128,18 @@ def _quantization(name: str) -> str:
     return name
 
 
+def _rank_count(flag: str):
+    def parse(text: str) -> int | str:
+        from kiln.planner.auto import parse_count
+
+        try:
+            return parse_count(text, flag)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
 def _pass_name(name: str) -> str:
     from kiln.compiler.pipeline import selected_passes
 
@@ -115,16 +151,42 @@ def _pass_name(name: str) -> str:
 
 
 def compile_options_from(args: argparse.Namespace):
+    from kiln.artifact_cache import is_artifact
     from kiln.compiler.options import CompileOptions
+    from kiln.planner.auto import LayoutHints, resolve_layout
 
     backend = args.backend
     if backend is None:
         import torch
 
         backend = "triton" if torch.cuda.is_available() else "torch"
+    # An artifact runs on the ranks it was compiled for; a model is compiled for tp x pp of them.
+    tp, pp = 1, 1
+    if not is_artifact(args.model):
+        layout = resolve_layout(args.model, args.tp, args.pp, LayoutHints(
+            args.gpus, args.gpu_memory_gb, args.dtype, args.quantization, args.max_seq_len))
+        tp, pp = layout.tp, layout.pp
+        if layout.reason:
+            print(f"kiln: {layout.reason}", file=sys.stderr)
+    lora_modules = getattr(args, "lora_modules", None)
+    max_loras = args.max_loras if args.max_loras is not None else (1 if lora_modules else 0)
     return CompileOptions(dtype=args.dtype, backend=backend, max_batch_tokens=args.max_batch_tokens,
                           max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, page_size=args.page_size,
-                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, tp=args.tp)
+                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, tp=tp, pp=pp,
+                          ep=args.ep, expert_placement=_expert_placement(args),
+                          max_loras=max_loras, max_lora_rank=args.max_lora_rank,
+                          lora_target_modules=tuple(args.lora_target_modules))
+
+
+def _expert_placement(args: argparse.Namespace) -> tuple:
+    """``--expert-load`` and ``--redundant-experts`` as ``CompileOptions.expert_placement``."""
+    if args.expert_load is None:
+        if args.redundant_experts:
+            raise ValueError("--redundant-experts places copies by measured load: give --expert-load FILE too")
+        return ()
+    from kiln.compiler.expert_placement import placements_from_loads, read_loads
+
+    return placements_from_loads(read_loads(args.expert_load), args.redundant_experts, args.ep)
 
 
 def _run_compile(args: argparse.Namespace) -> int:
@@ -172,10 +234,12 @@ def _add_serve(commands) -> None:
     p.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"])
     p.add_argument("--world-size", type=int, default=1,
                    help="ranks to run a one-rank artifact on, each a full copy in its own process after the first "
-                        "(default 1; a tensor-parallel artifact runs on its --tp ranks)")
+                        "(default 1; a tensor- or expert-parallel artifact runs on its own max(--tp, --ep) ranks)")
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel replicas, each its own scheduler process, engine and KV cache (on GPUs its "
                         "own devices), behind one endpoint with a cache-aware router (default 1)")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="most requests waiting beyond those running; more get 503 with Retry-After (default: no limit)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--reference-fallback", action="store_true",
                    help="on a GPU that cannot run the model's FP8 (compute capability < 8.9), run the torch "
@@ -185,9 +249,19 @@ def _add_serve(commands) -> None:
     p.add_argument("--debug-fail-token-id", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3", "mistral", "pythonic"],
                    help="how the model writes tool calls (default: from its chat template; hermes for the built-in one)")
+    p.add_argument("--lora-modules", nargs="+", default=[], type=_lora_module, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) to serve from the start; a request picks one with "
+                        "\"model\": NAME; more load at run time through POST /v1/load_lora_adapter")
     p.add_argument("--grpc-port", type=int, default=None,
                    help="also serve the gRPC API (kiln/server/grpc/kiln.proto) on this port")
     p.set_defaults(run=_run_serve)
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules takes NAME=PATH, got {text!r}")
+    return name, path
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -195,6 +269,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     from kiln.cli_speculative import speculative_keywords
     from kiln.server.ipc import exit_now
     from kiln.server.launch import ServeConfig, serve
+    from kiln.server.tokenizer_manager import Admission
 
     if args.device == "cpu" and args.backend is None:
         args.backend = "torch"  # Triton kernels need a GPU
@@ -212,7 +287,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or artifact_model_name(artifact),
         max_body_bytes=args.max_body_bytes, max_n=args.max_n, drain_timeout=args.drain_timeout,
         log_level=args.log_level, tool_call_parser=args.tool_call_parser, grpc_port=args.grpc_port,
-        engine=engine, dp=args.dp)
+        engine=engine, dp=args.dp, admission=Admission(args.max_queued_requests),
+        lora_modules=dict(args.lora_modules))
     # Its child processes are gone; the interpreter's teardown would only delay a prompt exit.
     exit_now(serve(str(artifact), config))
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 # Modules the benchmarks import, not benchmarks themselves.
-BENCH_HELPERS = frozenset({"models"})
+BENCH_HELPERS = frozenset({"models", "serving_stats"})
 # Benchmarks named other than their file. The kernel benchmark's file is not kernels.py: the scripts
 # run with bench/ first on sys.path, where a module named kernels shadows the `kernels` package that
 # transformers imports when it is installed (transformers 5.25 installs it).

@@ -53,8 +53,8 @@ def _engine(args: argparse.Namespace):
     return Engine(args.model, dtype=options.dtype, backend=options.backend, max_batch_tokens=options.max_batch_tokens,
                   max_batch_size=options.max_batch_size, max_seq_len=options.max_seq_len, page_size=options.page_size,
                   device=args.device, kv_cache_tokens=args.kv_cache_tokens, quantization=options.quantization,
-                  kv_cache_dtype=options.kv_cache_dtype, reference_fallback=args.reference_fallback,
-                  **speculative_keywords(args))
+                  kv_cache_dtype=options.kv_cache_dtype, tp=options.tp, pp=options.pp,
+                  reference_fallback=args.reference_fallback, **speculative_keywords(args))
 
 
 def _params(args: argparse.Namespace):

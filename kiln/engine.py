@@ -7,6 +7,9 @@ requests from any thread or event loop and get outputs, or stream text deltas.
 
 Bad input (invalid sampling parameters, a prompt beyond the context) raises ``ValueError`` at once
 in the caller; the engine keeps serving everything else.
+
+``tp="auto"`` (and ``pp="auto"``) asks the planner for the layout of a model compiled on first use
+(``kiln.planner.auto``; ``gpus`` and ``gpu_memory_gb`` are its hints where there are no GPUs to count).
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import asyncio
 import queue
 import threading
 import uuid
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence, Union
 
-from kiln.artifact_cache import ensure_model_artifacts
+from kiln.artifact_cache import ensure_model_artifacts, is_artifact
 from kiln.compiler.options import CompileOptions
+from kiln.planner.auto import LayoutHints, resolve_layout
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.engine_options import EngineOptions
 from kiln.runtime.outputs import RequestOutput, StreamDelta
@@ -37,18 +42,29 @@ class Engine:
                  page_size: int = 16, device: str | None = None, kv_cache_tokens: int | None = None,
                  mem_fraction: float = 0.85, schedule_policy: str = "lpm", enable_prefix_cache: bool = True,
                  world_size: int = 1, quantization: str | None = None, kv_cache_dtype: str = "auto",
-                 tp: int = 1, reference_fallback: bool = False, speculative_algorithm: str | None = None,
+                 tp: int | str = 1, pp: int | str | None = None, ep: int = 1, gpus: int | None = None,
+                 gpu_memory_gb: float | None = None, reference_fallback: bool = False, speculative_algorithm: str | None = None,
                  speculative_num_draft_tokens: int | None = None, speculative_num_steps: int | None = None,
                  speculative_eagle_topk: int | None = None, speculative_draft_model_path: str | None = None,
                  speculative_ngram_min_match_window_size: int = 1,
-                 speculative_ngram_max_match_window_size: int = 12) -> None:
+                 speculative_ngram_max_match_window_size: int = 12, lora_modules: dict[str, str] | None = None,
+                 max_loras: int | None = None, max_lora_rank: int = 16) -> None:
+        """``lora_modules`` ({name: PEFT directory}) are loaded at start; ``max_loras`` adapter slots
+        (default: 1 with lora_modules, else none) of rank up to ``max_lora_rank`` are compiled in."""
         import torch
 
+        # An artifact runs on the ranks it was compiled for; a model is compiled for tp x pp of them.
+        layout = None if is_artifact(model) else resolve_layout(
+            model, tp, pp, LayoutHints(gpus, gpu_memory_gb, dtype, quantization, max_seq_len))
+        self.layout_reason = layout.reason if layout is not None else None  # the planner's, for tp="auto"
         on_gpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
         compile_options = CompileOptions(dtype=dtype, backend=backend or ("triton" if on_gpu else "torch"),
                                          max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size,
                                          max_seq_len=max_seq_len, page_size=page_size, quantization=quantization,
-                                         kv_cache_dtype=kv_cache_dtype, tp=tp)
+                                         kv_cache_dtype=kv_cache_dtype, ep=ep,
+                                         tp=layout.tp if layout else 1, pp=layout.pp if layout else 1,
+                                         max_loras=(1 if lora_modules else 0) if max_loras is None else max_loras,
+                                         max_lora_rank=max_lora_rank)
         # With an EAGLE head, the target returns the features the head reads and the head is compiled too.
         self.artifact_path, speculative_draft_model_path = ensure_model_artifacts(
             model, compile_options, speculative_algorithm, speculative_draft_model_path)
@@ -62,6 +78,8 @@ class Engine:
             speculative_ngram_min_match_window_size=speculative_ngram_min_match_window_size,
             speculative_ngram_max_match_window_size=speculative_ngram_max_match_window_size))
         self.tokenizer = self.core.tokenizer
+        for name, path in (lora_modules or {}).items():
+            self.core.load_lora(name, str(path))
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._handles: dict[str, RequestHandle] = {}
@@ -72,28 +90,30 @@ class Engine:
 
     # ---- public API ----------------------------------------------------------------------------------
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: ParamsLike | Sequence[ParamsLike] = None
-                 ) -> RequestOutput | list[RequestOutput]:
-        """Text or token-id prompts (one, or a list) -> outputs, all submitted at once."""
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: ParamsLike | Sequence[ParamsLike] = None,
+                 lora: str | None = None) -> RequestOutput | list[RequestOutput]:
+        """Text or token-id prompts (one, or a list) -> outputs, all submitted at once; ``lora``: the
+        name of a loaded adapter to run them under (None: the base model)."""
         single = _is_single_prompt(prompts)
         batch = [prompts] if single else list(prompts)
         params = _params_for(batch, sampling_params)
-        handles = [self._submit(self._encode(p), sp) for p, sp in zip(batch, params)]
+        handles = [self._submit(self._encode(p), sp, lora=lora) for p, sp in zip(batch, params)]
         outputs = [h.wait() for h in handles]
         return outputs[0] if single else outputs
 
-    def chat(self, messages: Messages | Sequence[Messages], sampling_params: ParamsLike | Sequence[ParamsLike] = None
-             ) -> RequestOutput | list[RequestOutput]:
+    def chat(self, messages: Messages | Sequence[Messages], sampling_params: ParamsLike | Sequence[ParamsLike] = None,
+             lora: str | None = None) -> RequestOutput | list[RequestOutput]:
         """Conversations rendered with the model's chat template -> outputs."""
         single = not messages or isinstance(messages[0], dict)
         conversations = [messages] if single else list(messages)
         prompts = [self.chat_prompt_ids(c) for c in conversations]
-        return self.generate(prompts[0] if single else prompts, sampling_params)
+        return self.generate(prompts[0] if single else prompts, sampling_params, lora)
 
-    def stream(self, prompt: Prompt, sampling_params: ParamsLike = None) -> Iterator[StreamDelta]:
+    def stream(self, prompt: Prompt, sampling_params: ParamsLike = None, lora: str | None = None
+               ) -> Iterator[StreamDelta]:
         """Text deltas as they are generated (blocking iterator)."""
         deltas: queue.SimpleQueue[StreamDelta | None] = queue.SimpleQueue()
-        handle = self._submit(self._encode(prompt), _as_params(sampling_params), deltas.put)
+        handle = self._submit(self._encode(prompt), _as_params(sampling_params), deltas.put, lora=lora)
         try:
             while (delta := deltas.get()) is not None:
                 yield delta
@@ -103,22 +123,24 @@ class Engine:
             if not handle.finished:
                 self.abort(handle.rid)
 
-    async def async_generate(self, prompt: Prompt, sampling_params: ParamsLike = None) -> RequestOutput:
+    async def async_generate(self, prompt: Prompt, sampling_params: ParamsLike = None, lora: str | None = None
+                             ) -> RequestOutput:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         handle = self._submit(self._encode(prompt), _as_params(sampling_params),
-                              on_finish=lambda out: loop.call_soon_threadsafe(_resolve, done, out))
+                              on_finish=lambda out: loop.call_soon_threadsafe(_resolve, done, out), lora=lora)
         try:
             return await done
         except asyncio.CancelledError:
             self.abort(handle.rid)
             raise
 
-    async def async_stream(self, prompt: Prompt, sampling_params: ParamsLike = None) -> AsyncIterator[StreamDelta]:
+    async def async_stream(self, prompt: Prompt, sampling_params: ParamsLike = None, lora: str | None = None
+                           ) -> AsyncIterator[StreamDelta]:
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[StreamDelta | None] = asyncio.Queue()
         handle = self._submit(self._encode(prompt), _as_params(sampling_params),
-                              lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d))
+                              lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d), lora=lora)
         try:
             while (delta := await deltas.get()) is not None:
                 yield delta
@@ -142,6 +164,14 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         self._send("abort", rid)
+
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Serves the PEFT adapter at ``path`` as ``name`` (ValueError naming what is wrong)."""
+        self._call(self.core.load_lora, name, str(path))
+
+    def unload_lora(self, name: str) -> None:
+        """Forgets adapter ``name``; its requests in flight finish with it (LookupError if unknown)."""
+        self._call(self.core.unload_lora, name)
 
     def shutdown(self) -> None:
         if self._closed:
@@ -167,16 +197,26 @@ class Engine:
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the engine's thread, between steps (the registry and the device slots are
+        the core's); its exception is raised here."""
+        result: Future = Future()
+        self._send("call", (result, fn, args))
+        return result.result()
+
     def _submit(self, prompt_ids: list[int], params: SamplingParams,
                 on_delta: Callable[[StreamDelta | None], None] | None = None,
-                on_finish: Callable[[RequestOutput | BaseException], None] | None = None) -> RequestHandle:
+                on_finish: Callable[[RequestOutput | BaseException], None] | None = None,
+                lora: str | None = None) -> RequestHandle:
         if self._closed:
             raise RuntimeError("the engine is shut down")
         if self._failure is not None:
             raise RuntimeError(f"the engine failed: {self._failure}")
         self.core.validate(prompt_ids, params)
+        if lora is not None:
+            self.core.lookup_lora(lora)  # an unknown adapter is refused here, in the caller
         handle = RequestHandle(uuid.uuid4().hex, prompt_ids, params, self.tokenizer, on_delta, on_finish)
-        self._send("add", handle)
+        self._send("add", (handle, lora))
         return handle
 
     def _send(self, kind: str, payload: Any) -> None:
@@ -212,11 +252,18 @@ class Engine:
             except queue.Empty:
                 return
             if kind == "add":
+                handle, lora = payload
                 try:
-                    self.core.add_request(payload.rid, payload.prompt_ids, payload.params)
-                    self._handles[payload.rid] = payload
-                except ValueError as exc:
-                    payload.fail(exc)
+                    self.core.add_request(handle.rid, handle.prompt_ids, handle.params, lora=lora)
+                    self._handles[handle.rid] = handle
+                except (ValueError, LookupError) as exc:
+                    handle.fail(exc)
+            elif kind == "call":
+                result, fn, args = payload
+                try:
+                    result.set_result(fn(*args))
+                except Exception as exc:  # the caller's to handle; the engine goes on
+                    result.set_exception(exc)
             elif kind == "abort":
                 for event in self.core.abort(payload):
                     handle = self._handles.get(event.rid)

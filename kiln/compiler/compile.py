@@ -10,14 +10,15 @@ import json
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors.torch import save_file
 
 from kiln import __version__
 from kiln.artifact_format import (FORMAT_VERSION, GRAPH_JSON, GRAPH_TEXT, KERNELS_DIR, MANIFEST, PROGRAM,
-                                  TOKENIZER_DIR, generated_kernel_file, weights_file)
-from kiln.ir import print_graph
+                                  TOKENIZER_DIR, generated_kernel_file, stage_dir, weights_file)
+from kiln.ir import Graph, print_graph
 from kiln.ir.serialize import dumps
 from kiln.models import BuildOptions, family_for
 from kiln.tensors import parse_float_dtype
@@ -25,7 +26,9 @@ from kiln.tensors import parse_float_dtype
 from .codegen.program import generate_program
 from .options import CompileOptions
 from .passes.base import PassContext
+from .passes.count_expert_load import PREFIX as EXPERT_LOAD
 from .passes.quantize_kv_cache import KV_CACHE_DTYPES
+from .passes.split_pipeline import stage_layers
 from .pipeline import run_pipeline
 from .quantization import QuantizationMethod, get_method
 from .sources.hf import ModelSource, load_hf_dir
@@ -62,14 +65,19 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
         "P": -(-max_seq_len // options.page_size),
     }
     quantization = _quantization(options.quantization, source)
-    ctx = PassContext(backend=options.backend, symbol_bounds=bounds, recipes=list(built.recipes),
-                      quantization=quantization, tp=options.tp, kv_cache_dtype=options.kv_cache_dtype,
-                      kv_cache_scales=options.kv_cache_scales, step_outputs=options.step_outputs,
-                      aux_hidden_layers=options.aux_hidden_layers)
-    graph, pass_log = run_pipeline(built.graph, ctx, dump_dir=dump_ir, skip=options.skip_passes)
-
-    store = WeightStore(source.tensors, built.computed, ctx.recipes, str(source.path))
-    store.check_available(graph)
+    stages = []
+    for stage in range(options.pp):  # one run of the passes per pipeline stage (passes/split_pipeline.py)
+        ctx = PassContext(backend=options.backend, symbol_bounds=bounds, recipes=list(built.recipes),
+                          quantization=quantization, tp=options.tp, pp=options.pp, stage=stage, ep=options.ep,
+                          expert_placement=options.expert_placement, kv_cache_dtype=options.kv_cache_dtype,
+                          kv_cache_scales=options.kv_cache_scales, lora=options.lora_layout(),
+                          step_outputs=options.step_outputs, aux_hidden_layers=options.aux_hidden_layers)
+        dump = dump_ir if dump_ir is None or options.pp == 1 else dump_ir / stage_dir(stage)
+        graph, pass_log = run_pipeline(built.graph, ctx, dump_dir=dump, skip=options.skip_passes)
+        store = WeightStore(source.tensors, built.computed, ctx.recipes, str(source.path))
+        store.check_available(graph)
+        stages.append(_Stage(graph, ctx, pass_log, store))
+    generated_kernels = _generated_kernels(stages)
 
     out = Path(out)
     if out.exists() and not (out / MANIFEST).is_file():
@@ -79,12 +87,17 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
     try:
         (staging / KERNELS_DIR).mkdir()
         (staging / weights_file(0)).parent.mkdir()
-        for rank in range(options.tp):
-            save_file(dict(store.materialize(graph, rank)), str(staging / weights_file(rank)))
-        (staging / GRAPH_TEXT).write_text(print_graph(graph))
-        (staging / GRAPH_JSON).write_text(dumps(graph))
-        (staging / PROGRAM).write_text(generate_program(graph, ctx.kernel_choice, ctx.memory_plan))
-        for name, (_, kernel_source) in ctx.generated_kernels.items():
+        for index, stage in enumerate(stages):
+            files = staging / (stage_dir(index) if options.pp > 1 else "")
+            files.mkdir(parents=True, exist_ok=True)
+            for shard in range(options.stage_ranks):  # rank R = stage * stage_ranks + shard
+                save_file(dict(stage.store.materialize(stage.graph, shard)),
+                          str(staging / weights_file(index * options.stage_ranks + shard)))
+            (files / GRAPH_TEXT).write_text(print_graph(stage.graph))
+            (files / GRAPH_JSON).write_text(dumps(stage.graph))
+            (files / PROGRAM).write_text(generate_program(stage.graph, stage.ctx.kernel_choice,
+                                                          stage.ctx.memory_plan))
+        for name, (_, kernel_source) in generated_kernels.items():
             (staging / generated_kernel_file(name)).write_text(kernel_source)
         tokenizer = _copy_tokenizer(source, staging / TOKENIZER_DIR)
         manifest = {
@@ -104,7 +117,10 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
             "runtime": {
                 "num_layers": built.num_layers,
                 "tp": options.tp,
-                "num_kv_heads": graph.inputs["k_cache.0"].shape[1],  # each rank's (shard_tp splits them)
+                "pp": options.pp,
+                "ep": options.ep,
+                "ranks": options.ranks,  # the processes it runs on, each with its weights file
+                "num_kv_heads": _kv_heads(stages[0].graph),  # each rank's (shard_tp splits them)
                 "head_dim": built.head_dim,
                 "vocab_size": built.vocab_size,
                 "max_seq_len": max_seq_len,
@@ -113,15 +129,22 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
                 "kv_cache_dtype": str(KV_CACHE_DTYPES[options.kv_cache_dtype] or dtype),  # the pool's
                 "symbol_bounds": bounds,
                 "step_schema": options.step_schema().to_json(),
+                # The per-layer expert counters the runtime keeps (passes/count_expert_load.py).
+                "expert_load": [{"input": name, "layer": int(name[len(EXPERT_LOAD):]), "experts": t.shape[0]}
+                                for name, t in stages[0].graph.inputs.items() if name.startswith(EXPERT_LOAD)],
             },
-            "memory_plan": ctx.memory_plan.to_json(),
-            "kernels": sorted(set(ctx.kernel_choice)),
-            "generated_kernels": {name: op for name, (op, _) in ctx.generated_kernels.items()},
-            "passes": pass_log,
-            "weights": [weights_file(rank) for rank in range(options.tp)],
+            "lora": stages[0].ctx.lora.to_json() if stages[0].ctx.lora is not None else None,
+            "memory_plan": stages[0].ctx.memory_plan.to_json(),
+            "kernels": sorted({name for stage in stages for name in stage.ctx.kernel_choice}),
+            "generated_kernels": {name: op for name, (op, _) in generated_kernels.items()},
+            "passes": stages[0].pass_log,
+            "weights": [weights_file(rank) for rank in range(options.ranks)],
             "tokenizer": TOKENIZER_DIR if tokenizer else None,
             "compile_seconds": round(time.perf_counter() - started, 3),
         }
+        if options.pp > 1:
+            manifest["stages"] = [_stage_entry(index, stage, built.num_layers, options.pp)
+                                  for index, stage in enumerate(stages)]
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
         if out.exists():
             shutil.rmtree(out)
@@ -130,6 +153,39 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """One pipeline stage's compiled graph, the context its passes ran in, their log, its weights."""
+
+    graph: Graph
+    ctx: PassContext
+    pass_log: list[dict]
+    store: WeightStore
+
+
+def _stage_entry(index: int, stage: _Stage, num_layers: int, pp: int) -> dict:
+    """The manifest's record of a pipeline stage: where its files are, its layers (and KV caches), its
+    memory plan and pass log."""
+    layers = stage_layers(num_layers, pp, index)
+    return {"dir": stage_dir(index), "layers": [layers.start, layers.stop], "num_kv_heads": _kv_heads(stage.graph),
+            "memory_plan": stage.ctx.memory_plan.to_json(), "passes": stage.pass_log}
+
+
+def _kv_heads(graph: Graph) -> int:
+    """The KV heads a rank's pool holds: the heads of the graph's first KV cache."""
+    return next(t.shape[1] for name, t in graph.inputs.items() if name.startswith("k_cache."))
+
+
+def _generated_kernels(stages: list[_Stage]) -> dict[str, tuple[str, str]]:
+    """Every stage's generated kernels by name; stages generating one name generate the same source."""
+    kernels: dict[str, tuple[str, str]] = {}
+    for stage in stages:
+        for name, kernel in stage.ctx.generated_kernels.items():
+            if kernels.setdefault(name, kernel) != kernel:
+                raise ValueError(f"generated kernel {name}: two pipeline stages generate different sources")
+    return kernels
 
 
 def _quantization(requested: str | None, source: ModelSource) -> QuantizationMethod | None:

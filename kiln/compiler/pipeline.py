@@ -3,11 +3,17 @@
 The per-token hidden states EAGLE draft heads read are exposed first, on the model's own residual
 adds (``expose_hidden_states``). Transforms rewrite the graph; analyses (kernel selection, memory planning) leave their results in
 the context for codegen. The order matters: tensor-parallel sharding comes first, on the graph as
-the model wrote it (its patterns are the model's primitive ops), so the fusions see the sharded
+the model wrote it (its patterns are the model's primitive ops); the pipeline split follows (it keeps
+one stage's layers: the compiler runs the list once per stage), so no fusion joins ops of two stages;
+then expert-parallel sharding of the ``moe`` ops tensor parallelism leaves whole (after their experts
+are laid in slots, when a placement asks for copies) and the expert-load counters after each router
+(before the fusions, which leave them alone), so the fusions see the sharded
 GEMMs and the collectives between them; the linear fusions must see the unfused projections,
 silu·mul must see the split the gate/up fusion made, the residual adds must join their GEMMs
-before silu·mul joins the down GEMM and the norms join theirs, rope+KV store must see the q/k norms before
-anything else touches them (and joins the attention after that), quantization sees the GEMMs as they will
+before silu·mul joins the down GEMM and the norms join theirs, LoRA hooks go on the GEMMs after the
+residual adds joined them and before the norms and silu·mul do (hooks read those ops' inputs,
+leaving them to their GEMMs), rope+KV store must see the q/k norms before anything else touches them
+(and joins the attention after that), quantization sees the GEMMs as they will
 run (fused weights are quantized once, whole), as the FP8 KV cache sees the fused attention ops, and
 both come before dead-code elimination (which drops the
 plain weights it leaves unread) and kernel selection (which picks kernels by the weight's format), and
@@ -26,6 +32,7 @@ from typing import Sequence
 from kiln.ir import Graph, print_graph, verify
 
 from .passes.base import Pass, PassContext
+from .passes.count_expert_load import count_expert_load
 from .passes.dce import eliminate_dead_code
 from .passes.expose_hidden_states import expose_hidden_states
 from .passes.fuse_add_rmsnorm import fuse_add_rmsnorm
@@ -36,11 +43,15 @@ from .passes.fuse_rope_attention import fuse_rope_attention
 from .passes.fuse_rope_kv_store import fuse_rope_kv_store
 from .passes.fuse_silu_mul import fuse_silu_mul
 from .passes.fuse_silu_mul_linear import fuse_silu_mul_linear
+from .passes.insert_lora import insert_lora
+from .passes.place_experts import place_experts
 from .passes.plan_memory import plan_memory
 from .passes.quantize import quantize
 from .passes.quantize_kv_cache import quantize_kv_cache
 from .passes.select_kernels import select_kernels
+from .passes.shard_ep import shard_ep
 from .passes.shard_tp import shard_tp
+from .passes.split_pipeline import split_pipeline
 
 
 def _verify(graph: Graph, ctx: PassContext) -> Graph:
@@ -52,9 +63,14 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("verify", _verify),
     ("expose_hidden_states", expose_hidden_states),
     ("shard_tp", shard_tp),
+    ("split_pipeline", split_pipeline),
+    ("place_experts", place_experts),
+    ("shard_ep", shard_ep),
+    ("count_expert_load", count_expert_load),
     ("fuse_linears", fuse_linears),
     ("fuse_silu_mul", fuse_silu_mul),
     ("fuse_linear_residual", fuse_linear_residual),
+    ("insert_lora", insert_lora),
     ("fuse_silu_mul_linear", fuse_silu_mul_linear),
     ("fuse_norm_linear", fuse_norm_linear),
     ("fuse_add_rmsnorm", fuse_add_rmsnorm),
@@ -67,8 +83,10 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("plan_memory", plan_memory),
 ]
 # Without these there is no checked graph, no kernel table or no memory plan to write, no rank's
-# shard of a tensor-parallel model, or no step output the options ask for.
-REQUIRED = frozenset({"verify", "expose_hidden_states", "shard_tp", "select_kernels", "plan_memory"})
+# shard of a tensor- or expert-parallel model or stage of a pipelined one, no LoRA hooks the
+# artifact was asked for, or no step output the options ask for.
+REQUIRED = frozenset({"verify", "expose_hidden_states", "shard_tp", "split_pipeline", "shard_ep", "insert_lora",
+                      "select_kernels", "plan_memory"})
 
 
 def selected_passes(skip: Sequence[str] = ()) -> list[tuple[int, str, Pass]]:

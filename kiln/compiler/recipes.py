@@ -63,13 +63,16 @@ class Stack:
 
 @dataclass(frozen=True)
 class Slice:
-    """``output``: part ``index`` of ``count`` equal parts of ``source`` along ``axis`` (one rank's shard)."""
+    """``output``: part ``index`` of ``count`` equal parts of ``source`` along ``axis`` (one rank's shard).
+    With ``groups`` > 1 the axis holds that many equal blocks (a stacked expert's gate rows, then its
+    up rows), and the part is taken from each block, the parts joined in block order."""
 
     output: str
     source: str
     axis: int
     index: int
     count: int
+    groups: int = 1
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -82,11 +85,13 @@ class Slice:
     def make(self, tensors: list[torch.Tensor | QuantizedTensor]) -> tuple[torch.Tensor | QuantizedTensor, ...]:
         (tensor,) = tensors
         size = tensor.shape[self.axis]
-        if size % self.count:
+        if size % (self.count * self.groups):
+            shards = f"{self.count}" if self.groups == 1 else f"{self.groups} blocks x {self.count}"
             raise ValueError(f"{self.output}: axis {self.axis} of {self.source} ({size}) does not split into "
-                             f"{self.count} equal shards")
-        part = size // self.count
-        return (tensor.narrow(self.axis, self.index * part, part),)
+                             f"{shards} equal shards")
+        block, part = size // self.groups, size // self.groups // self.count
+        parts = [tensor.narrow(self.axis, g * block + self.index * part, part) for g in range(self.groups)]
+        return (parts[0] if self.groups == 1 else concat(parts, self.axis),)
 
 
 @dataclass(frozen=True)
@@ -94,13 +99,17 @@ class Shard:
     """``output``: one rank's part of ``source`` along ``axis``, cut into ``parts`` equal parts over
     ``ranks`` ranks. Rank r holds part ``r * parts // ranks``: with as many parts as ranks each holds
     its own; with fewer, each part is held by ``ranks // parts`` neighbouring ranks (KV heads
-    replicated when there are more ranks than heads)."""
+    replicated when there are more ranks than heads). ``cyclic``: rank r holds part ``r % parts``
+    instead (each expert group's ranks splitting its experts' width: ``shard_ep``); ``groups``: as
+    ``Slice``'s."""
 
     output: str
     source: str
     axis: int
     parts: int
     ranks: int
+    cyclic: bool = False
+    groups: int = 1
 
     def __post_init__(self) -> None:
         if self.parts < 1 or self.ranks % self.parts:
@@ -115,7 +124,8 @@ class Shard:
         return (self.output,)
 
     def for_rank(self, rank: int) -> Slice:
-        return Slice(self.output, self.source, self.axis, rank * self.parts // self.ranks, self.parts)
+        part = rank % self.parts if self.cyclic else rank * self.parts // self.ranks
+        return Slice(self.output, self.source, self.axis, part, self.parts, self.groups)
 
 
 @dataclass(frozen=True)
@@ -159,11 +169,11 @@ class Zeros:
 
 @dataclass(frozen=True)
 class Constant:
-    """``output``: the int32 vector ``values`` (a value the passes compute, such as where each rank's
-    shard of the vocabulary starts)."""
+    """``output``: the int32 array ``values`` (nested tuples for more axes): a value the passes compute,
+    such as where each rank's shard of the vocabulary starts, or each expert's physical copies."""
 
     output: str
-    values: tuple[int, ...]
+    values: tuple
 
     @property
     def inputs(self) -> tuple[str, ...]:

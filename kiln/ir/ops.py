@@ -145,7 +145,7 @@ def get_op(name: str) -> OpDef:
 
 def _load_families() -> None:
     # Imported lazily so the op families can import this module's helpers.
-    from . import ops_collective, ops_core, ops_fused, ops_moe  # noqa: F401
+    from . import ops_collective, ops_core, ops_fused, ops_lora, ops_moe  # noqa: F401
 
 
 # ---- helpers the op families share ----------------------------------------------------------

@@ -4,12 +4,15 @@ A sparse MoE block is ``router_topk(linear(x, router_weight))`` followed by ``mo
 stacked weights; a shared expert (Qwen2-MoE) is ordinary ops beside it: a dense gated MLP whose
 output ``scale_rows`` multiplies by ``sigmoid(linear(x, shared_gate_weight))``.
 
-Expert parallelism: ``moe`` holds experts ``expert_offset .. expert_offset + E - 1`` of the model's
-(``E`` = the stacked weights' first dim) and skips a token's choice of any other expert. A shard_ep
-pass gives rank r a contiguous slice of the stacked weights (``Placement.expert`` along axis 0, a
-``Slice`` recipe) and sets ``expert_offset = r * E``; each rank's output is then its experts' part of
-the sum, and an all-reduce of the outputs (or a reduce-scatter after an all-to-all dispatch) makes
-the whole. The router stays replicated, so every rank sees every token's ids and weights.
+Expert parallelism: ``moe`` holds experts ``expert_offset + start .. expert_offset + start + E - 1`` of
+the model's (``E`` = the stacked weights' first dim; ``start`` = the optional ``expert_start`` input,
+an i32[1], 0 when absent) and skips a token's choice of any other expert. The ``shard_ep`` pass
+(``compiler/passes/shard_ep.py``) gives rank r a contiguous slice of the stacked weights
+(``Placement.expert`` along axis 0, a ``Shard`` of the ``Stack``) and its first expert as that
+rank's ``expert_start`` parameter: every rank runs the same program, so what differs between ranks
+is data (a weight), never an attribute. Each rank's output is then its experts' part of the sum,
+and an ``all_reduce`` of the outputs makes the whole. The router stays replicated, so every rank
+sees every token's ids and weights.
 
 Quantized experts: a quantized stacked weight would be a ``QuantizedType`` of logical shape
 ``[E, 2I, H]`` whose scales carry the expert axis too (per expert and output channel: ``[E, 2I]``);
@@ -52,7 +55,10 @@ register_op(OpDef(
 
 
 def _moe(t: Types, a: Attrs) -> tuple[TensorType, ...]:
-    x, weights, ids, w_gate_up, w_down = t
+    x, weights, ids, w_gate_up, w_down = t[:5]
+    if len(t) > 5:
+        expect_int("moe", "expert_start", t[5])
+        expect(t[5].shape == (1,), f"moe: expert_start must be one index ([1]), got {t[5]}")
     expect_rank("moe", "x", x, 2)
     expect_rank("moe", "w_gate_up", w_gate_up, 3)
     expect_rank("moe", "w_down", w_down, 3)
@@ -73,12 +79,48 @@ def _moe(t: Types, a: Attrs) -> tuple[TensorType, ...]:
 
 
 register_op(OpDef(
-    "moe", ("x", "weights", "ids", "w_gate_up", "w_down"),
+    "moe", ("x", "weights", "ids", "w_gate_up", "w_down", "expert_start?"),
     {"expert_offset": AttrSpec("int", 0)},
     _moe,
-    doc="for each row t and choice j with e = ids[t, j] - expert_offset in 0..E-1: gate, up = split(linear(x[t], "
+    doc="for each row t and choice j with e = ids[t, j] - expert_offset - expert_start in 0..E-1: gate, up = split(linear(x[t], "
         "w_gate_up[e]), 2 halves); out[t] += weights[t, j] * linear(silu_mul(gate, up), w_down[e]) "
         "(choices of other experts add nothing)",
+))
+
+
+def _place_experts(t: Types, a: Attrs) -> tuple[TensorType, ...]:
+    ids, table = t
+    expect_int("place_experts", "ids", ids)
+    expect_rank("place_experts", "ids", ids, 2)
+    expect(table.dtype == DType.i32 and table.rank == 2, f"place_experts: table {table} must be an i32 [E, copies]")
+    return (ids,)
+
+
+# Redundant experts (compiler/passes/place_experts.py): a logical expert's choice goes to one of its
+# physical copies, picked by the row, so a replicated expert's tokens spread evenly over its copies.
+register_op(OpDef(
+    "place_experts", ("ids", "table"), {}, _place_experts,
+    doc="out[t, j] = table[ids[t, j], t % C] (C = table's columns: each expert's physical slots, repeated "
+        "cyclically to fill them)",
+))
+
+
+def _count_experts(t: Types, a: Attrs) -> tuple[TensorType, ...]:
+    counts, ids, slots = t
+    expect(counts.dtype == DType.i64 and counts.rank == 1, f"count_experts: counts {counts} must be an i64 [E]")
+    expect_int("count_experts", "ids", ids)
+    expect_rank("count_experts", "ids", ids, 2)
+    expect(slots.rank == 1 and same_dim(slots.shape[0], ids.shape[0]),
+           f"count_experts: slots {slots} must have a row of ids {ids} each")
+    return (counts,)
+
+
+# Load visibility (compiler/passes/count_expert_load.py): a layer's tokens per expert, accumulated in
+# place over the steps in a state input the runtime owns, as the KV pool's kv_store does.
+register_op(OpDef(
+    "count_experts", ("counts", "ids", "slots"), {}, _count_experts, aliases=(0,), has_effect=True,
+    doc="counts[e] += the choices of expert e in ids, over rows whose slot is >= 0 (padding rows store no KV "
+        "and count nothing); returns counts",
 ))
 
 

@@ -59,7 +59,6 @@ def library_path(x: torch.Tensor, weight: torch.Tensor, scheme: QuantScheme, act
     if (scheme.name, act_quant) == ("int8_channel", "int8_per_token"):
         return INT_MM if x.shape[0] > 16 and k % 8 == 0 and n % 8 == 0 else None
     return None  # mixed weight and activation types: the Triton GEMV takes them
-    return None
 
 
 # --- per-token activation quantization --------------------------------------------------------------

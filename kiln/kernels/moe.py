@@ -1,5 +1,6 @@
 """Mixture-of-experts kernels, torch side: the router's top-k, the routed experts (``moe``) and the
-shared expert's gate (``sigmoid``, ``scale_rows``); the ``ref_`` versions the Triton kernels
+shared expert's gate (``sigmoid``, ``scale_rows``), the tokens per expert (``count_experts``), a choice's physical copy
+(``place_experts``); the ``ref_`` versions the Triton kernels
 (``moe_align.py``, ``moe_gemm.py``) are tested against.
 
 The references compute what the ops' docs say (``kiln/ir/ops_moe.py``): each expert's rows through
@@ -43,6 +44,16 @@ def ref_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up
     return out.to(x.dtype)
 
 
+def ref_count_experts(counts: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    real = ids[slots >= 0].long().flatten()
+    return counts + torch.bincount(real, minlength=counts.numel())[:counts.numel()]
+
+
+def ref_place_experts(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    columns = torch.arange(ids.shape[0], device=ids.device) % table.shape[1]
+    return table[ids.long(), columns[:, None]].to(ids.dtype)
+
+
 def ref_sigmoid(x: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(x)
 
@@ -57,8 +68,21 @@ def _router_topk(logits, *, out, top_k, renormalize=False, scoring="softmax"):
     out[1].copy_(ids)
 
 
-def _moe(x, weights, ids, w_gate_up, w_down, *, out, expert_offset=0):
-    out.copy_(ref_moe(x, weights, ids, w_gate_up, w_down, expert_offset))
+def _moe(x, weights, ids, w_gate_up, w_down, expert_start=None, *, out, expert_offset=0):
+    start = 0 if expert_start is None else int(expert_start)
+    out.copy_(ref_moe(x, weights, ids, w_gate_up, w_down, expert_offset + start))
+
+
+def _count_experts(counts, ids, slots):
+    # index_add_ with a 0/1 weight per choice, not bincount: no read back to the host, so a captured
+    # step counts too. The op's output is ``counts`` itself, updated in place.
+    real = (slots >= 0).to(counts.dtype)[:, None].expand(ids.shape)
+    counts.index_add_(0, ids.flatten().long(), real.flatten())
+    return counts
+
+
+def _place_experts(ids, table, *, out):
+    out.copy_(ref_place_experts(ids, table))  # gathers on the device: nothing read back, capturable
 
 
 def _sigmoid(x, *, out):
@@ -71,5 +95,7 @@ def _scale_rows(x, scale, *, out):
 
 register_impl("router_topk", "torch", _router_topk)
 register_impl("moe", "torch", _moe, reads_device=True)
+register_impl("count_experts", "torch", _count_experts)
+register_impl("place_experts", "torch", _place_experts)
 register_impl("sigmoid", "torch", _sigmoid)
 register_impl("scale_rows", "torch", _scale_rows)

@@ -14,7 +14,7 @@ pair's expert: gate/up ``[2I, H]`` with SiLU(gate)·up applied as the tile is fi
 
 Both write each pair's weighted down output in f32 to a ``[pairs, H]`` scratch; the sum over a
 token's choices then rounds once, as the reference does. Pairs of experts that are not local
-(``expert_offset``, expert parallelism) contribute zeros.
+(``expert_offset`` and the rank's ``expert_start``, expert parallelism) contribute zeros.
 """
 
 from __future__ import annotations
@@ -168,8 +168,12 @@ def moe_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate
 
 
 def triton_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
-               w_down: torch.Tensor, *, out: torch.Tensor, expert_offset: int = 0,
-               config: KernelConfig = DEFAULTS) -> None:
+               w_down: torch.Tensor, expert_start: torch.Tensor | None = None, *, out: torch.Tensor,
+               expert_offset: int = 0, config: KernelConfig = DEFAULTS) -> None:
+    if expert_start is not None:
+        # A rank's first expert is a weight (shard_ep), so the ids are shifted on the device: no read
+        # back to the host, and a captured step replays it.
+        ids = ids - expert_start
     path = moe_decode if ids.numel() <= config.moe_decode_max_pairs else moe_grouped
     path(x, weights, ids, w_gate_up, w_down, out=out, expert_offset=expert_offset, config=config)
 

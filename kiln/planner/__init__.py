@@ -4,7 +4,7 @@
 tensor split fits or the heads do not divide; expert parallelism for MoE configs) and explains the
 choice with the numbers behind it: weight bytes per rank, KV bytes per token per rank, the KV room
 left, the decode step memory bandwidth allows and the all-reduce traffic of a step. ``kiln plan``
-prints a plan; ``--tp auto`` (compile/serve) is meant to ask the same function.
+prints a plan; ``--tp auto`` on compile, serve and ``Engine`` asks the same function (``auto.py``).
 
     shape.py     ModelShape: the dimensions a plan needs, from an HF config (dense or MoE)
     sources.py   the config of a model name (HF dir, GGUF, alias, artifact) without its weights
@@ -12,6 +12,7 @@ prints a plan; ``--tp auto`` (compile/serve) is meant to ask the same function.
     memory.py    bytes per rank for a (tp, pp, ep) layout: weights by format, KV per token
     plan.py      PlanRequest -> Plan (or PlanError with the reasons), the choosing rule
     report.py    the plan as text and as JSON
+    auto.py      ``--tp auto`` / ``--pp auto``: the plan's layout for a compile, and why
 """
 
 from .plan import Plan, PlanError, PlanRequest, make_plan

@@ -5,8 +5,12 @@ Tensor parallelism (``tp``) splits q/k/v and gate/up by output rows and o/down b
 the KV heads split across ranks, each rank keeping one when ``tp`` exceeds their count (replicated,
 as ``shard_tp`` does); the embedding and lm_head split by vocabulary rows. Pipeline parallelism
 (``pp``) gives each stage a run of layers (the first stages one more when they do not divide), the
-embedding to the first and the lm_head to the last (a tied one is held by both). Experts are whole
-on each of ``ep`` ranks (``ep == tp``), or, when ``ep`` is 1, split like the dense FFN.
+embedding to the first and the lm_head to the last (a tied one is held by both). Routed experts are
+whole, as kiln lays them out: ``E / ep`` of them on each of the ``ep`` expert-parallel ranks
+(``shard_ep``), or all ``E`` on every rank when ``ep`` is 1 (``shard_tp`` leaves ``moe`` whole).
+Expert parallelism runs inside tensor parallelism: a stage has ``max(tp, ep)`` ranks, with ``tp`` 1
+(attention and KV replicated on the ``ep`` ranks) or ``ep`` dividing ``tp`` (the planner proposes
+``tp == ep``; kiln also runs ``tp > ep``, each expert's width split over ``tp / ep`` ranks).
 
 Quantization applies to every GEMM but the lm_head, as the ``quantize`` pass does; embeddings and
 norms stay in the model's dtype, and so does the KV cache.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kiln.compiler.passes import split_pipeline
 from kiln.compiler.quantization import get_method
 from kiln.ir.weights import QuantScheme
 
@@ -77,7 +82,7 @@ class Layout:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp
+        return max(self.tp, self.ep) * self.pp
 
     def __str__(self) -> str:
         return f"tp={self.tp} pp={self.pp}" + (f" ep={self.ep}" if self.ep > 1 else "")
@@ -108,9 +113,10 @@ def stages(shape: ModelShape, layout: Layout, storage: WeightStorage) -> list[St
     if not shape.is_moe:
         experts = 0.0
     elif layout.ep > 1:
-        experts = shape.num_experts // layout.ep * 3 * gemm(shape.expert_intermediate_size, H)
+        width = _ceil_div(shape.expert_intermediate_size, max(tp, layout.ep) // layout.ep)  # split at tp > ep
+        experts = shape.num_experts // layout.ep * 3 * gemm(width, H)
     else:
-        experts = shape.num_experts * 3 * gemm(_ceil_div(shape.expert_intermediate_size, tp), H)
+        experts = shape.num_experts * 3 * gemm(shape.expert_intermediate_size, H)
     router = shape.num_experts * H * plain
     layer = attention + dense_ffn + experts + router + 2 * H * plain
     vocab_rows = _ceil_div(shape.vocab_size, tp) * H * plain
@@ -126,5 +132,5 @@ def stages(shape: ModelShape, layout: Layout, storage: WeightStorage) -> list[St
 
 
 def stage_layers(num_layers: int, pp: int) -> list[int]:
-    base, extra = divmod(num_layers, pp)
-    return [base + (1 if stage < extra else 0) for stage in range(pp)]
+    """How many layers each pipeline stage holds: the compiler's split (passes/split_pipeline.py)."""
+    return [len(split_pipeline.stage_layers(num_layers, pp, stage)) for stage in range(pp)]

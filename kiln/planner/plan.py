@@ -9,7 +9,10 @@ The rule, in order:
 3. The smallest ``tp`` that fits wins, without pipeline stages. Only when no ``tp`` fits (too
    little memory, or heads that do not divide) does ``pp`` grow: 2, 3, ... stages, each with the
    smallest ``tp`` that fits.
-4. MoE configs get expert parallelism ``ep = tp`` when the experts divide by ``tp``.
+4. MoE configs try, at each rank count n, expert parallelism inside tp first: ``tp = ep = n`` (the
+   heads and the experts divide by n), then ``tp = 1, ep = n`` (attention and KV replicated on the
+   n ranks, experts split: the layout when the heads do not divide), then ``tp = n`` with every
+   expert on every rank (``ep`` 1, when the experts do not divide by n). A stage has max(tp, ep) ranks.
 5. GPUs left over hold more replicas: ``dp = gpus // (tp x pp)`` (``kiln serve --dp``).
 """
 
@@ -83,7 +86,8 @@ class Plan:
     requested_kv_tokens: int
     decode_bytes_per_step: float           # read by the ranks of one stage, summed over stages
     decode_step_s: float
-    allreduce_bytes_per_step: float        # 2 x layers x hidden x batch x dtype bytes
+    allreduce_bytes_per_step: float        # all-reduces a layer x layers x hidden x batch x dtype bytes
+    allreduces_per_layer: int              # 2 under tp (attention, FFN), 1 under ep alone (the experts), else 0
     allreduce_s: float
     tokens_per_s: float                    # all replicas, every sequence at full context
     chosen_because: str
@@ -106,10 +110,9 @@ def make_plan(shape: ModelShape, request: PlanRequest) -> Plan:
     wanted = max_seq_len * request.concurrency
     tps, rejected = _valid_tps(shape, request.gpus, request.gpus_per_node)
     for pp in range(1, min(request.gpus, shape.num_layers) + 1):
-        for tp in tps:
-            if tp * pp > request.gpus:
+        for layout in _layouts(shape, tps, pp, min(request.gpus, request.gpus_per_node)):
+            if layout.gpus > request.gpus:
                 break
-            layout = Layout(tp, pp, tp if shape.is_moe and shape.num_experts % tp == 0 else 1)
             per_stage = stages(shape, layout, storage)
             room = _kv_room(per_stage, usable)
             if room >= wanted:
@@ -143,6 +146,22 @@ def _valid_tps(shape: ModelShape, gpus: int, gpus_per_node: int) -> tuple[list[i
     return valid, rejected
 
 
+def _layouts(shape: ModelShape, tps: list[int], pp: int, most: int) -> list[Layout]:
+    """The layouts rule 1 and 4 allow with ``pp`` stages, by ranks a stage (the fewest first)."""
+    if not shape.is_moe:
+        return [Layout(tp, pp) for tp in tps]
+    layouts = []
+    for n in range(1, most + 1):
+        splits = n > 1 and shape.num_experts % n == 0
+        if n in tps and splits:
+            layouts.append(Layout(n, pp, n))
+        if splits:
+            layouts.append(Layout(1, pp, n))
+        if n in tps and not splits:
+            layouts.append(Layout(n, pp, 1))
+    return layouts
+
+
 def _kv_room(per_stage: list[StageMemory], usable: float) -> int:
     """Tokens of KV every stage's ranks can hold beside their weights (the scarcest stage decides)."""
     return max(0, min(int((usable - s.weight_bytes) // s.kv_bytes_per_token) for s in per_stage))
@@ -165,12 +184,15 @@ def _plan(shape: ModelShape, request: PlanRequest, gpu: GpuSpec, memory: float, 
     # Every stage runs in turn for one micro-batch: the step reads each stage's weights and KV once.
     read = sum(s.weight_bytes - s.expert_bytes * (1.0 - touched) + batch * max_seq_len * s.kv_bytes_per_token
                for s in per_stage)
-    allreduce_bytes = 2 * shape.num_layers * shape.hidden_size * batch * storage.dtype_bytes
+    # A layer's all-reduces: attention's and the FFN's under tp; under ep alone, the experts' only.
+    per_layer = 2 if layout.tp > 1 else 1 if layout.ep > 1 else 0
+    ranks = max(layout.tp, layout.ep)
+    allreduce_bytes = per_layer * shape.num_layers * shape.hidden_size * batch * storage.dtype_bytes
     allreduce_s = 0.0
-    if layout.tp > 1:
-        ring = 2 * (layout.tp - 1) / layout.tp
+    if ranks > 1:
+        ring = 2 * (ranks - 1) / ranks
         allreduce_s = (allreduce_bytes * ring / (gpu.nvlink_bandwidth * NVLINK_EFFICIENCY)
-                       + 2 * shape.num_layers * gpu.collective_latency_s)
+                       + per_layer * shape.num_layers * gpu.collective_latency_s)
     step = read / (gpu.memory_bandwidth * MEMORY_EFFICIENCY) + allreduce_s
     dp = request.gpus // layout.gpus
     return Plan(
@@ -182,7 +204,7 @@ def _plan(shape: ModelShape, request: PlanRequest, gpu: GpuSpec, memory: float, 
         kv_bytes_per_token_per_rank=max(s.kv_bytes_per_token for s in per_stage),
         kv_tokens=room, max_seq_len=max_seq_len, concurrency=batch, requested_kv_tokens=max_seq_len * batch,
         decode_bytes_per_step=read, decode_step_s=step,
-        allreduce_bytes_per_step=allreduce_bytes if layout.tp > 1 else 0,
+        allreduce_bytes_per_step=allreduce_bytes, allreduces_per_layer=per_layer,
         allreduce_s=allreduce_s, tokens_per_s=dp * batch / step, chosen_because=because,
         assumptions={"memory_bandwidth": gpu.memory_bandwidth, "memory_efficiency": MEMORY_EFFICIENCY,
                      "nvlink_bandwidth": gpu.nvlink_bandwidth, "nvlink_efficiency": NVLINK_EFFICIENCY,
@@ -198,10 +220,15 @@ def _notes(shape: ModelShape, layout: Layout, dp: int) -> list[str]:
     if shape.num_kv_heads < layout.tp:
         notes.append(f"tp={layout.tp} exceeds the {shape.num_kv_heads} KV heads: each rank keeps one, replicated "
                      f"{layout.tp // shape.num_kv_heads} times")
-    if shape.is_moe:
-        split = (f"ep={layout.ep}: {shape.num_experts // layout.ep} whole experts a rank" if layout.ep > 1 else
-                 f"the {shape.num_experts} experts do not divide by tp={layout.tp}: each is split like the dense FFN")
-        notes.append(f"MoE: {split}; kiln has no expert parallelism yet (--ep): it runs MoE models on one rank")
+    if shape.is_moe and layout.ep > 1:
+        where = ("attention and KV replicated on each rank" if layout.tp == 1 else
+                 f"attention tensor-parallel over the same {layout.tp} ranks")
+        flags = f"--ep {layout.ep}" + (f" --tp {layout.tp}" if layout.tp > 1 else "")
+        notes.append(f"MoE: ep={layout.ep}: {shape.num_experts // layout.ep} whole experts a rank, {where} "
+                     f"(kiln compile/serve {flags})")
+    elif shape.is_moe and layout.tp > 1:
+        notes.append(f"MoE: the {shape.num_experts} experts do not divide by tp={layout.tp}: every rank holds all of "
+                     "them (ep=1)")
     elif shape.architecture not in supported_architectures():
         notes.append(f"kiln cannot compile {shape.architecture} yet; supported: {', '.join(supported_architectures())}")
     if layout.pp > 1:

@@ -19,7 +19,7 @@ def plan_text(plan: Plan) -> str:
     lines = [
         f"model: {plan.model}",
         f"hardware: {plan.gpus} x {plan.gpu}, {_gb(plan.gpu_memory_bytes)} each",
-        f"plan: tp={plan.tp} pp={plan.pp} ep={plan.ep} dp={plan.dp}  ({plan.tp * plan.pp} GPU(s) a replica)",
+        f"plan: tp={plan.tp} pp={plan.pp} ep={plan.ep} dp={plan.dp}  ({max(plan.tp, plan.ep) * plan.pp} GPU(s) a replica)",
         f"  because {plan.chosen_because}",
         *(f"  not {reason}" for reason in plan.rejected),
         "memory per rank:",
@@ -34,7 +34,8 @@ def plan_text(plan: Plan) -> str:
         f"decode step at batch {plan.concurrency}, every sequence at full context:",
         f"  memory    {_gb(plan.decode_bytes_per_step)} read a step (weights + KV, stages in turn) at "
         f"{assumed['memory_efficiency']:.0%} of {assumed['memory_bandwidth'] / 1e12:g} TB/s",
-        f"  all-reduce {plan.allreduce_bytes_per_step / 1e6:.2f} MB a step (2 x layers x hidden x batch x dtype), "
+        f"  all-reduce {plan.allreduce_bytes_per_step / 1e6:.2f} MB a step ({plan.allreduces_per_layer} x layers x "
+        "hidden x batch x dtype), "
         f"{plan.allreduce_s * 1e3:.3f} ms over NVLink (ring, {assumed['nvlink_efficiency']:.0%} of "
         f"{assumed['nvlink_bandwidth'] / 1e9:g} GB/s one way, plus {assumed['collective_latency_s'] * 1e6:g} us "
         "a collective)",

@@ -1,5 +1,8 @@
 """Loading an artifact: manifest (format version checked), the generated program, weights, tokenizer dir.
 
+A pipelined artifact (``runtime.pp`` > 1) is loaded one stage at a time: ``load_artifact(path, stage)``
+gives the stage's view, whose program, memory plan, layers and KV heads are the stage's own.
+
 The runtime never imports the compiler: everything it needs is in the artifact's files.
 """
 
@@ -48,6 +51,13 @@ class Artifact:
             raise ArtifactError(f"{self.path / MANIFEST}: {exc}") from None
 
     @property
+    def layers(self) -> range:
+        """The decoder layers this artifact's program runs (and whose KV caches it reads): a stage's
+        share in a pipelined artifact, else all of them."""
+        first, end = self.runtime.get("layers", (0, self.runtime["num_layers"]))
+        return range(first, end)
+
+    @property
     def tokenizer_dir(self) -> Path | None:
         name = self.manifest.get("tokenizer")
         return self.path / name if name else None
@@ -60,7 +70,8 @@ class Artifact:
             raise ArtifactError(f"{file}: cannot load weights: {exc}") from None
 
 
-def load_artifact(path: str | Path) -> Artifact:
+def load_artifact(path: str | Path, stage: int = 0) -> Artifact:
+    """The artifact at ``path``; for a pipelined one, the view of pipeline stage ``stage``."""
     path = Path(path)
     manifest_file = path / MANIFEST
     if not manifest_file.is_file():
@@ -73,7 +84,17 @@ def load_artifact(path: str | Path) -> Artifact:
     if version != FORMAT_VERSION:
         raise ArtifactError(f"{manifest_file}: artifact format version {version!r}, this kiln reads version "
                             f"{FORMAT_VERSION}; recompile the model with this kiln")
-    return Artifact(path, manifest, _load_program(path / PROGRAM))
+    stages = manifest.get("stages")
+    if stages is None:
+        if stage != 0:
+            raise ArtifactError(f"{manifest_file}: the artifact has one pipeline stage, not a stage {stage}")
+        return Artifact(path, manifest, _load_program(path / PROGRAM))
+    if not 0 <= stage < len(stages):
+        raise ArtifactError(f"{manifest_file}: the artifact has {len(stages)} pipeline stages, not a stage {stage}")
+    entry = stages[stage]
+    runtime = {**manifest["runtime"], "stage": stage, "layers": entry["layers"], "num_kv_heads": entry["num_kv_heads"]}
+    manifest = {**manifest, "runtime": runtime, "memory_plan": entry["memory_plan"]}
+    return Artifact(path, manifest, _load_program(path / entry["dir"] / PROGRAM))
 
 
 def _load_program(file: Path) -> ModuleType:

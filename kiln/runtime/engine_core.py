@@ -33,7 +33,8 @@ from .kvcache.allocator import PageAllocator
 from .device_support import uses_references
 from .kvcache.pool import pages_for_mem_fraction, pages_for_tokens, pool_dtype
 from .kvcache.radix import RadixCache
-from .outputs import INTERNAL_ERROR, SampleEvent, TokenLogprob
+from .lora.registry import LoraRegistry
+from .outputs import EXPERT_TOKENS, INTERNAL_ERROR, SampleEvent, TokenLogprob
 from .sampling import SamplerOutput, SamplingBatch, SamplingParams, SamplingRow, child_seed, masked_argmax, new_seed
 from .scheduler.batch import StepLists, build_step_lists
 from .scheduler.request import DECODING, PENDING, Request, RequestState
@@ -45,7 +46,7 @@ from .text.tokenizer import Tokenizer
 from .worker.executor import graph_blockers
 from .worker.ranks import start_worker
 from .worker.token_readback import InflightStep, TokenReadback
-from .worker.worker import RankConfig
+from .worker.worker import LocalWorker, RankConfig
 
 
 class EngineCore:
@@ -69,19 +70,21 @@ class EngineCore:
             raise ValueError(f"the KV pool holds {(num_pages - 1) * self.page_size} tokens, less than "
                              f"the context length {self.max_seq_len}; raise kv_cache_tokens or mem_fraction")
         # What the core drives (every rank), and rank 0's model runner, for tools that look inside it.
-        tp = rt["tp"]
+        ranks = rt["ranks"]  # a sharded artifact's own ranks: pp x max(tp, ep)
         self.worker = start_worker(self.artifact, RankConfig(
-            str(self.artifact.path), str(device), num_pages, buckets, prefill_graphs, self._world_size(tp), tp > 1,
-            self.options.reference_fallback, spec.tokens_per_verify if spec is not None else 1))
+            str(self.artifact.path), str(device), num_pages, buckets, prefill_graphs, self._world_size(rt),
+            ranks > 1, self.options.reference_fallback, spec.tokens_per_verify if spec is not None else 1,
+            pp=rt["pp"]))
         self.runner = self.worker.runner
         self.allocator = PageAllocator(self.worker.num_pages)
         self.cache = RadixCache(self.allocator, self.page_size)
+        self.lora = self._lora_registry()
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch_tokens=min(self.options.max_batch_tokens or bounds["T"], bounds["T"]),
             # Every running request may decode in the same step: one token and one logits row each.
             max_running=min(self.options.max_running or bounds["B"], bounds["B"], bounds["N"], bounds["T"]),
             page_size=self.page_size, max_logit_rows=bounds["N"], policy=self.options.schedule_policy,
-            enable_prefix_cache=self.options.enable_prefix_cache), self.allocator, self.cache)
+            enable_prefix_cache=self.options.enable_prefix_cache), self.allocator, self.cache, self.lora)
         self.eos_ids: set[int] = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
         self.constraints = Constraints(self.tokenizer, self.vocab_size, self.eos_ids)
         self._requests: dict[str, list[Request]] = {}
@@ -98,14 +101,47 @@ class EngineCore:
         self._readback = TokenReadback(max(buckets, default=1), device)
         self.overlapped_steps = 0
 
-    def _world_size(self, tp: int) -> int:
-        """The artifact's tensor-parallel ranks, or the options' replicated ones for a one-rank artifact."""
-        if tp == 1:
+    def _lora_registry(self) -> LoraRegistry | None:
+        """The adapter registry of a LoRA artifact (its slots are rank 0's runner's), else None."""
+        slots = self.runner.lora_slots
+        if slots is None:
+            return None
+        if not isinstance(self.worker, LocalWorker):
+            raise ValueError("LoRA adapters run on one rank (world_size=1) for now")
+        return LoraRegistry(slots.layout, slots.dtype, slots.write)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Reads and checks the PEFT adapter at ``path`` and serves it as ``name`` (ValueError naming
+        what is wrong: an adapter kiln cannot serve, a name in use, an artifact without LoRA slots)."""
+        self._registry().add(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forgets ``name`` (UnknownAdapter if none); its requests already queued or running finish."""
+        self._registry().remove(name)
+
+    def lookup_lora(self, name: str):
+        """The loaded adapter ``name``'s registry entry (UnknownAdapter if none)."""
+        return self._registry().lookup(name)
+
+    def lora_names(self) -> list[str]:
+        return self.lora.names if self.lora is not None else []
+
+    def _registry(self) -> LoraRegistry:
+        if self.lora is None:
+            raise ValueError("this artifact has no LoRA slots; compile it with max_loras > 0 (kiln compile "
+                             "--max-loras N, or Engine(..., max_loras=N))")
+        return self.lora
+
+    def _world_size(self, rt: dict[str, Any]) -> int:
+        """The artifact's own ranks (pp x max(tp, ep)), or the options' replicated ones for a one-rank artifact."""
+        ranks = rt["ranks"]
+        if ranks == 1:
             return self.options.world_size
-        if self.options.world_size not in (1, tp):
-            raise ValueError(f"world_size: the artifact is tensor-parallel over {tp} ranks and runs on exactly "
-                             f"{tp}, not {self.options.world_size}")
-        return tp
+        if self.options.world_size not in (1, ranks):
+            kind = ("tensor-parallel" if rt["ep"] == 1 else "expert-parallel") if rt["pp"] == 1 else f"pipelined ({rt['pp']} stages of tp={rt['tp']})"
+            raise ValueError(f"world_size: the artifact is {kind} over {ranks} ranks and runs on exactly "
+                             f"{ranks}, not {self.options.world_size}")
+        return ranks
 
     def _num_pages(self, device: torch.device, rt: dict[str, Any]) -> int:
         if self.options.kv_cache_tokens is not None:
@@ -118,18 +154,22 @@ class EngineCore:
     # ---- requests --------------------------------------------------------------------------------
 
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                    namespace: Hashable = None) -> None:
-        """Queues a request; raises ValueError (naming the parameter) when it cannot be served."""
+                    namespace: Hashable = None, lora: str | None = None) -> None:
+        """Queues a request, under the LoRA adapter named ``lora`` if given; raises ValueError (naming
+        the parameter) when it cannot be served, UnknownAdapter when no adapter has that name."""
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         self.validate(prompt_ids, params)
+        adapter = self.lookup_lora(lora) if lora is not None else None
+        if adapter is not None:  # its KV is its adapter's: never shared with the base model or another
+            namespace = (namespace, adapter.namespace)
         seed = params.seed if params.seed is not None else new_seed()
         samples: list[Request] = []
         for index in range(params.n):
             leader = samples[0] if samples else None
             samples.append(Request(rid=rid, prompt_ids=list(prompt_ids), params=params,
                                    seed=seed if index == 0 else child_seed(seed, index), index=index,
-                                   namespace=namespace, leader=leader))
+                                   namespace=namespace, leader=leader, lora=adapter))
             samples[-1].extras[STOP_RULES] = StopRules(params, prompt_ids, self.eos_ids, self.max_seq_len,
                                                        self.tokenizer)
         if constraint_of(params) is not None:
@@ -192,7 +232,15 @@ class EngineCore:
             "retractions": self.scheduler.num_retractions,
             "overlapped_steps": self.overlapped_steps,
             **(self.speculator.stats() if self.speculator is not None else {}),
+            **self.expert_load_stats(),
         }
+
+    def expert_load_stats(self) -> dict[str, int]:
+        """Tokens sent to each expert of each sparse layer since start, as ``expert_tokens:{layer}:{expert}``
+        (a MoE model's; empty otherwise). Rank 0's counters: the router is replicated, so it sees every
+        token. Reading them waits for the device's queued work."""
+        return {f"{EXPERT_TOKENS}{layer}:{expert}": count for layer, counts in self.runner.expert_load.read().items()
+                for expert, count in enumerate(counts)}
 
     # ---- one step -----------------------------------------------------------------------------------
 

@@ -10,6 +10,10 @@ from typing import NamedTuple
 # server answers it with a 500; a request's own errors, a grammar that fails, are 400s).
 INTERNAL_ERROR = "internal error: "
 
+# How EngineCore.stats() names a MoE model's tokens per expert: ``expert_tokens:{layer}:{expert}``
+# (flat keys, so the stats stay one name -> number map that data-parallel replicas sum).
+EXPERT_TOKENS = "expert_tokens:"
+
 
 @dataclass(frozen=True)
 class TokenLogprob:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .errors import APIError, invalid
+from .errors import invalid
 from .gate import ServerState
 from .metrics import ServerMetrics
+from .lora_routes import ServerAdapters
 from .tokenizer_manager import TokenizerManager
 
 
@@ -17,16 +18,20 @@ class ServerContext:
     metrics: ServerMetrics
     max_n: int
     tool_call_parser: str = "hermes"  # how tool calls read in this model's output (--tool-call-parser)
+    adapters: ServerAdapters = field(default_factory=lambda: ServerAdapters(None))  # LoRA adapters by name
 
     @property
     def model_name(self) -> str:
         return self.manager.info.name
 
-    def check_model(self, name: str | None) -> None:
-        """Requests may leave ``model`` out; one that names another model is a 404, as OpenAI answers."""
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"The model `{name}` does not exist (this server serves `{self.model_name}`)",
-                           param="model", code="model_not_found")
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model, also when left out); a
+        name of neither is a 404, as OpenAI answers."""
+        if name is None or name == self.model_name:
+            return None
+        if name in self.adapters.paths:
+            return name
+        raise self.adapters.unknown(name, self.model_name)
 
     def check_n(self, n: int) -> None:
         if n > self.max_n:

@@ -36,12 +36,15 @@ _STATUS_CODES = {400: "invalid_value", 401: "invalid_api_key", 404: "not_found",
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None) -> None:
+        """``retry_after``: seconds a client should wait before trying again (the ``Retry-After`` header)."""
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.retry_after = retry_after
 
     @property
     def type(self) -> str:
@@ -53,8 +56,10 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         # 4xx are the request's fault (retrying cannot help); 5xx may be transient (a restart, a drain).
-        headers = {"x-should-retry": "false"} if self.status < 500 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"x-should-retry": "false"} if self.status < 500 else {}
+        if self.retry_after is not None:
+            headers["retry-after"] = str(self.retry_after)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 def invalid(param: str | None, message: str) -> APIError:

@@ -21,6 +21,7 @@ from .body import BodyLimits, checked_route
 from .context import ServerContext
 from .errors import APIError
 from .gate import ASGIApp, Gate
+from .lora_routes import add_lora_routes
 from .native_routes import add_native_routes
 from .openai_routes import add_openai_routes
 from .responses_api import add_responses_route
@@ -39,6 +40,7 @@ def build_app(ctx: ServerContext, api_key: str | None, max_body_bytes: int,
     add_openai_routes(app, ctx)
     add_native_routes(app, ctx)
     add_responses_route(app, ctx)
+    add_lora_routes(app, ctx.manager, ctx.adapters, ctx.model_name)
     manager = ctx.manager
 
     @app.get("/health")
@@ -64,14 +66,17 @@ def build_app(ctx: ServerContext, api_key: str | None, max_body_bytes: int,
         return {"id": ctx.model_name, "object": "model", "created": manager.info.created, "owned_by": "kiln",
                 "max_model_len": manager.info.max_seq_len}
 
+    def adapter_card(name: str) -> dict:  # vLLM's: the adapter's directory as root, the base as parent
+        return {**model_card(), "id": name, "root": ctx.adapters.paths[name], "parent": ctx.model_name}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *(adapter_card(name) for name in ctx.adapters.paths)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
-        ctx.check_model(model_id)
-        return model_card()
+        lora = ctx.check_model(model_id)
+        return model_card() if lora is None else adapter_card(lora)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

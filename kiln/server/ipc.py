@@ -10,7 +10,10 @@ is one msgpack array whose first item names its kind (the constants below). msgp
 plain data (no pickle, no ext types), so nothing a request sends can execute code on the way.
 
 Messages:
-    ADD [rid, prompt_ids, params]      HTTP -> the routed replica's scheduler; params is ``SamplingParams`` as a dict
+    ADD [rid, prompt_ids, params, lora] HTTP -> the routed replica's scheduler; params is ``SamplingParams`` as a
+                                       dict, lora the adapter's name (None: the base model)
+    LORA_LOAD [name, path]             HTTP -> every scheduler: serve the PEFT adapter at path as name
+    LORA_UNLOAD [name]                 HTTP -> every scheduler: forget it (its requests in flight finish)
     ABORT [rid]                        HTTP -> scheduler
     SHUTDOWN []                        HTTP -> scheduler, HTTP -> detokenizer
     NEW [rid, prompt_tail, params]     scheduler -> detokenizer, before any event of rid
@@ -43,6 +46,7 @@ DETOKENIZER_SOCKET = "detokenizer.sock"
 HTTP_SOCKET = "http.sock"
 
 ADD, ABORT, SHUTDOWN = "add", "abort", "shutdown"
+LORA_LOAD, LORA_UNLOAD = "lora_load", "lora_unload"
 NEW, EVENTS, OUTPUTS, REJECT = "new", "events", "outputs", "reject"
 STATS, READY, FATAL = "stats", "ready", "fatal"
 

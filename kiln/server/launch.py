@@ -42,6 +42,7 @@ import uvicorn
 import zmq
 import zmq.asyncio
 
+from kiln.lora_layout import LoraLayout
 from kiln.runtime.text.tokenizer import Tokenizer
 
 from . import ipc
@@ -50,7 +51,8 @@ from .gate import ServerState
 from .http import build_app
 from .metrics import ServerMetrics
 from .router import CacheAwareRouter, RouterOptions
-from .tokenizer_manager import ModelInfo, TokenizerManager
+from .lora_routes import ServerAdapters
+from .tokenizer_manager import Admission, ModelInfo, TokenizerManager
 from .tools import resolve_parser
 
 log = logging.getLogger("kiln.server")
@@ -79,6 +81,8 @@ class ServeConfig:
     engine: dict[str, Any] = field(default_factory=dict)  # EngineOptions fields
     dp: int = 1                                            # data-parallel replicas
     router: RouterOptions = RouterOptions()
+    admission: Admission = Admission()                     # the queue limit (--max-queued-requests)
+    lora_modules: dict[str, str] = field(default_factory=dict)  # LoRA adapters served from the start, by name
 
     def scheduler_name(self, replica: int) -> str:
         return "scheduler" if self.dp == 1 else f"replica {replica} scheduler"
@@ -173,6 +177,7 @@ def serve(artifact: str, config: ServeConfig) -> int:
     if config.dp < 1:
         raise ValueError(f"dp must be at least 1, got {config.dp}")
     config.router.validate()
+    config.admission.validate()
     logging.basicConfig(level=config.log_level.upper(), format="kiln: %(message)s")
     return asyncio.run(_serve(artifact, config))
 
@@ -218,7 +223,8 @@ async def _serve_on(listener: socket.socket, artifact: str, config: ServeConfig)
         child_config = {"ipc_dir": ipc_dir, "parent_pid": os.getpid(), "log_level": config.log_level}
         for replica in range(config.dp):
             children.start(config.scheduler_name(replica), "kiln.server.scheduler_process",
-                           {**child_config, "artifact": artifact, "engine": config.engine, "replica": replica})
+                           {**child_config, "artifact": artifact, "engine": config.engine, "replica": replica,
+                            "lora_modules": config.lora_modules})
         children.start("detokenizer", "kiln.server.detokenizer_process", child_config)
         try:
             facts = await _wait_ready(receiver, children, config.dp)
@@ -262,7 +268,8 @@ async def _run_http(config: ServeConfig, replica_facts: list[dict[str, Any]], li
                     receiver: zmq.asyncio.Socket, senders: list[zmq.Socket], children: Children) -> int:
     facts = replica_facts[0]  # the replicas serve one artifact
     tokenizer = Tokenizer.from_dir(facts["tokenizer_dir"]) if facts["tokenizer_dir"] else None
-    info = ModelInfo(config.served_model_name, facts["vocab_size"], facts["max_seq_len"], int(time.time()))
+    info = ModelInfo(config.served_model_name, facts["vocab_size"], facts["max_seq_len"], int(time.time()),
+                     sum(f["max_running"] for f in replica_facts))
     metrics = ServerMetrics(config.dp)
     metrics.replica_stats.update((f["replica"], f["stats"]) for f in replica_facts)
     state = ServerState()
@@ -278,8 +285,10 @@ async def _run_http(config: ServeConfig, replica_facts: list[dict[str, Any]], li
         fatal(message)
 
     manager = TokenizerManager(tokenizer, info, senders, metrics, on_fatal=fatal,
-                               router=CacheAwareRouter(config.dp, metrics, config.router))
-    ctx = ServerContext(manager, state, metrics, config.max_n, resolve_parser(config.tool_call_parser, tokenizer))
+                               router=CacheAwareRouter(config.dp, metrics, config.router), admission=config.admission)
+    layout = LoraLayout.from_json(facts["lora"]) if facts.get("lora") else None
+    ctx = ServerContext(manager, state, metrics, config.max_n, resolve_parser(config.tool_call_parser, tokenizer),
+                        ServerAdapters(layout, dict(config.lora_modules)))
     app = build_app(ctx, config.api_key, config.max_body_bytes)
     server = KilnServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                        access_log=False, lifespan="off", timeout_graceful_shutdown=GRACEFUL_CLOSE_S),

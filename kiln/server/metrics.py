@@ -3,7 +3,8 @@
 The HTTP process counts what it sees (requests by endpoint and status, prompt and generated
 tokens, time to first token, inter-token latency, end-to-end latency); the engine's gauges
 (running and waiting requests, KV pool use, prefix-cache hits) come from each scheduler process's
-latest published ``EngineCore.stats()``. With several data-parallel replicas (``kiln serve --dp``)
+latest published ``EngineCore.stats()``, with a MoE model's tokens per expert per layer
+(``kiln_moe_expert_tokens_total{layer, expert}``). With several data-parallel replicas (``kiln serve --dp``)
 the engine series are their sums (ratios recomputed from the sums), followed by each replica's
 own with a ``replica`` label, and the router's series follow: requests routed to each replica,
 requests in flight on each, and its prefix hit rate. Everything runs on the event loop's thread,
@@ -15,6 +16,8 @@ from __future__ import annotations
 import bisect
 import math
 from typing import Iterable, Mapping
+
+from kiln.runtime.outputs import EXPERT_TOKENS
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
                    40.0, 80.0)
@@ -81,6 +84,18 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def _expert_lines(stats: Mapping[str, float]) -> list[str]:
+    """A MoE model's tokens per expert per layer (``EngineCore.expert_load_stats``), labelled."""
+    loads = sorted((tuple(int(part) for part in key[len(EXPERT_TOKENS):].split(":")), value)
+                   for key, value in stats.items() if key.startswith(EXPERT_TOKENS))
+    if not loads:
+        return []
+    return ["# HELP kiln_moe_expert_tokens_total Tokens the router sent to each expert of each sparse layer "
+            "(a token counts once for each expert it chose)", "# TYPE kiln_moe_expert_tokens_total counter",
+            *(f'kiln_moe_expert_tokens_total{{layer="{layer}",expert="{expert}"}} {_number(value)}'
+              for (layer, expert), value in loads)]
+
+
 class Counter:
     def __init__(self, name: str, help_text: str, labels: tuple[str, ...] = ()) -> None:
         self.name, self.help, self.label_names = name, help_text, labels
@@ -138,6 +153,8 @@ class ServerMetrics:
         self.ttft = Histogram("kiln_time_to_first_token_seconds", "Time from arrival to the first token")
         self.itl = Histogram("kiln_inter_token_latency_seconds", "Time between a sample's successive tokens")
         self.e2e = Histogram("kiln_e2e_request_latency_seconds", "Time from arrival to the last token")
+        self.queue_rejections = Counter("kiln_queue_rejections_total",
+                                        "Requests refused with 503 because the queue was full (--max-queued-requests)")
         self.replica_stats: dict[int, Mapping[str, float]] = {}  # the latest EngineCore.stats() of each replica
         self.replica_requests = Counter("kiln_dp_requests_total", "Requests routed to each data-parallel replica",
                                         ("replica",))
@@ -153,7 +170,8 @@ class ServerMetrics:
 
     def render(self) -> str:
         lines: list[str] = []
-        for metric in (self.requests, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e):
+        for metric in (self.requests, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
+                       self.queue_rejections):
             lines += metric.render()
         combined = self.engine_stats
         per_replica = sorted(self.replica_stats.items()) if self.replicas > 1 else []
@@ -161,6 +179,7 @@ class ServerMetrics:
             if key in combined:
                 lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {_number(combined[key])}"]
                 lines += [f'{name}{{replica="{replica}"}} {_number(stats[key])}' for replica, stats in per_replica]
+        lines += _expert_lines(combined)
         if self.replicas > 1:
             lines += self._router_lines()
         return "\n".join(lines) + "\n"

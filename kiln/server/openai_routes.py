@@ -18,7 +18,7 @@ from .context import ServerContext
 from .errors import APIError, invalid
 from .chat_request import prepare_chat
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .responses import (SSE_DONE, Accumulator, chat_logprobs, chat_response, chunk, completion_logprobs,
+from .responses import (SSE_DONE, Accumulator, ChunkFrames, chat_logprobs, chat_response, completion_logprobs,
                         completion_response, finish_reason, sse)
 from .streaming import ClientDisconnected, EventStream, until_disconnect
 from .tokenizer_manager import RequestStream
@@ -32,42 +32,42 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        ctx.check_model(body.model)
+        lora = ctx.check_model(body.model)
         ctx.check_n(body.n)
         chat = await prepare_chat(ctx, body)
         params, tools = chat.params, chat.tools
-        stream = manager.submit([chat.prompt_ids], params, body.max_tokens_param)
+        stream = manager.submit([chat.prompt_ids], params, body.max_tokens_param, lora=lora)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream and tools is not None:
-            return EventStream(tool_chat_events(stream, rid, created, ctx.model_name, body, tools), stream)
+            return EventStream(tool_chat_events(stream, rid, created, body.model or ctx.model_name, body, tools), stream)
         if body.stream:
-            return EventStream(_chat_events(stream, rid, created, ctx.model_name, body), stream)
+            return EventStream(_chat_events(stream, rid, created, body.model or ctx.model_name, body), stream)
         acc = await collect_unless_disconnected(request, stream, params.n)
         if acc is None:
             return Response(status_code=CLIENT_CLOSED)
-        response = chat_response(rid, created, ctx.model_name, acc, stream.usage, body.logprobs)
+        response = chat_response(rid, created, body.model or ctx.model_name, acc, stream.usage, body.logprobs)
         return JSONResponse(tools.rewrite_response(response) if tools is not None else response)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        ctx.check_model(body.model)
+        lora = ctx.check_model(body.model)
         ctx.check_n(body.n)
         texts = body.prompts()
         prompts = [await manager.encode(p, "prompt") if isinstance(p, str) else list(p) for p in texts]
         params = body.to_sampling_params(body.generated_tokens)
         for prompt_ids in prompts:
             manager.check(prompt_ids, params, "prompt", "max_tokens")
-        stream = manager.submit(prompts, params)
+        stream = manager.submit(prompts, params, lora=lora)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             if body.echo:
                 raise invalid("echo", "echo is not supported with stream")
-            return EventStream(_completion_events(stream, rid, created, ctx.model_name, body), stream)
+            return EventStream(_completion_events(stream, rid, created, body.model or ctx.model_name, body), stream)
         acc = await collect_unless_disconnected(request, stream, params.n)
         if acc is None:
             return Response(status_code=CLIENT_CLOSED)
         echoes = [manager.echo(text, ids) for text, ids in zip(texts, prompts)] if body.echo else None
-        return JSONResponse(completion_response(rid, created, ctx.model_name, acc, stream.usage,
+        return JSONResponse(completion_response(rid, created, body.model or ctx.model_name, acc, stream.usage,
                                                 body.logprobs is not None, echoes, body.max_tokens > 0))
 
 
@@ -80,9 +80,10 @@ async def _collect(stream: RequestStream, acc: Accumulator) -> Accumulator:
 
 async def _chat_events(stream: RequestStream, rid: str, created: int, model: str,
                        body: ChatCompletionRequest) -> AsyncIterator[str]:
+    frames = ChunkFrames(rid, "chat.completion.chunk", created, model)
     for index in range(body.n):  # one chunk per choice, as OpenAI streams them
         first = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        yield sse(chunk(rid, "chat.completion.chunk", created, model, [first]))
+        yield frames.frame(first)
     try:
         async for out in stream:
             if not (out.text or out.logprobs or out.finish_reason):
@@ -92,9 +93,9 @@ async def _chat_events(stream: RequestStream, rid: str, created: int, model: str
                       "finish_reason": finish_reason(out.finish_reason)}
             if out.finish_reason is not None:
                 choice["matched_stop"] = out.matched_stop
-            yield sse(chunk(rid, "chat.completion.chunk", created, model, [choice]))
+            yield frames.frame(choice)
         if body.include_usage:
-            yield sse(chunk(rid, "chat.completion.chunk", created, model, [], stream.usage))
+            yield frames.usage_frame(stream.usage)
     except APIError as exc:
         yield sse(exc.body())
     yield SSE_DONE
@@ -103,6 +104,7 @@ async def _chat_events(stream: RequestStream, rid: str, created: int, model: str
 async def _completion_events(stream: RequestStream, rid: str, created: int, model: str,
                              body: CompletionRequest) -> AsyncIterator[str]:
     acc = Accumulator(body.n)
+    frames = ChunkFrames(rid, "text_completion", created, model)
     try:
         async for out in stream:
             if not (out.text or out.logprobs or out.finish_reason):
@@ -115,9 +117,9 @@ async def _completion_events(stream: RequestStream, rid: str, created: int, mode
                       "finish_reason": finish_reason(out.finish_reason)}
             if out.finish_reason is not None:
                 choice["matched_stop"] = out.matched_stop
-            yield sse(chunk(rid, "text_completion", created, model, [choice]))
+            yield frames.frame(choice)
         if body.include_usage:
-            yield sse(chunk(rid, "text_completion", created, model, [], stream.usage))
+            yield frames.usage_frame(stream.usage)
     except APIError as exc:
         yield sse(exc.body())
     yield SSE_DONE

@@ -157,6 +157,25 @@ def chunk(rid: str, obj: str, created: int, model: str, choices: list[dict[str, 
     return body
 
 
+class ChunkFrames:
+    """The SSE frames of one stream's chunks. A stream sends one chunk per token, and only its choices
+    change: the fields every chunk repeats (id, object, created, model, system_fingerprint) are
+    serialized once here, and each frame serializes just its choices (the same JSON as
+    ``sse(chunk(...))``, the choices moved last)."""
+
+    def __init__(self, rid: str, obj: str, created: int, model: str) -> None:
+        self.rid, self.obj, self.created, self.model = rid, obj, created, model
+        head = json.dumps({"id": rid, "object": obj, "created": created, "model": model,
+                           "system_fingerprint": SYSTEM_FINGERPRINT}, ensure_ascii=False)
+        self._head = f"data: {head[:-1]}, \"choices\": ["
+
+    def frame(self, *choices: dict[str, Any]) -> str:
+        return self._head + ", ".join(json.dumps(c, ensure_ascii=False) for c in choices) + "]}\n\n"
+
+    def usage_frame(self, usage: Usage) -> str:
+        return sse(chunk(self.rid, self.obj, self.created, self.model, [], usage))
+
+
 def sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 

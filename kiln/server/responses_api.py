@@ -71,12 +71,12 @@ def add_responses_route(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
-        ctx.check_model(body.model)
+        lora = ctx.check_model(body.model)
         prompt_ids = await manager.render_chat(body.messages())
         max_new = body.max_output_tokens or manager.default_max_tokens(prompt_ids)
         params = SamplingParams(max_new_tokens=max_new, temperature=body.temperature, top_p=body.top_p)
         manager.check(prompt_ids, params, "input", "max_output_tokens")
-        stream = manager.submit([prompt_ids], params, "max_output_tokens")
+        stream = manager.submit([prompt_ids], params, "max_output_tokens", lora=lora)
         shell = _shell(f"resp_{uuid.uuid4().hex}", ctx.model_name, body)
         if body.stream:
             return EventStream(_events(stream, shell), stream)

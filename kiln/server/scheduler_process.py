@@ -74,6 +74,10 @@ class SchedulerLoop:
             events = self.core.abort(message[1])
             if events:
                 self._send([ipc.EVENTS, [ipc.event_to_wire(e) for e in events]])
+        elif kind == ipc.LORA_LOAD:
+            self._lora(self.core.load_lora, *message[1:])
+        elif kind == ipc.LORA_UNLOAD:
+            self._lora(self.core.unload_lora, *message[1:])
         elif kind == ipc.SHUTDOWN:
             return False
         else:
@@ -81,11 +85,19 @@ class SchedulerLoop:
         self._stats_dirty = True
         return True
 
-    def _add(self, rid: str, prompt_ids: list[int], params: dict[str, Any]) -> None:
+    def _lora(self, change, *args: str) -> None:
+        """A LoRA load or unload the HTTP process checked already; a failure here (the directory
+        changed since) leaves the adapter unknown, so its requests are rejected by name."""
+        try:
+            change(*args)
+        except (ValueError, LookupError) as exc:
+            log.error("LoRA %s failed: %s", " ".join(args), exc)
+
+    def _add(self, rid: str, prompt_ids: list[int], params: dict[str, Any], lora: str | None = None) -> None:
         try:
             sampling = SamplingParams(**params)
-            self.core.add_request(rid, prompt_ids, sampling)
-        except (ValueError, TypeError) as exc:  # the HTTP side validates too; this is the last word
+            self.core.add_request(rid, prompt_ids, sampling, lora=lora)
+        except (ValueError, TypeError, LookupError) as exc:  # the HTTP side validates too; this is the last word
             self._send([ipc.REJECT, rid, str(exc)])
             return
         # The detokenizer needs only the prompt's tail (context for the first tokens' text).
@@ -115,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                             ipc.DETOKENIZER_SOCKET) as (config, inbox, outbox):
         try:
             core = EngineCore(config["artifact"], replica_options(EngineOptions(**config["engine"]), replica))
+            for name, path in config.get("lora_modules", {}).items():
+                core.load_lora(name, path)
         except Exception as exc:  # any load failure is reported the same way: a message and exit 1
             outbox.send(ipc.pack([ipc.FATAL, f"loading {config['artifact']} failed: {exc}"]))
             log.error("loading the model failed: %s", exc)
@@ -147,8 +161,10 @@ def replica_options(options: EngineOptions, replica: int) -> EngineOptions:
 
 def model_facts(core: EngineCore) -> dict[str, Any]:
     return {"vocab_size": core.vocab_size, "max_seq_len": core.max_seq_len, "page_size": core.page_size,
+            "max_running": core.scheduler.config.max_running,
             "tokenizer_dir": str(core.artifact.tokenizer_dir) if core.artifact.tokenizer_dir else None,
             "device": str(core.runner.device),
+            "lora": core.artifact.manifest.get("lora"),
             "stats": core.stats()}
 
 

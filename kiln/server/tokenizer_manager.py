@@ -7,6 +7,11 @@ calls ``submit``, which sends one ADD per prompt to the scheduler process and re
 prompt's replica (an ABORT goes to the same one). The receive loop (``dispatch``) routes the
 detokenizer's OUTPUTS to their streams and records latency metrics. Closing a stream before it
 finished (the client went away, an error) aborts what is left, so the scheduler frees its KV at once.
+
+With a queue limit (``kiln serve --max-queued-requests N``, SGLang's name), a submission that would
+leave more than N samples queued -- in flight beyond what the engines run at once, the replicas'
+``max_running`` together -- is refused with 503 and ``Retry-After`` before anything is sent: the
+count is this process's own, exact at once, where the schedulers' published queue lengths lag.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ from .router import CacheAwareRouter
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a request the context cannot hold
+QUEUE_FULL = "queue_full"
+# What a refused client is told to wait: about the time a batch of short requests takes to move on.
+QUEUE_RETRY_AFTER_S = 1
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,18 @@ class ModelInfo:
     vocab_size: int
     max_seq_len: int
     created: int
+    max_running: int = 0  # samples the engines run at once, all replicas together
+
+
+@dataclass(frozen=True)
+class Admission:
+    """How many samples may wait beyond those running (``--max-queued-requests``); None: no limit."""
+
+    max_queued_requests: int | None = None
+
+    def validate(self) -> None:
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
 
 
 @dataclass(frozen=True)
@@ -87,10 +107,14 @@ class _Live:
 
     stream: "RequestStream"
     prompt_index: int
-    open_samples: int
+    samples: int  # its n
     arrival: float
     replica: int
     last_token_at: dict[int, float] = field(default_factory=dict)
+    open_samples: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.open_samples = self.samples
 
 
 class RequestStream:
@@ -138,11 +162,13 @@ class RequestStream:
 
 class TokenizerManager:
     def __init__(self, tokenizer: Tokenizer | None, info: ModelInfo, senders: list[zmq.Socket], metrics: ServerMetrics,
-                 on_fatal: Callable[[str], None], router: CacheAwareRouter) -> None:
+                 on_fatal: Callable[[str], None], router: CacheAwareRouter, admission: Admission = Admission()) -> None:
         """``senders``: one socket per replica's scheduler, in replica order; ``router`` chooses among them."""
         self.tokenizer = tokenizer
         self.info = info
         self.metrics = metrics
+        self.admission = admission
+        self._samples_in_flight = 0
         self._senders = senders
         self._router = router
         self._on_fatal = on_fatal
@@ -215,9 +241,11 @@ class TokenizerManager:
     # ---- requests ------------------------------------------------------------------------------
 
     def submit(self, prompts: list[list[int]], params: SamplingParams,
-               max_tokens_param: str = "max_tokens") -> RequestStream:
+               max_tokens_param: str = "max_tokens", lora: str | None = None) -> RequestStream:
+        """Sends each prompt to its replica; ``lora``: the adapter to run them under (None: the base)."""
         if self.failure is not None:
             raise APIError(503, f"the engine is unavailable: {self.failure}")
+        self._admit(len(prompts) * params.n)
         stream = RequestStream(self, len(prompts) * params.n, max_tokens_param)
         wire_params = asdict(params)
         now = time.monotonic()
@@ -225,9 +253,21 @@ class TokenizerManager:
             rid = uuid.uuid4().hex
             replica = self._router.route(prompt_ids)
             self._live[rid] = _Live(stream, index, params.n, now, replica)
+            self._samples_in_flight += params.n
             stream.rids.append(rid)
-            self._send(replica, [ipc.ADD, rid, prompt_ids, wire_params])
+            self._send(replica, [ipc.ADD, rid, prompt_ids, wire_params, lora])
         return stream
+
+    def _admit(self, samples: int) -> None:
+        limit = self.admission.max_queued_requests
+        if limit is None:
+            return
+        queued = self._samples_in_flight + samples - self.info.max_running
+        if queued > limit:
+            self.metrics.queue_rejections.inc()
+            raise APIError(503, f"the request queue is full ({limit} requests may wait beyond the "
+                                f"{self.info.max_running} running; --max-queued-requests); retry after "
+                                f"{QUEUE_RETRY_AFTER_S} s", code=QUEUE_FULL, retry_after=QUEUE_RETRY_AFTER_S)
 
     def release(self, stream: RequestStream) -> None:
         """Forgets a stream's requests, aborting those still running."""
@@ -248,8 +288,14 @@ class TokenizerManager:
         """Ends a request's bookkeeping here (its replica's load with it); None if it had ended."""
         live = self._live.pop(rid, None)
         if live is not None:
+            self._samples_in_flight -= live.samples
             self._router.finished(live.replica)
         return live
+
+    def broadcast(self, message: list[Any]) -> None:
+        """Sends ``message`` to every replica's scheduler (LoRA loads and unloads)."""
+        for replica in range(len(self._senders)):
+            self._send(replica, message)
 
     def _send(self, replica: int, message: list[Any]) -> None:
         # A PUSH socket without a high-water mark queues and returns: safe on the event loop.

@@ -81,13 +81,25 @@ def test_skipped_passes_are_recorded_and_the_pipeline_list_stays(qwen3, tmp_path
 
 
 def test_unknown_and_required_passes_are_refused():
-    with pytest.raises(ValueError, match="cannot skip fuse_everything: no such pass; passes: verify, expose_hidden_states, shard_tp, "):
+    with pytest.raises(ValueError, match="cannot skip fuse_everything: no such pass; passes: verify, expose_hidden_states, shard_tp, split_pipeline, place_experts, shard_ep, count_expert_load, fuse_linears, "):
         CompileOptions(skip_passes=("fuse_everything",)).validate()
     for name in sorted(REQUIRED):
-        with pytest.raises(ValueError, match=f"cannot skip {name}: every artifact needs it; skippable passes: fuse_"):
+        with pytest.raises(ValueError, match=f"cannot skip {name}: every artifact needs it; skippable passes: place_experts, count_expert_load, fuse_"):
             CompileOptions(skip_passes=(name,)).validate()
 
 
 def test_a_config_that_is_no_kernel_config_is_refused():
     with pytest.raises(ValueError, match="kernel_config must be a KernelConfig, got dict"):
         CompileOptions(kernel_config={"pdl": False}).validate()
+
+
+@pytest.mark.parametrize("ep, tp, message", [
+    (0, 1, "ep must be >= 1, got 0"),
+    (4, 6, "ep=4 with tp=6 is not supported"),
+    (4, 2, "ep=4 with tp=2 is not supported"),
+])
+def test_ep_and_tp_mixes_the_pass_does_not_lay_out_are_refused(ep, tp, message):
+    with pytest.raises(ValueError, match=message):
+        CompileOptions(ep=ep, tp=tp).validate()
+    assert CompileOptions(ep=2).ranks == CompileOptions(ep=2, tp=2).ranks == CompileOptions(tp=2).ranks == 2
+    assert CompileOptions(ep=2, tp=4).ranks == 4

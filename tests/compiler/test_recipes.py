@@ -36,6 +36,17 @@ def test_concat_and_slice():
         make([Slice("s", "q", axis=1, index=0, count=2)], {"q": q}, "s")
 
 
+def test_a_cyclic_shard_of_two_blocks_takes_each_blocks_part():
+    """shard_ep at tp > ep: rank r takes part r % parts of the gate rows and of the up rows alike."""
+    gate_up = torch.arange(8.0).reshape(8, 1)  # gate rows 0-3, up rows 4-7
+    shard = Shard("gu.shard", "gu", axis=0, parts=2, ranks=4, cyclic=True, groups=2)
+    assert [shard.for_rank(r).index for r in range(4)] == [0, 1, 0, 1]
+    made, _ = make([shard.for_rank(3)], {"gu": gate_up}, "gu.shard")
+    assert made["gu.shard"].flatten().tolist() == [2.0, 3.0, 6.0, 7.0]
+    with pytest.raises(ValueError, match="does not split into 2 blocks x 4 equal shards"):
+        make([Slice("s", "gu", axis=0, index=0, count=4, groups=2)], {"gu": gate_up[:6]}, "s")
+
+
 def test_stack_of_concats_makes_an_expert_weight():
     """An MoE layer's [E, 2I, H] gate/up weight: each expert's gate and up rows joined, then stacked."""
     sources = {f"{kind}{e}": torch.full((2, 3), float(10 * e + i)) for e in range(2) for i, kind in enumerate("gu")}

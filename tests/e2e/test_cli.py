@@ -47,7 +47,7 @@ def test_compile_takes_a_kernel_config_and_skipped_passes(tmp_path):
     assert typo.returncode == 2 and "Traceback" not in typo.stderr
     assert "no field 'decode_blok_n'; fields: pdl, decode_min_split_tokens" in typo.stderr
     unknown = kiln("compile", str(source), "-o", str(tmp_path / "unknown.kiln"), "--skip-pass", "fuse_everything")
-    assert unknown.returncode == 2 and "no such pass; passes: verify, shard_tp, fuse_linears" in unknown.stderr
+    assert unknown.returncode == 2 and "no such pass; passes: verify, expose_hidden_states, shard_tp, split_pipeline, place_experts, shard_ep, count_expert_load, fuse_linears" in unknown.stderr
 
 
 def test_compile_takes_a_quantization(tmp_path):
@@ -74,6 +74,36 @@ def test_compile_takes_a_tp(tmp_path):
     uneven = kiln("compile", str(source), "-o", str(tmp_path / "tp3.kiln"), "--tp", "3")
     assert uneven.returncode == 2 and "Traceback" not in uneven.stderr
     assert "tp=3 must divide the attention heads (4 in l0.attn); possible: 1, 2, 4" in uneven.stderr
+
+
+def test_compile_takes_a_pp_with_a_tp(tmp_path):
+    source = make_hf_model("llama3", tmp_path / "src")
+    out = tmp_path / "m.kiln"
+    result = kiln("compile", str(source), "-o", str(out), "--backend", "torch", "--tp", "2", "--pp", "2")
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["options"]["pp"] == manifest["runtime"]["pp"] == 2
+    assert manifest["weights"] == [f"weights/rank{rank}.safetensors" for rank in range(4)]
+    assert [stage["dir"] for stage in manifest["stages"]] == ["stages/0", "stages/1"]
+    assert 'send(%l0.resid_mlp) {group="pp", peer=1}' in (out / "stages/0/graph.txt").read_text()
+    too_many = kiln("compile", str(source), "-o", str(tmp_path / "pp3.kiln"), "--pp", "3")
+    assert too_many.returncode == 2 and "Traceback" not in too_many.stderr
+    assert "pp=3: the model has 2 decoder layers, fewer than the stages; pp may be at most 2" in too_many.stderr
+
+
+def test_compile_takes_tp_auto_with_gpu_hints(tmp_path):
+    """The planner chooses (tests/planner/test_auto.py): f32 weights and KV of this model need two
+    ranks of 0.0004 GB."""
+    source = make_hf_model("llama3", tmp_path / "src")
+    out = tmp_path / "m.kiln"
+    result = kiln("compile", str(source), "-o", str(out), "--backend", "torch", "--dtype", "fp32", "--max-seq-len",
+                  "64", "--tp", "auto", "--gpus", "2", "--gpu-memory-gb", "0.0004")
+    assert result.returncode == 0, result.stderr
+    assert "kiln: tp=auto: tp=2, pp=1 for 2 GPU(s) of 0.0004 GB: tp=2 pp=1: the smallest layout" in result.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (manifest["runtime"]["tp"], manifest["runtime"]["pp"]) == (2, 1)
+    wrong = kiln("compile", str(source), "-o", str(tmp_path / "x.kiln"), "--tp", "some")
+    assert wrong.returncode == 2 and "--tp must be a number of ranks or 'auto', got 'some'" in wrong.stderr
 
 def test_compile_takes_a_kv_cache_dtype_and_refuses_requantizing(tmp_path):
     from tests.compiler.sources.test_prequantized import FP8_TENSOR, _write_checkpoint
@@ -132,7 +162,8 @@ def test_bench_dispatch():
     result = kiln("bench", "no-such-bench")
     assert result.returncode == 2 and "unknown benchmark 'no-such-bench'" in result.stderr
     available = result.stderr.split("available: ", 1)[1].strip().split(", ")
-    assert set(available) == {"decode", "kernels", "moe_decode", "offline", "serving", "structured"}, "helpers and experiments are not"
+    assert set(available) == {"decode", "kernels", "lora_decode", "moe_decode", "offline", "serving", "spec_decode",
+                              "structured"}, "helpers and experiments are not"
     result = kiln("bench", "offline", "--help")
     assert result.returncode == 0 and "--prefix-words" in result.stdout
     # `kernels` names bench/kernel_bench.py (a bench module named kernels would shadow a package).

@@ -44,12 +44,29 @@ def test_collectives_print_parse_and_verify():
     ("all_gather", {"axis": 0, "world_size": 2}, "must be static"),
     ("reduce_scatter", {"axis": 1, "world_size": 4}, "does not split into 4 parts"),
     ("send", {"peer": -1}, "peer must be a rank"),
+    ("all_reduce", {"world_size": 2, "group": "dp"}, "group must be one of tp, pp, got 'dp'"),
+    ("send", {"peer": 1, "group": "world"}, "group must be one of tp, pp, got 'world'"),
 ])
 def test_collectives_reject_what_cannot_run(op, attrs, message):
     b = GraphBuilder("bad")
     x = b.input("x", TensorType(("T", 6), DType.f32))
     with pytest.raises(IRTypeError, match=message):
         b.op(op, x, **attrs)
+
+
+def test_a_collective_may_name_a_group_of_the_rank_grid():
+    text = textwrap.dedent("""\
+        graph stage {
+          input %x: f32[T, 6]
+          %summed = all_reduce(%x) {group="tp", world_size=2} : f32[T, 6]
+          %h = recv() {dtype="f32", group="pp", peer=0, shape=["T", 6]} : f32[T, 6]
+          %sent = send(%summed) {group="pp", peer=1} : f32[T, 6]
+          return %sent, %h
+        }
+        """)
+    graph = parse_graph(text)
+    verify(graph)
+    assert print_graph(graph) == text
 
 
 def test_embedding_takes_a_row_start_of_one_index():

@@ -2,7 +2,7 @@
 and the two Triton paths of ``moe`` (grouped GEMMs, per-pair decode GEMVs).
 
 Shapes cover odd token counts, experts no token chose, top-1/2/8, and a rank's slice of the experts
-(``expert_offset``). Kept tiny: they run under Triton's interpreter on the CPU.
+(``expert_offset``, or the ``expert_start`` input shard_ep gives each rank). Kept tiny: they run under Triton's interpreter on the CPU.
 """
 
 from __future__ import annotations
@@ -92,6 +92,22 @@ def test_expert_slices_sum_to_the_whole(device, poisoned, assert_matches, path):
         assert_matches(out, ref_moe(x, weights, ids, w_gate_up[offset:offset + 4], w_down[offset:offset + 4], offset))
         halves.append(out)
     assert_matches(halves[0] + halves[1], ref_moe(x, weights, ids, w_gate_up, w_down))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_expert_start_input_selects_the_rank_slice(device, assert_matches, backend):
+    """What shard_ep emits: the rank's first expert as an i32[1] input (a per-rank weight), not an
+    attribute; both registry implementations shift the ids by it."""
+    x = torch.randn(3, 32, device=device)
+    w_gate_up, w_down = _experts(8, 32, 16, torch.float32, device)
+    weights, ids = _routing(3, 2, 8, device)
+    types = [TensorType(("T", 32), DType.f32), TensorType(("T", 2), DType.f32), TensorType(("T", 2), DType.i32),
+             TensorType((4, 32, 32), DType.f32), TensorType((4, 32, 16), DType.f32), TensorType((1,), DType.i32)]
+    impl = select_impl("moe", types, {"expert_offset": 0}, backend)
+    out = torch.empty_like(x)
+    start = torch.tensor([4], dtype=torch.int32, device=device)
+    impl.fn(x, weights, ids, w_gate_up[4:], w_down[4:], start, out=out, expert_offset=0)
+    assert_matches(out, ref_moe(x, weights, ids, w_gate_up[4:], w_down[4:], 4))
 
 
 def test_dispatch_by_pair_count(device, assert_matches):

@@ -75,3 +75,21 @@ def test_other_refusals():
         MoEConfig.from_hf(hf_config("mixtral", num_experts_per_tok=9))
     with pytest.raises(UnsupportedMoE, match="use_sliding_window=true .* is not supported"):
         MoEConfig.from_hf(hf_config("qwen2_moe", use_sliding_window=True, sliding_window=8))
+
+
+def test_kiln_compile_ep_refuses_experts_it_cannot_split_and_unsupported_routers(tmp_path):
+    """``--ep``: an expert count ep does not divide names both; an MoE variant kiln does not run is
+    refused as without ep; neither leaves an artifact behind."""
+    source = make_hf_model("mixtral", tmp_path / "src")
+    result = kiln_cli("compile", str(source), "-o", str(tmp_path / "out.kiln"), "--dtype", "fp32", "--ep", "3")
+    assert_clean_error(result, "ep=3 must divide the experts (8 in l0.experts); possible ep: 1, 2, 4, 8")
+    sigmoid = make_hf_model("qwen3_moe", tmp_path / "sigmoid", scoring_func="sigmoid")
+    result = kiln_cli("compile", str(sigmoid), "-o", str(tmp_path / "out.kiln"), "--ep", "2")
+    assert_clean_error(result, "Qwen3MoeForCausalLM: router setting scoring_func='sigmoid' is not supported")
+    assert not (tmp_path / "out.kiln").exists()
+
+
+def test_ep_on_a_dense_model_is_refused(tmp_path):
+    source = make_hf_model("qwen2", tmp_path / "src")
+    with pytest.raises(ValueError, match="ep=2: Qwen2ForCausalLM has no routed experts"):
+        compile_model(source, tmp_path / "out.kiln", CompileOptions(dtype="fp32", ep=2, max_batch_tokens=16))

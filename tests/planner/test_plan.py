@@ -97,10 +97,39 @@ def test_tp_beyond_the_kv_heads_replicates_them():
 def test_mixtral_gets_expert_parallelism():
     plan = make_plan(ModelShape.from_hf(MIXTRAL_8X7B), PlanRequest(gpus=8))
     assert (plan.tp, plan.ep, plan.dp) == (2, 2, 4)
-    assert plan.notes[0] == ("MoE: ep=2: 4 whole experts a rank; kiln has no expert parallelism yet (--ep): it runs MoE models "
-                             "on one rank")
+    assert plan.notes[0] == ("MoE: ep=2: 4 whole experts a rank, attention tensor-parallel over the same 2 ranks "
+                             "(kiln compile/serve --ep 2 --tp 2)")
+    # One rank would hold all 8 experts whole (tp=1): 93.4 GB of the 68 GB usable.
+    assert any(r.startswith("tp=1 pp=1: weights 93.4 GB a rank exceed") for r in plan.rejected)
     # At batch 1 a step reads 2 of the 8 experts of each layer, not all of them.
     assert plan.decode_bytes_per_step < 0.4 * plan.weight_bytes_per_rank
+    assert plan.allreduces_per_layer == 2
+
+
+def test_moe_heads_that_do_not_divide_take_ep_with_attention_replicated():
+    """35 heads: no tp > 1 divides them, but the 8 experts split over 2 ranks (tp=1 ep=2), each
+    holding the whole attention and KV and half the experts, one all-reduce a layer (the experts')."""
+    shape = ModelShape.from_hf({**MIXTRAL_8X7B, "hidden_size": 4480, "num_attention_heads": 35,
+                                "num_key_value_heads": 5})
+    plan = make_plan(shape, PlanRequest(gpus=4))
+    assert (plan.tp, plan.pp, plan.ep, plan.dp) == (1, 1, 2, 2)
+    assert plan.kv_heads_per_rank == 5 and plan.allreduces_per_layer == 1
+    assert plan.allreduce_bytes_per_step == 32 * 4480 * 1 * 2
+    assert plan.notes[0] == ("MoE: ep=2: 4 whole experts a rank, attention and KV replicated on each rank "
+                             "(kiln compile/serve --ep 2)")
+    one, two = (stages(shape, Layout(1, 1, ep), WeightStorage())[0] for ep in (1, 2))
+    assert one.expert_bytes == 2 * two.expert_bytes and one.weight_bytes - one.expert_bytes == \
+        two.weight_bytes - two.expert_bytes
+
+
+def test_moe_experts_that_do_not_divide_stay_whole_on_every_tp_rank():
+    """6 experts: tp=4 holds every expert on every rank (ep=1, as shard_tp leaves them), so 4 H100s
+    take tp=2 ep=2 (3 experts a rank), the fewest ranks that hold 16 sequences of 4096 tokens."""
+    shape = ModelShape.from_hf({**MIXTRAL_8X7B, "num_local_experts": 6})
+    assert stages(shape, Layout(4), WeightStorage())[0].expert_bytes == \
+        stages(shape, Layout(1), WeightStorage())[0].expert_bytes
+    plan = make_plan(shape, PlanRequest(gpus=4, max_seq_len=4096, concurrency=16))
+    assert (plan.tp, plan.ep, plan.dp) == (2, 2, 2)
 
 
 def test_pipeline_stages_hold_the_embedding_first_and_the_head_last():

@@ -19,6 +19,17 @@ MODEL = "smol"
 START_TIMEOUT_S = 300
 
 
+def tiny_artifact(tokenizer_dir: Path, root: Path, max_seq_len: int = 512, **compile_options) -> Path:
+    """A tiny random Llama in SmolLM2's vocabulary, with its tokenizer, compiled for the CPU (fp32, torch
+    backend) under ``root``: a model ``kiln serve`` answers text with in milliseconds a token."""
+    from kiln import compile as compile_model
+    from tests.support.hf_models import make_tokenized_model
+
+    source = make_tokenized_model("llama3", root / "src", tokenizer_dir, max_position_embeddings=max_seq_len)
+    return compile_model(str(source), str(root / "tiny.kiln"), dtype="fp32", backend="torch", max_seq_len=max_seq_len,
+                         **compile_options)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -45,11 +45,14 @@ def test_health_answers_while_a_7mb_body_is_in_flight(big_server):
     with socket.create_connection(("127.0.0.1", big_server.port)) as big:
         big.sendall(head + body)  # returns once the server has read nearly all of it
         time.sleep(0.05)  # a head start for the big one, shorter than its work (~1 s) even on an idle machine
+        asked = time.monotonic()
         health = httpx.get(f"{big_server.url}/health", timeout=120)
+        health_s = time.monotonic() - asked
         big_pending = not select.select([big], [], [], 0)[0]  # no byte of its answer yet
         answer = b""
         while chunk := big.recv(65536):
             answer += chunk
-    assert health.status_code == 200 and big_pending
+    assert health.status_code == 200 and big_pending, \
+        f"/health took {health_s:.2f} s and the big one had answered: {answer[:200]!r}"
     status_line, _, rest = answer.partition(b"\r\n")
     assert b" 400 " in status_line and json.loads(rest.partition(b"\r\n\r\n")[2])["error"]["param"] == "messages"

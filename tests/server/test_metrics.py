@@ -32,3 +32,15 @@ def test_one_replica_renders_as_before():
     metrics.replica_stats[0] = REPLICA_0
     text = metrics.render()
     assert "kiln_num_requests_running 2\n" in text and "replica=" not in text and "kiln_router" not in text
+
+
+def test_expert_tokens_render_by_layer_and_expert_and_replicas_sum():
+    metrics = ServerMetrics(replicas=2)
+    metrics.replica_stats.update({0: {"expert_tokens:3:0": 5, "expert_tokens:3:1": 2, "expert_tokens:10:0": 1},
+                                  1: {"expert_tokens:3:0": 1, "expert_tokens:3:1": 0, "expert_tokens:10:0": 4}})
+    lines = [line for line in metrics.render().splitlines() if "kiln_moe_expert_tokens_total" in line]
+    assert lines[1] == "# TYPE kiln_moe_expert_tokens_total counter"
+    assert lines[2:] == ['kiln_moe_expert_tokens_total{layer="3",expert="0"} 6',
+                         'kiln_moe_expert_tokens_total{layer="3",expert="1"} 2',
+                         'kiln_moe_expert_tokens_total{layer="10",expert="0"} 5']
+    assert "kiln_moe_expert_tokens_total" not in ServerMetrics().render()  # a dense model has none

@@ -6,7 +6,6 @@ naming the rank, and it exits with no process left behind."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 
 from kiln import Engine, SamplingParams
 from tests.server.harness import API_KEY, MODEL, ServerProcess, children_of, wait_gone
-from tests.support.hf_models import make_hf_model
+from tests.support.hf_models import make_tokenized_model
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_TOKENS = 8
@@ -31,10 +30,7 @@ COMPILE = dict(dtype="fp32", backend="torch", max_seq_len=256)
 @pytest.fixture(scope="module")
 def source(smollm2_dir, tmp_path_factory) -> Path:
     """Random weights in SmolLM2's vocabulary, with its tokenizer and chat template beside them."""
-    directory = make_hf_model("llama3", tmp_path_factory.mktemp("tp_serve") / "src", vocab_size=49152)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy2(smollm2_dir / name, directory / name)
-    return directory
+    return make_tokenized_model("llama3", tmp_path_factory.mktemp("tp_serve") / "src", smollm2_dir)
 
 
 def test_serve_tp2_answers_as_one_rank_and_ends_when_a_rank_dies(source, tmp_path, monkeypatch):

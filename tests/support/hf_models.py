@@ -77,3 +77,14 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
             tokens.append(token)
             out = model(torch.tensor([[token]], device=device), past_key_values=out.past_key_values, use_cache=True)
     return tokens
+
+
+def make_tokenized_model(kind: str, directory: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+    """A random ``kind`` model in ``tokenizer_dir``'s vocabulary (49152 tokens: SmolLM2's), with its
+    tokenizer files and chat template beside the weights: one ``kiln serve`` can answer text with."""
+    import shutil
+
+    make_hf_model(kind, directory, seed, **{"vocab_size": 49152, **overrides})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(tokenizer_dir / name, directory / name)
+    return directory

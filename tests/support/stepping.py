@@ -7,24 +7,21 @@ and the kernels from the runtime's bookkeeping.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from kiln.runtime.kvcache.pool import pool_dtype
 from kiln.runtime.scheduler.batch import StepLists
-from kiln.runtime.worker.executor import Executor, StepInputs
+from kiln.runtime.worker.executor import Executor, StepInputs, StepResult
+from kiln.runtime.worker.expert_load import ExpertLoad
 
 
-class PagedRun:
-    def __init__(self, executor: Executor, num_pages: int) -> None:
-        rt = executor.artifact.runtime
-        self.executor = executor
-        self.page_size = rt["page_size"]
-        self.caches = {}
-        for i in range(rt["num_layers"]):
-            for kind in ("k", "v"):
-                self.caches[f"{kind}_cache.{i}"] = torch.zeros(
-                    num_pages * self.page_size, rt["num_kv_heads"], rt["head_dim"],
-                    dtype=pool_dtype(rt), device=executor.device)
+class Pages:
+    """Sequences' pages, handed out in order from page 1, and the step lists that feed them tokens."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
         self.next_page = 1  # page 0 stays unused, as in the runtime's pool
         self.pages: list[list[int]] = []
         self.lengths: list[int] = []
@@ -33,9 +30,8 @@ class PagedRun:
         self.pages.extend([] for _ in range(count))
         self.lengths.extend(0 for _ in range(count))
 
-    def step(self, new_tokens: list[list[int]], all_logits: bool = False) -> torch.Tensor:
-        """Runs one step where sequence b gets ``new_tokens[b]``; returns logits of each sequence's
-        last token, or of every token with ``all_logits``."""
+    def lists(self, new_tokens: list[list[int]], all_logits: bool = False) -> StepLists:
+        """The step's lists (what the scheduler would hand a model runner), taking the pages it needs."""
         ids, positions, slots, q_start, q_len, kv_len = [], [], [], [], [], []
         for b, tokens in enumerate(new_tokens):
             q_start.append(len(ids))
@@ -56,16 +52,52 @@ class PagedRun:
             index = list(range(len(ids)))
         else:
             index = [s + n - 1 for s, n in zip(q_start, q_len)]
+        return StepLists([], token_ids=ids, positions=positions, slots=slots, q_start=q_start, q_len=q_len,
+                         kv_len=kv_len, page_table=table, logits_index=index)
+
+
+class PagedRun(Pages):
+    """Steps through an executor, on KV caches of its own."""
+
+    def __init__(self, executor: Executor, num_pages: int) -> None:
+        rt = executor.artifact.runtime
+        super().__init__(rt["page_size"])
+        self.executor = executor
+        self.caches = {}
+        for i in range(rt["num_layers"]):
+            for kind in ("k", "v"):
+                self.caches[f"{kind}_cache.{i}"] = torch.zeros(
+                    num_pages * self.page_size, rt["num_kv_heads"], rt["head_dim"],
+                    dtype=pool_dtype(rt), device=executor.device)
+        self.caches.update(ExpertLoad(rt.get("expert_load", []), executor.device).views())  # a MoE model's counters
+
+    def step(self, new_tokens: list[list[int]], all_logits: bool = False) -> torch.Tensor:
+        """Runs one step where sequence b gets ``new_tokens[b]``; returns logits of each sequence's
+        last token, or of every token with ``all_logits``."""
+        lists = self.lists(new_tokens, all_logits)
         dev = self.executor.device
 
         def i32(values):
             return torch.tensor(values, dtype=torch.int32, device=dev)
 
-        feeds = {"token_ids": i32(ids), "positions": i32(positions), "slots": i32(slots), "q_start": i32(q_start),
-                 "q_len": i32(q_len), "kv_len": i32(kv_len), "page_table": i32(table).reshape(len(new_tokens), width),
-                 "logits_index": i32(index)}
-        inputs = StepInputs(feeds, max(q_len), max(kv_len))
+        width = len(lists.page_table[0])
+        feeds = {name: i32(lists.column(name)) for name in ("token_ids", "positions", "slots", "q_start", "q_len",
+                                                            "kv_len", "logits_index")}
+        feeds["page_table"] = i32(lists.page_table).reshape(len(new_tokens), width)
+        inputs = StepInputs(feeds, max(lists.q_len), max(lists.kv_len))
         return self.executor.run(inputs, self.caches)["logits"].clone()
+
+
+class RunnerRun(Pages):
+    """Steps as a ``PagedRun`` takes them, through a model runner's (or worker's) ``forward``, on the
+    runner's own KV pool."""
+
+    def __init__(self, forward: Callable[[StepLists], StepResult], page_size: int) -> None:
+        super().__init__(page_size)
+        self.forward = forward
+
+    def step(self, new_tokens: list[list[int]], all_logits: bool = False) -> torch.Tensor:
+        return self.forward(self.lists(new_tokens, all_logits)).logits.clone()
 
 
 def pages_for(totals: list[int], page_size: int = 4) -> list[list[int]]:

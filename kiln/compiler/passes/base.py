@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kiln.ir import Graph
+from kiln.lora_layout import LoraLayout
 
 from ..quantization import QuantizationMethod
 from ..recipes import Recipe
@@ -23,8 +24,15 @@ class PassContext:
     recipes: list[Recipe] = field(default_factory=list)
     quantization: QuantizationMethod | None = None  # what the quantize pass applies (None: nothing)
     tp: int = 1  # tensor-parallel ranks the shard_tp pass shards for
+    pp: int = 1  # pipeline stages, and the one this run of the passes compiles (split_pipeline)
+    stage: int = 0
+    ep: int = 1  # expert-parallel ranks the shard_ep pass partitions the experts over (inside tp: shard_ep.py)
+    # Per sparse layer, the logical expert in each physical slot (place_experts.py; () for none).
+    expert_placement: tuple[tuple[int, tuple[int, ...]], ...] = ()
     kv_cache_dtype: str = "auto"  # the pool's dtype (quantize_kv_cache.KV_CACHE_DTYPES; auto: the model's)
     kv_cache_scales: tuple[tuple[float, float], ...] = ()  # an FP8 pool's (k, v) scales per layer; (): 1.0
+    # LoRA slots, rank and targets (None: no LoRA); insert_lora fills in its hooks for the manifest.
+    lora: LoraLayout | None = None
     # Per-token outputs expose_hidden_states adds (step output names), and the layers EAGLE-3 reads.
     step_outputs: tuple[str, ...] = ()
     aux_hidden_layers: tuple[int, ...] = ()

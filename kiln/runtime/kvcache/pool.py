@@ -77,11 +77,12 @@ class KVPool:
     """Owns the pool tensor. Zero-filled so the reserved page reads as finite zeros, never NaN."""
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str, num_pages: int, page_size: int) -> None:
+                 device: torch.device | str, num_pages: int, page_size: int, first_layer: int = 0) -> None:
         if num_pages < 2 or page_size < 1:
             raise ValueError(f"need num_pages >= 2 (page {RESERVED_PAGE} is reserved) and page_size >= 1, "
                              f"got {num_pages} and {page_size}")
         self.num_layers = num_layers
+        self.first_layer = first_layer  # a pipeline stage's pool holds layers first_layer.. of the model
         self.kv_heads = kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
@@ -106,9 +107,9 @@ class KVPool:
         return self.buffer[layer, 1]
 
     def layer_views(self) -> dict[str, torch.Tensor]:
-        """The graph's cache inputs by name: ``k_cache.{i}`` and ``v_cache.{i}`` for every layer."""
+        """The graph's cache inputs by name: ``k_cache.{i}`` and ``v_cache.{i}`` for every layer i it holds."""
         views: dict[str, torch.Tensor] = {}
         for layer in range(self.num_layers):
-            views[f"k_cache.{layer}"] = self.k(layer)
-            views[f"v_cache.{layer}"] = self.v(layer)
+            views[f"k_cache.{self.first_layer + layer}"] = self.k(layer)
+            views[f"v_cache.{self.first_layer + layer}"] = self.v(layer)
         return views

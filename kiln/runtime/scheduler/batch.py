@@ -60,6 +60,7 @@ def build_verify_lists(batch: ScheduleBatch, drafts: list[list[int]], page_size:
     pages ``Scheduler.reserve_drafts`` gave it) and wants the logits of each, one row per token in
     ``requests``; then the chunks, as in ``build_step_lists``."""
     lists = StepLists.empty()
+    lists.lora_slot = []  # (a column of LoRA artifacts' schema: every step fills it)
     for request, draft in zip(batch.decodes, drafts):
         start, count = request.num_computed, 1 + len(draft)
         pages = request.pages
@@ -68,6 +69,7 @@ def build_verify_lists(batch: ScheduleBatch, drafts: list[list[int]], page_size:
         lists.q_len.append(count)
         lists.kv_len.append(start + count)
         lists.page_table.append(pages)
+        lists.lora_slot.append(request.lora_slot)
         lists.token_ids.append((request.output_ids or request.prompt_ids)[-1])
         lists.token_ids.extend(draft)
         lists.positions.extend(range(start, start + count))
@@ -91,7 +93,8 @@ def _decode_lists(requests: list[Request], page_size: int) -> StepLists:
         positions=positions,
         slots=[pages[pos // page_size] * page_size + pos % page_size for pages, pos in zip(page_rows, positions)],
         q_start=list(rows), q_len=[1] * len(requests), kv_len=[pos + 1 for pos in positions],
-        page_table=page_rows, logits_index=list(rows), requests=list(requests))
+        page_table=page_rows, logits_index=list(rows), lora_slot=[r.lora_slot for r in requests],
+        requests=list(requests))
 
 
 def _append_chunk(lists: StepLists, chunk: ScheduledChunk, page_size: int) -> None:
@@ -103,6 +106,7 @@ def _append_chunk(lists: StepLists, chunk: ScheduledChunk, page_size: int) -> No
     lists.q_len.append(end - start)
     lists.kv_len.append(end)
     lists.page_table.append(pages)
+    lists.lora_slot.append(request.lora_slot)
     lists.token_ids.extend(request.tokens(start, end))
     lists.positions.extend(range(start, end))
     lists.slots.extend(pages[pos // page_size] * page_size + pos % page_size for pos in range(start, end))

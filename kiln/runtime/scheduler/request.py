@@ -49,6 +49,10 @@ class Request:
     seed: int
     index: int = 0                   # which of the request's n samples this is
     namespace: Hashable = None
+    # Its LoRA adapter (a runtime.lora LoraEntry; None: the base model), and the device slot the
+    # scheduler pinned for it while it runs (-1: none), which the step's lora_slot column carries.
+    lora: Any = None
+    lora_slot: int = -1
     # A request of an n > 1 group waits for its leader's prompt to be cached, then shares its pages.
     leader: "Request | None" = None
     # Per-sample state the engine core keeps (stop-string watch, grammar state); the scheduler only carries it.

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from ..kvcache.allocator import PageAllocator
 from ..kvcache.radix import RadixCache
@@ -50,6 +50,15 @@ class SchedulerConfig:
             raise ValueError(f"schedule policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
 
 
+class AdapterSlots(Protocol):
+    """Device slots for requests' LoRA adapters (``runtime.lora.LoraRegistry``)."""
+
+    def pin(self, entry) -> bool:
+        """Makes the adapter resident and pins its slot; False when no slot can take it now."""
+
+    def unpin(self, entry) -> None: ...
+
+
 class ScheduledChunk(NamedTuple):
     """Tokens ``start..end`` of one request, computed in one step (a NamedTuple: cheaper to build
     than a frozen dataclass)."""
@@ -70,8 +79,10 @@ class ScheduleBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, cache: RadixCache) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, cache: RadixCache,
+                 adapters: AdapterSlots | None = None) -> None:
         self.config = config
+        self.adapters = adapters
         self.allocator = allocator
         self.cache = cache
         self.waiting: deque[Request] = deque()
@@ -198,6 +209,8 @@ class Scheduler:
                 continue  # share the leader's prompt pages once they are cached
             if self._shares_with_admitted(request, [c.request for c in chunks]):
                 continue  # computing it now would repeat an admitted request's prefix: wait for its cache entry
+            if request.lora is not None and not self._pin_adapter(request):
+                continue  # every adapter slot is pinned by running requests: wait for one to finish
             self._attach_prefix(request)
             chunk = self._prefill_chunk(request, budget, self.config.max_logit_rows - rows)
             if chunk is None:
@@ -233,6 +246,12 @@ class Scheduler:
                     _common_prefix(ids, other.all_ids) - cached >= IN_BATCH_SHARE_TOKENS:
                 return True
         return False
+
+    def _pin_adapter(self, request: Request) -> bool:
+        if not self.adapters.pin(request.lora):
+            return False
+        request.lora_slot = request.lora.slot
+        return True
 
     def _attach_prefix(self, request: Request) -> None:
         if not self.config.enable_prefix_cache:
@@ -275,6 +294,9 @@ class Scheduler:
         request.pages = []
         request.prefix = None
         request.num_computed = 0
+        if request.lora_slot >= 0:  # it stops running: its adapter's slot may go to another
+            self.adapters.unpin(request.lora)
+            request.lora_slot = -1
 
     def _retract(self, request: Request) -> None:
         self._release(request, keep_in_cache=True)

@@ -153,7 +153,7 @@ class Tokenizer:
         tokens. Raises ``ValueError`` for text that is not valid Unicode."""
         require_unicode(text, "text")
         backend = self.backend if parse_special_tokens else self._text_backend
-        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return _encode(backend, text, add_special_tokens)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     tools: Sequence[Mapping[str, Any]] | None = None,
@@ -166,13 +166,13 @@ class Tokenizer:
         require_unicode(text, "messages")
         if not mask.replaced:
             # The common case: the text is exactly what transformers renders and tokenizes.
-            return self.backend.encode(text, add_special_tokens=False).ids
+            return _encode(self.backend, text, False)
         ids: list[int] = []
         for piece, special in mask.split(text):
             if special:
                 ids.append(self.token_to_id(piece))
             else:
-                ids += self._text_backend.encode(mask.unmask(piece), add_special_tokens=False).ids
+                ids += _encode(self._text_backend, mask.unmask(piece), False)
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -232,3 +232,9 @@ def _bos_eos_processor(backend: tokenizers.Tokenizer, bos: str | None, eos: str 
     return processors.TemplateProcessing(single=f"{prefix}$A:0{suffix}",
                                          pair=f"{prefix}$A:0{suffix} {pair_prefix}$B:1{pair_suffix}",
                                          special_tokens=specials)
+
+
+def _encode(backend: tokenizers.Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    # encode_batch, not encode: the batch call releases the GIL while it tokenizes, the single one
+    # held it for seconds on a rendered megabyte prompt, stalling the server's event loop (/health).
+    return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids

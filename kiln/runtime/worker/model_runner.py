@@ -11,11 +11,16 @@ from __future__ import annotations
 import torch
 
 from ..artifact import Artifact
+from kiln.lora_layout import LoraLayout
+from kiln.tensors import torch_dtype
+
 from ..kvcache.pool import KVPool, pool_dtype
+from ..lora.slots import LoraSlots
 from ..sampling import SamplerKernels, SamplerOutput, SamplingBatch, sample
 from ..scheduler.batch import StepLists
 from .decode_graphs import DecodeGraphs
 from .executor import Executor, StepInputs, StepResult
+from .expert_load import ExpertLoad
 from .prefill_graphs import PrefillGraphs
 
 class ModelRunner:
@@ -28,9 +33,18 @@ class ModelRunner:
         self.sampler_kernels = SamplerKernels.for_device(self.device, artifact.kernel_config)
         self.page_size: int = rt["page_size"]
         self.vocab_size: int = rt["vocab_size"]
-        self.pool = KVPool(rt["num_layers"], rt["num_kv_heads"], rt["head_dim"], pool_dtype(rt),
-                           self.device, num_pages, self.page_size)
-        self.kv_views = self.pool.layer_views()
+        layers = artifact.layers  # a pipeline stage's pool holds its own layers only
+        self.pool = KVPool(len(layers), rt["num_kv_heads"], rt["head_dim"], pool_dtype(rt),
+                           self.device, num_pages, self.page_size, layers.start)
+        self.expert_load = ExpertLoad(rt.get("expert_load", []), self.device)
+        # LoRA artifacts: the adapter slots' buffers, graph inputs the program reads beside the pool's
+        # views (the registry writes adapters into them; graphs see the writes at replay).
+        lora = artifact.manifest.get("lora")
+        self.lora_slots = LoraSlots(LoraLayout.from_json(lora), torch_dtype(rt["dtype"]), self.device) if lora else None
+        # The state every step reads and updates in place: the KV pool's layer views, the expert
+        # counters and the adapter slots.
+        self.kv_views = {**self.pool.layer_views(), **self.expert_load.views(),
+                         **(self.lora_slots.buffers if self.lora_slots is not None else {})}
         bounds = rt["symbol_bounds"]
         buckets = [b for b in decode_buckets if b <= min(bounds["T"], bounds["B"], bounds["N"])]
         self.decode_graphs = DecodeGraphs(self.executor, self.kv_views, buckets, bounds["P"]) if buckets else None

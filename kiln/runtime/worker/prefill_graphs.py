@@ -28,6 +28,7 @@ from kiln.step_schema import TOKEN
 
 from ..scheduler.batch import StepLists
 from .executor import Executor, StepInputs, StepResult
+from .expert_load import counted_once
 from .step_buffers import StepLayout
 
 MIN_TOKEN_BUCKET = 16
@@ -115,7 +116,7 @@ class PrefillGraphs:
         # follows the capture computes it again, identically.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), counted_once(self.kv_views):
             for _ in range(2):  # Triton compiles and autotunes outside the capture
                 self.executor.run(inputs, self.kv_views)
         torch.cuda.current_stream().wait_stream(stream)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..artifact import load_artifact
 from .model_runner import ModelRunner
+from .rank_grid import join_groups
 from .step_wire import receive_step
 from .worker import RankConfig
 
@@ -51,6 +52,8 @@ def join_group(rank: int, store: dist.Store, config: RankConfig) -> None:
     backend = "cpu:gloo,cuda:nccl" if config.rank_device(rank).type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=config.world_size,
                             timeout=COLLECTIVE_TIMEOUT)
+    if config.pp > 1:  # the stages' tp groups and the pp groups between them
+        join_groups(config.grid, rank)
 
 
 def load_and_join(rank: int, store: dist.Store, config: RankConfig, load: Callable[[], ModelRunner],

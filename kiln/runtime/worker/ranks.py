@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..artifact import Artifact
 from ..scheduler.batch import StepLists
+from .rank_grid import leave_groups
 from .rank_process import HOST, READY, RENDEZVOUS_TIMEOUT, load_and_join, run_rank
 from .executor import StepResult
 from .step_wire import send_step
@@ -104,7 +105,15 @@ class WorkerGroup:
         if tokens_from is not None:
             raise ValueError("tokens_from: with several ranks a step's input ids come from the host")
         self._send(lists)
-        return self.runner.forward(lists)
+        try:
+            return self.runner.forward(lists)
+        except RuntimeError as exc:
+            # A transfer whose peer ended (a stage's send or receive, a collective): that rank's
+            # exit is the news, and the watcher is about to see it.
+            self._watcher.join(FAILURE_WAIT_S)
+            if self.failure is not None:
+                raise self.failure from exc
+            raise
 
     def check(self) -> None:
         if self.failure is not None:
@@ -124,6 +133,7 @@ class WorkerGroup:
             except RuntimeError:
                 pass  # a worker already gone: it is reaped below either way
         self._stop_workers(terminate=False)
+        leave_groups()
         dist.destroy_process_group()
 
     # ---- internals ----------------------------------------------------------------------------------

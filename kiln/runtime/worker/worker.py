@@ -8,7 +8,8 @@ size and the device its tokens live on. Two implementations:
 - ``LocalWorker``: one rank, the model runner in the core's process. Its methods are the runner's
   own, bound once, so the core calls the runner exactly as directly as without this interface.
 - ``ranks.WorkerGroup``: rank 0 in the core's process, ranks 1..N-1 in worker processes that get
-  every step by broadcast before rank 0 runs it.
+  every step by broadcast before rank 0 runs it (for a pipelined artifact each rank's runner is a
+  ``PipelineRunner`` of its stage).
 
 ``ranks.start_worker`` picks one from ``RankConfig.world_size``.
 """
@@ -20,11 +21,13 @@ from typing import Protocol
 
 import torch
 
-from ..artifact import Artifact
+from ..artifact import Artifact, load_artifact
 from ..sampling import SamplerOutput, SamplingBatch
 from ..scheduler.batch import StepLists
 from .executor import StepResult
 from .model_runner import ModelRunner
+from .pipeline_runner import PipelineRunner
+from .rank_grid import RankGrid
 
 
 class WorkerDied(RuntimeError):
@@ -65,13 +68,17 @@ class RankConfig:
     decode_buckets: tuple[int, ...]
     prefill_graphs: bool
     world_size: int = 1
-    # Whether the artifact is tensor-parallel (each rank loads its own weights shard and runs the
-    # collectives in its program) rather than replicated (every rank loads rank 0's weights).
+    # Whether the artifact is tensor- or expert-parallel or pipelined (each rank loads its own weights
+    # file and runs the collectives in its program) rather than replicated (every rank loads rank 0's).
     tensor_parallel: bool = False
     reference_fallback: bool = False  # run torch references where the GPU cannot run the artifact's FP8
     # Tokens a sequence brings to a speculative verify step (drafts + 1; 1: no speculation): with
     # decode buckets, uniform verify steps run as decode graphs of that many tokens a sequence.
     verify_tokens: int = 1
+    # Pipeline stages (a pipelined artifact's runtime.pp; world_size // pp ranks each, rank_grid.py),
+    # and the micro-batches a step is split into so that they overlap (pipeline_runner.py).
+    pp: int = 1
+    micro_batches: int = 2
 
     def rank_device(self, rank: int) -> torch.device:
         device = torch.device(self.device)
@@ -79,7 +86,15 @@ class RankConfig:
             return device  # CPU ranks share the host
         return torch.device("cuda", (device.index or 0) + rank)
 
+    @property
+    def grid(self) -> RankGrid:
+        return RankGrid(self.world_size // self.pp, self.pp)
+
     def build_runner(self, artifact: Artifact, rank: int) -> ModelRunner:
+        if self.pp > 1:  # the stage's own program, weights and layers' KV pool
+            stage = load_artifact(artifact.path, self.grid.stage(rank))
+            return PipelineRunner(stage, self.rank_device(rank), self.num_pages, rank, self.grid, self.micro_batches,
+                                  self.reference_fallback)
         return ModelRunner(artifact, self.rank_device(rank), self.num_pages, self.decode_buckets, self.prefill_graphs,
                            rank if self.tensor_parallel else 0, self.reference_fallback, self.verify_tokens)
 

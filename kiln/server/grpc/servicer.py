@@ -74,11 +74,11 @@ class KilnServicer(pb_grpc.KilnServicer):
                        ) -> AsyncIterator[pb.GenerateResponse]:
         async with self._serving(context):
             body = CompletionRequest.model_validate(convert.completion_body(request))
-            self.ctx.check_model(body.model)
+            lora = self.ctx.check_model(body.model)
             (prompt,) = [await self.manager.encode(p, "text") if isinstance(p, str) else list(p) for p in body.prompts()]
             params = body.to_sampling_params(body.max_tokens)
             self.manager.check(prompt, params, "text", "max_tokens")
-            stream = self.manager.submit([prompt], params)
+            stream = self.manager.submit([prompt], params, lora=lora)
             try:
                 async for out in stream:
                     if out.text or out.token_ids or out.finish_reason:
@@ -92,9 +92,9 @@ class KilnServicer(pb_grpc.KilnServicer):
     async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext) -> pb.ChatResponse:
         async with self._serving(context):
             body = ChatCompletionRequest.model_validate(convert.chat_body(request))
-            self.ctx.check_model(body.model)
+            lora = self.ctx.check_model(body.model)
             chat = await prepare_chat(self.ctx, body)
-            stream = self.manager.submit([chat.prompt_ids], chat.params, body.max_tokens_param)
+            stream = self.manager.submit([chat.prompt_ids], chat.params, body.max_tokens_param, lora=lora)
             acc = Accumulator(1)
             try:
                 async for out in stream:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 
@@ -109,6 +110,11 @@ def test_refusals_name_what_cannot_work(models):
         run(plain, [], speculative_algorithm="eagle3", speculative_draft_model_path=str(built["eagle3"][1]))
     with pytest.raises(ValueError, match="is a compiled artifact; give the model's source"):
         ensure_speculative_artifacts(plain, target, "eagle", OPTIONS)
+    head = built["eagle"][1]
+    with pytest.raises(ValueError, match=r"'eagle' with pp=2 \(pipeline parallelism\) is not supported"):
+        ensure_speculative_artifacts(target, head, "eagle", replace(OPTIONS, pp=2))
+    with pytest.raises(ValueError, match=r"'eagle3' with max_loras=2 \(LoRA\) is not supported"):
+        ensure_speculative_artifacts(target, head, "eagle3", replace(OPTIONS, max_loras=2))
 
 
 def test_engine_keywords_compile_target_and_head(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
-"""``kiln serve --world-size 2`` (a real server, a tiny compiled Llama on the CPU): it answers with one
-rank's tokens, and a worker rank killed while the server is idle makes the server report an error
-that names the rank within 5 s, then exit non-zero, leaving no process behind."""
+"""``kiln serve --world-size 2``, and ``kiln serve M --pp 2`` (compiled on first use; serving starts
+both stages' ranks) (a real server, a tiny Llama on the CPU): each answers with one rank's tokens, and a worker rank killed while the server is idle makes the server report an error that
+names the rank within 5 s, then exit non-zero, leaving no process behind."""
 
 from __future__ import annotations
 
@@ -27,20 +27,36 @@ PARAMS = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 FAILURE_BOUND_S = 5.0
 
 
+OPTIONS = dict(dtype="fp32", page_size=4, max_batch_tokens=64, max_batch_size=16, max_seq_len=64)
+
+
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ranks_server")
-    return compile_model(make_hf_model("llama3", tmp / "src"), tmp / "m.kiln", CompileOptions(
-        dtype="fp32", page_size=4, max_batch_tokens=64, max_batch_size=16, max_seq_len=64))
+def source(tmp_path_factory):
+    return make_hf_model("llama3", tmp_path_factory.mktemp("ranks_server") / "src")
+
+
+@pytest.fixture(scope="module")
+def artifact(source):
+    return compile_model(source, source.parent / "m.kiln", CompileOptions(**OPTIONS))
 
 
 def test_a_killed_worker_rank_stops_the_server(artifact, tmp_path):
-    core = EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=1024))
+    check_serving(artifact, artifact, ["--world-size", "2"], tmp_path)
+
+
+def test_serve_pp2_runs_every_stage_and_a_killed_stage_stops_the_server(artifact, source, tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
+    check_serving(artifact, source, ["--pp", "2", "--dtype", "fp32", "--max-seq-len", "64"], tmp_path)
+
+
+def check_serving(one_rank: Path, served: Path, args: list[str], tmp_path: Path) -> None:
+    """``served`` (with ``args``) answers as ``one_rank`` does; its worker killed, the server ends."""
+    core = EngineCore(str(one_rank), EngineOptions(device="cpu", kv_cache_tokens=1024))
     core.add_request("one", PROMPT, SamplingParams(**PARAMS))
     expected = []
     while core.has_work():
         expected += [t for event in core.step() for t in event.token_ids]
-    server = ServerProcess(artifact, tmp_path / "serve.log", "--world-size", "2", api_key=None)
+    server = ServerProcess(served, tmp_path / "serve.log", *args, api_key=None)
     try:
         server.wait_healthy()
         reply = httpx.post(f"{server.url}/generate", json={"input_ids": PROMPT, "sampling_params": PARAMS},
