@@ -60,12 +60,14 @@ def ensure_speculative_artifacts(model: str | Path, draft_path: str | Path, algo
 
     target = load_source(model)
     draft = load_draft_source(draft_path, target, algorithm)
+    # Both attend through a tree mask: verify steps and draft steps of EAGLE-2's dynamic trees.
     target_options = replace(options, step_outputs=tuple(dict.fromkeys(options.step_outputs + (draft.target_output,))),
-                             aux_hidden_layers=draft.aux_hidden_layers or options.aux_hidden_layers)
+                             aux_hidden_layers=draft.aux_hidden_layers or options.aux_hidden_layers,
+                             tree_attention=True)
     max_seq_len = options.max_seq_len or int(target.config.get("max_position_embeddings", 4096))
     draft_options = replace(options, step_outputs=("hidden_states", "draft_tokens"), aux_hidden_layers=(),
                             max_seq_len=max_seq_len, quantization=None, tp=1, ep=1, expert_placement=(),
-                            kv_cache_dtype="auto", kv_cache_scales=())
+                            kv_cache_dtype="auto", kv_cache_scales=(), tree_attention=True)
     return (_compiled(model, target, target_options, {}),
             _compiled(draft_path, draft.source, draft_options, {"target": target.fingerprint, "algorithm": algorithm},
                       draft.source))

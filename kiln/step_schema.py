@@ -150,6 +150,10 @@ STEP_SCHEMA = StepSchema((
     StepField("page_table", SEQUENCE, 0, "each sequence's pages (row b, column j: the j-th page)", columns="P"),
     StepField("logits_index", LOGIT_ROW, 0, "the token rows whose logits the step returns"),
 ))
+# Speculative draft trees (CompileOptions.tree_attention; passes/tree_attention.py): each token's
+# bits over its sequence's last 32 context keys, which of them it attends to (kernels/attention.py).
+TREE_MASK = StepField("tree_mask", TOKEN, -1, "each token's draft-tree mask over its sequence's last 32 keys "
+                      "(-1: plain causal)")
 # A draft head's greedy proposal per row, already in the target's vocabulary (EAGLE-3's d2t applied).
 DRAFT_TOKENS = StepOutput("draft_tokens", "each wanted row's greedy draft token, in the target's vocabulary [N] i32")
 # The outputs a step may return beyond the logits, by name (what ``CompileOptions.step_outputs`` takes).

@@ -122,7 +122,11 @@ def infer_kv_store(t: Types, a: Attrs) -> tuple[TensorType, ...]:
 
 
 def infer_paged_attention(t: Types, a: Attrs) -> tuple[TensorType, ...]:
-    q, k_cache, v_cache, q_start, q_len, kv_len, page_table = t
+    q, k_cache, v_cache, q_start, q_len, kv_len, page_table = t[:7]
+    for tree_mask in t[7:]:
+        expect_int("paged_attention", "tree_mask", tree_mask)
+        expect_rank("paged_attention", "tree_mask", tree_mask, 1)
+        expect(same_dim(tree_mask.shape[0], q.shape[0]), f"paged_attention: tree_mask {tree_mask} does not match q {q}")
     expect_rank("paged_attention", "q", q, 3)
     expect_rank("paged_attention", "k_cache", k_cache, 3)
     expect_same("paged_attention", k_cache, v_cache)
@@ -194,11 +198,12 @@ register_op(OpDef("kv_store", ("k_cache", "v_cache", "k", "v", "slots"), KV_SCAL
                   doc="writes k and v of each token into its slot of the pool; returns the updated pool"))
 register_op(OpDef(
     "paged_attention",
-    ("q", "k_cache", "v_cache", "q_start", "q_len", "kv_len", "page_table"),
+    ("q", "k_cache", "v_cache", "q_start", "q_len", "kv_len", "page_table", "tree_mask?"),
     {"scale": AttrSpec("float"), "page_size": AttrSpec("int"), "sliding_window": AttrSpec("int", 0),
      "soft_cap": AttrSpec("float", 0.0), **KV_SCALE_ATTRS},
     infer_paged_attention,
-    doc="causal attention of each sequence's new tokens over its whole context in the paged pool (GQA)",
+    doc="causal attention of each sequence's new tokens over its whole context in the paged pool (GQA); "
+        "tree_mask (i32 per token): a draft tree's ancestors among the context's last 32 keys (kernels/attention.py)",
 ))
 register_op(OpDef("gather_rows", ("x", "index"), {}, _gather_rows, doc="x[index]"))
 register_op(OpDef("cast", ("x",), {"dtype": AttrSpec("dtype")}, _cast))

@@ -66,11 +66,16 @@ def stop_string(artifact) -> str:
     return core.tokenizer.decode(tokens[3:6])
 
 
-def speculative(models, version, requests):
+# A chain of three drafts, and an EAGLE-2 tree: top-3 over three draft steps, seven nodes verified.
+SHAPES = {"chain": dict(speculative_num_steps=3),
+          "tree": dict(speculative_eagle_topk=3, speculative_num_steps=3, speculative_num_draft_tokens=8)}
+
+
+def speculative(models, version, requests, shape="chain"):
     _, built, _ = models
     target, draft = built[version]
     return run(target, requests, speculative_algorithm=version, speculative_draft_model_path=str(draft),
-               speculative_num_steps=3)
+               **SHAPES[shape])
 
 
 def batch_of_eight(stop: str) -> list[tuple[str, SamplingParams]]:
@@ -84,16 +89,17 @@ def batch_of_eight(stop: str) -> list[tuple[str, SamplingParams]]:
     return list(zip(texts, params))
 
 
+@pytest.mark.parametrize("shape", ["chain", "tree"])
 @pytest.mark.parametrize("version", ["eagle", "eagle3"])
-def test_greedy_is_identical_to_non_speculative(models, version):
+def test_greedy_is_identical_to_non_speculative(models, version, shape):
     requests = batch_of_eight(stop_string(models[2]))
     plain, _ = run(models[2], requests)
     assert plain[1][1][-1] == "stop"  # the stop string ends it
-    spec, stats = speculative(models, version, requests)
+    spec, stats = speculative(models, version, requests, shape)
     assert spec == plain
     assert stats["spec_drafted_tokens"] > 0
     single_plain, _ = run(models[2], requests[1:2])
-    assert speculative(models, version, requests[1:2])[0] == single_plain
+    assert speculative(models, version, requests[1:2], shape)[0] == single_plain
     assert stats["kv_pages_held"] == 0
 
 
@@ -101,8 +107,9 @@ def test_refusals_name_what_cannot_work(models):
     target, built, plain = models
     with pytest.raises(ValueError, match="speculative_draft_model_path: EAGLE needs its draft head"):
         run(plain, [], speculative_algorithm="eagle")
-    with pytest.raises(ValueError, match=r"speculative_eagle_topk 4: draft trees \(top-k > 1\) are not supported"):
-        run(plain, [], speculative_algorithm="eagle", speculative_draft_model_path="x", speculative_eagle_topk=4)
+    with pytest.raises(ValueError, match=r"speculative_eagle_topk 4: the target artifact was compiled without tree"):
+        run(plain, [], speculative_algorithm="eagle", speculative_draft_model_path=str(built["eagle"][1]),
+            speculative_eagle_topk=4, speculative_num_steps=2, speculative_num_draft_tokens=6)
     with pytest.raises(ValueError, match="speculative_num_draft_tokens 3: .* so it must be 5"):
         run(plain, [], speculative_algorithm="eagle", speculative_draft_model_path="x", speculative_num_steps=4,
             speculative_num_draft_tokens=3)
