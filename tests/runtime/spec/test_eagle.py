@@ -16,6 +16,7 @@ from kiln.compiler.options import CompileOptions
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.engine_options import EngineOptions
 from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.spec.tree import DraftTree
 from tests.support.eagle_heads import write_eagle_head
 from tests.support.hf_models import make_hf_model
 
@@ -141,3 +142,42 @@ def test_engine_keywords_compile_target_and_head(tmp_path, monkeypatch):
                 speculative_num_steps=2, **options) as engine:
         assert [o.token_ids for o in engine.generate(prompts, params)] == plain
         assert engine.core.speculator.stats()["spec_drafted_tokens"] > 0
+
+
+def test_an_accepted_path_off_the_first_nodes_is_moved_into_place(models):
+    """Trees whose right answer is the root's second child (the first is wrong) with the rest of it
+    below: the target accepts that path, whose KV sits past the wrong node's slot and must be moved
+    into place for the next steps to read it; outputs stay those of plain greedy decoding. The trees
+    come from a test-only oracle in the drafter's place (it knows the plain run's tokens)."""
+    _, built, plain_artifact = models
+    target, draft = built["eagle"]
+    params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    requests = [("Hello there", params), ("The cat sat", params)]
+    plain, _ = run(plain_artifact, requests)
+    core = EngineCore(str(target), EngineOptions(device="cpu", kv_cache_tokens=4096, speculative_algorithm="eagle",
+                                                 speculative_draft_model_path=str(draft), **SHAPES["tree"]))
+    answers = [core.tokenizer.encode(prompt) + tokens for (prompt, _), (_, tokens) in zip(requests, plain)]
+
+    def oracle_trees(requests, slots, topk, steps, num_nodes):
+        trees = []
+        for request in requests:
+            ids = request.all_ids
+            answer = next(a for a in answers if a[:len(ids)] == ids)
+            right = answer[len(ids):len(ids) + 3]
+            if not right:
+                trees.append(DraftTree([], []))
+                continue
+            wrong = (right[0] + 1) % core.vocab_size
+            trees.append(DraftTree([wrong, *right], [-1, -1, 1, 2][:1 + len(right)]))
+        return trees
+
+    core.speculator.eagle.propose_trees = oracle_trees
+    out: dict = {}
+    for i, (prompt, request_params) in enumerate(requests):
+        core.add_request(str(i), core.tokenizer.encode(prompt), request_params)
+    while core.has_work():
+        for event in core.step():
+            out.setdefault((event.rid, event.index), []).extend(event.token_ids)
+    assert sorted(out.items()) == [(key, tokens[:-1]) for key, tokens in plain]  # (plain's end with its reason)
+    stats = core.stats()
+    assert stats["spec_mean_accept_length"] > 2.5 and stats["kv_pages_held"] == 0
