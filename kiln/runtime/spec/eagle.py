@@ -206,7 +206,8 @@ class EagleDrafter:
         else:
             feeds = {"draft_hidden": hidden}
         out = self.runner.forward_eager(lists, feeds).outputs
-        return {"logits": out["logits"], "draft_tokens": out["draft_tokens"], "hidden_states": out["hidden_states"].clone()}
+        return {"logits": out["logits"], "draft_tokens": out["draft_tokens"],
+                "hidden_states": out["hidden_states"].clone()}
 
     def _top(self, logits: torch.Tensor, topk: int) -> tuple[list[list[float]], list[list[int]]]:
         """Each row's ``topk`` likeliest draft tokens (in the target's vocabulary) and their draft probabilities."""

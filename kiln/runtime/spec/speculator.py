@@ -86,9 +86,9 @@ class Speculator:
             plan.append((request, row, tree))
             row += 1 + len(tree)
         plan.extend((request, first, NO_DRAFT) for first, request in enumerate(lists.requests[row:], start=row))
+        row_drafts = [[tree.tokens[n] for n in kids] for _, _, tree in plan for kids in tree.distinct_children()]
         choices = row_choices(logits, self._sampling_batch(plan, logits.device),
-                              self._mask(plan, masks, len(lists.requests), logits.device),
-                              [[tree.tokens[n] for n in kids] for _, _, tree in plan for kids in tree.distinct_children()],
+                              self._mask(plan, masks, len(lists.requests), logits.device), row_drafts,
                               core.runner.sampler_kernels)
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) \
             if any(r.params.logprobs or r.params.top_logprobs for r, _, _ in plan) else None
