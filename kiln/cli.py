@@ -281,7 +281,7 @@ def _lora_module(text: str) -> tuple[str, str]:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from kiln.artifact_cache import artifact_model_name, ensure_artifact
+    from kiln.artifact_cache import artifact_model_name, ensure_model_artifacts
     from kiln.cli_speculative import speculative_keywords
     from kiln.server.ipc import exit_now
     from kiln.server.launch import ServeConfig, serve
@@ -289,7 +289,11 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     if args.device == "cpu" and args.backend is None:
         args.backend = "torch"  # Triton kernels need a GPU
-    artifact = ensure_artifact(args.model, compile_options_from(args))
+    speculative = speculative_keywords(args)
+    artifact, draft = ensure_model_artifacts(args.model, compile_options_from(args), args.speculative_algorithm,
+                                             args.speculative_draft_model_path)
+    if draft is not None:
+        speculative["speculative_draft_model_path"] = draft
     if args.nnodes > 1 and args.dp > 1:
         raise ValueError("--dp: data-parallel replicas run on one node; with --nnodes > 1 leave --dp at 1")
     if args.node_rank > 0:
@@ -298,7 +302,7 @@ def _run_serve(args: argparse.Namespace) -> int:
               "max_batch_tokens": args.max_batch_tokens, "schedule_policy": args.schedule_policy,
               "world_size": args.world_size, "reference_fallback": args.reference_fallback,
               "debug_fail_token_id": args.debug_fail_token_id, "nnodes": args.nnodes,
-              "dist_init_addr": args.dist_init_addr, **speculative_keywords(args)}
+              "dist_init_addr": args.dist_init_addr, **speculative}
     config = ServeConfig(
         host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name or artifact_model_name(artifact),

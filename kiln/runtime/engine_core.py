@@ -262,6 +262,8 @@ class EngineCore:
         result = self.worker.forward(lists)
         logits, greedy = result.logits, result.greedy
         self.scheduler.complete_step(batch)
+        if self.speculator is not None:
+            self.speculator.absorb_prefill(batch, lists, result.outputs)
         if lists.prompt_rows:
             _score_prompt_rows(lists, logits)
             logits = logits[:len(lists.requests)]

@@ -113,3 +113,9 @@ class KVPool:
             views[f"k_cache.{self.first_layer + layer}"] = self.k(layer)
             views[f"v_cache.{self.first_layer + layer}"] = self.v(layer)
         return views
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Every layer's K and V at slots ``src`` copied to slots ``dst`` (all read before any is
+        written, so the two may overlap): a verify step's accepted tree path moved into place."""
+        index = torch.tensor(src, device=self.device)
+        self.buffer[:, :, torch.tensor(dst, device=self.device)] = self.buffer[:, :, index]

@@ -75,8 +75,9 @@ class ModelRunner:
         """Host memory the step that made ``tokens`` also wrote them to, if any (see DecodeGraphs)."""
         return self.decode_graphs.host_mirror(tokens) if self.decode_graphs is not None else None
 
-    def forward_eager(self, lists: StepLists) -> StepResult:
-        """The step run op by op, never through a graph, on tensors exactly the step's size."""
+    def forward_eager(self, lists: StepLists, extra_feeds: dict[str, torch.Tensor] | None = None) -> StepResult:
+        """The step run op by op, never through a graph, on tensors exactly the step's size.
+        ``extra_feeds``: graph inputs beyond the step schema's (a draft head's hidden states)."""
         schema = self.executor.schema
         sizes = {axis: len(lists.column(name)) for axis, name in schema.size_fields().items()}
         feeds = {}
@@ -92,6 +93,7 @@ class ModelRunner:
             for i, row in enumerate(rows):
                 table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
             feeds[field.name] = table.to(self.device, non_blocking=True)
+        feeds.update(extra_feeds or {})
         inputs = StepInputs(feeds, max_q_len=max(lists.q_len), max_kv_len=max(lists.kv_len))
         return StepResult(self.executor.run(inputs, self.kv_views), None)
 
