@@ -9,7 +9,7 @@ request's output tokens, so the state stays in step with them.
 
 Per step, the constrained rows are served as one batch: ``mask`` fills all their bitmask rows in one
 call into a buffer reused from step to step (``StepMasks``: pinned, one non-blocking copy to the
-device), and ``advance_all`` moves all their grammars over the step's tokens in one native call.
+device), and ``advance_all`` moves all their grammars over the step's tokens in one pass.
 The engine fills the mask right after launching the step's forward, so on a GPU it is built while
 the forward runs; with overlapped decode steps the forward of step N+1 runs while step N's tokens are
 accepted and step N+1's mask is filled.
@@ -116,7 +116,7 @@ class Constraints:
     @staticmethod
     def advance_all(requests: list[Request], tokens: list[int]) -> list[str | None] | None:
         """Moves every live constrained request's grammar over its token (``tokens[i]`` is
-        ``requests[i]``'s), all in one call; per row the finish reason that gives ("stop": the grammar
+        ``requests[i]``'s), all in one pass; per row the finish reason that gives ("stop": the grammar
         ended, "error": it rejected the token; None: go on, or no grammar), or None when no row has a
         live grammar. Finished rows (an overlapped step ran one past their end) are left alone."""
         rows = [row for row, request in enumerate(requests) if not request.done and GRAMMAR in request.extras]

@@ -357,7 +357,7 @@ class EngineCore:
         events: list[SampleEvent] = []
         tokens = out.token_ids.tolist()
         logprobs = _token_logprobs(lists.requests, tokens, out) if out.logprobs is not None else repeat(())
-        # Every constrained row's grammar moves over its token in one call, before the per-row loop.
+        # Every constrained row's grammar moves over its token in one pass, before the per-row loop.
         grammar_reasons = Constraints.advance_all(lists.requests, tokens) or repeat(None)
         fail_id = self.options.debug_fail_token_id
         for request, token, token_logprobs, grammar_reason in zip(lists.requests, tokens, logprobs, grammar_reasons):

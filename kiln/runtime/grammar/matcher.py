@@ -4,8 +4,8 @@ Each decode step the engine asks the state for the row of allowed next tokens (`
 samples under that mask, then feeds the chosen token back (``accept``). The state wraps an
 ``xgrammar.GrammarMatcher``, a pushdown automaton that lives on the CPU and advances per token. A
 step's constrained rows are served together: ``fill_bitmasks`` fills all their masks in one call
-(on xgrammar's threads) and ``accept_tokens`` advances all their states in one native call, so the
-engine's per-step cost does not grow with a Python round trip per row.
+(on xgrammar's threads) and ``accept_tokens`` advances all their states in one tight loop, with
+termination tracked here rather than asked of the matcher row by row.
 
 Stop tokens (end of sequence) are part of the grammar's language: the mask allows them only where
 the constrained text may end, and once the text is complete it allows nothing else. Accepting a stop
@@ -91,12 +91,12 @@ class GrammarState:
 
     @staticmethod
     def accept_tokens(states: "list[GrammarState]", token_ids: list[int]) -> list[bool]:
-        """``accept`` for many states at once, ``states[i]`` over ``token_ids[i]``: one native call
-        for a whole step's constrained rows instead of one per row."""
-        if len(states) == 1:
-            return [states[0].accept(token_ids[0])]
-        accepted = xgrammar.BatchGrammarMatcher.batch_accept_token([s._matcher for s in states], token_ids)
-        return [state._accepted(token_id, ok) for state, token_id, ok in zip(states, token_ids, accepted)]
+        """``accept`` for many states at once, ``states[i]`` over ``token_ids[i]``: a whole step's
+        constrained rows in one tight loop. (xgrammar's ``BatchGrammarMatcher.batch_accept_token``
+        also advances the matchers one after another, and converting its arguments costs more than
+        the loop: in xgrammar 0.2.9, 92 against 74 µs for 64 rows of a JSON schema.)"""
+        return [state._accepted(token_id, state._matcher.accept_token(token_id))
+                for state, token_id in zip(states, token_ids)]
 
     def _accepted(self, token_id: int, ok: bool) -> bool:
         """Book-keeping after the matcher saw ``token_id``: counts and termination, or the warning."""

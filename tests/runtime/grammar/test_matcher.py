@@ -136,7 +136,7 @@ def test_batch_fill_equals_one_row_at_a_time(grammar_compiler):
 
 
 def test_batch_accept_equals_one_row_at_a_time(grammar_compiler, random_walk):
-    """accept_tokens (one native call for many states) gives each state exactly what accept gives it:
+    """accept_tokens (a whole step's states at once) gives each state exactly what accept gives it:
     the verdicts, the counts, termination and every later mask, including rejected tokens (a token
     outside the grammar, a token after the stop token) and states of several grammars in one batch."""
     grammars = [grammar_compiler.compile("json_schema", SCHEMA), grammar_compiler.compile("regex", "(cat|dog)s?"),
