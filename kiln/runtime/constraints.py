@@ -119,15 +119,15 @@ class Constraints:
         ``requests[i]``'s), all in one pass; per row the finish reason that gives ("stop": the grammar
         ended, "error": it rejected the token; None: go on, or no grammar), or None when no row has a
         live grammar. Finished rows (an overlapped step ran one past their end) are left alone."""
-        rows = [row for row, request in enumerate(requests) if not request.done and GRAMMAR in request.extras]
-        if not rows:
+        live = [(row, state) for row, request in enumerate(requests)
+                if not request.done and (state := request.extras.get(GRAMMAR)) is not None]
+        if not live:
             return None
         from .grammar.matcher import GrammarState
 
-        states = [requests[row].extras[GRAMMAR] for row in rows]
-        accepted = GrammarState.accept_tokens(states, [tokens[row] for row in rows])
+        accepted = GrammarState.accept_tokens([state for _, state in live], [tokens[row] for row, _ in live])
         reasons: list[str | None] = [None] * len(requests)
-        for row, state, ok in zip(rows, states, accepted):
+        for (row, state), ok in zip(live, accepted):
             reasons[row] = "error" if not ok else "stop" if state.is_terminated() else None
         return reasons
 
