@@ -41,7 +41,7 @@ from .scheduler.request import DECODING, PENDING, Request, RequestState
 from .scheduler.scheduler import Scheduler, SchedulerConfig
 from .spec.config import SpecConfig
 from .spec.speculator import Speculator
-from .text.stop_rules import STOP_RULES, StopRules, finish_reason, matched_stop, sampled_on_device
+from .text.stop_rules import STOP_RULES, StopRules, finish_reason_after_grammar, matched_stop, sampled_on_device
 from .text.tokenizer import Tokenizer
 from .worker.executor import graph_blockers
 from .worker.nodes import check_layout
@@ -281,7 +281,7 @@ class EngineCore:
             out = SamplerOutput(tokens, None, None, None)
         else:
             rows = [SamplingRow(r.params, r.seed, len(r.output_ids), r.prompt_ids, r.output_ids) for r in requests]
-            mask = Constraints.mask(requests, logits.shape[1], logits.device)
+            mask = self.constraints.mask(requests, logits)
             out = self.worker.sample(logits, SamplingBatch.pack(rows, self.vocab_size, logits.device), mask)
         return events + self._apply(lists, out)
 
@@ -321,7 +321,7 @@ class EngineCore:
         """The step's tokens, left on the device, for requests that pass ``sampled_on_device`` but
         not ``_graph_argmax_serves``: the argmax under the grammar masks (filled on the CPU while the
         step runs) when all are greedy, else the sampler's draw."""
-        mask = Constraints.mask(requests, logits.shape[1], logits.device)
+        mask = self.constraints.mask(requests, logits)
         if all(_argmax_row(r) for r in requests):
             return greedy if mask is None else masked_argmax(logits, mask, self.runner.sampler_kernels)
         rows = [SamplingRow(r.params, r.seed, len(r.output_ids)) for r in requests]
@@ -362,8 +362,10 @@ class EngineCore:
         events: list[SampleEvent] = []
         tokens = out.token_ids.tolist()
         logprobs = _token_logprobs(lists.requests, tokens, out) if out.logprobs is not None else repeat(())
+        # Every constrained row's grammar moves over its token in one pass, before the per-row loop.
+        grammar_reasons = Constraints.advance_all(lists.requests, tokens) or repeat(None)
         fail_id = self.options.debug_fail_token_id
-        for request, token, token_logprobs in zip(lists.requests, tokens, logprobs):
+        for request, token, token_logprobs, grammar_reason in zip(lists.requests, tokens, logprobs, grammar_reasons):
             if request.done:
                 continue  # aborted meanwhile, or a sibling sample's failure ended the whole request
             output = request.output_ids
@@ -374,7 +376,7 @@ class EngineCore:
             try:
                 if fail_id is not None and fail_id in request.prompt_ids:
                     raise RuntimeError(f"debug_fail_token_id {fail_id}: injected failure")
-                reason = finish_reason(request, token)
+                reason = finish_reason_after_grammar(request, token, grammar_reason)
             except Exception as exc:  # one request's fault (its stop rules, its text) fails it alone
                 events.extend(self.abort(request.rid, f"{INTERNAL_ERROR}{type(exc).__name__}: {exc}"))
                 continue
