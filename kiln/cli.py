@@ -265,19 +265,35 @@ def _lora_module(text: str) -> tuple[str, str]:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from kiln.artifact_cache import artifact_model_name, ensure_artifact
-    from kiln.cli_speculative import speculative_keywords
-    from kiln.server.ipc import exit_now
-    from kiln.server.launch import ServeConfig, serve
-    from kiln.server.tokenizer_manager import Admission
+    import logging
+    import time
 
+    from kiln.artifact_cache import artifact_model_name, ensure_artifact, is_artifact
+    from kiln.cli_speculative import speculative_keywords
+    from kiln.runtime.startup import process_phases
+    from kiln.server.children import start_processes
+    from kiln.server.ipc import exit_now
+
+    startup = process_phases("http", time.time())
+    logging.basicConfig(level=args.log_level.upper(), format="kiln: %(message)s")
     if args.device == "cpu" and args.backend is None:
         args.backend = "torch"  # Triton kernels need a GPU
-    artifact = ensure_artifact(args.model, compile_options_from(args))
+    with startup.phase("artifact"):
+        # An artifact is served as it is: its compile options (which import the compiler) are not needed.
+        artifact = Path(args.model) if is_artifact(args.model) else ensure_artifact(args.model,
+                                                                                    compile_options_from(args))
     engine = {"device": args.device, "kv_cache_tokens": args.kv_cache_tokens, "mem_fraction": args.mem_fraction,
               "max_batch_tokens": args.max_batch_tokens, "schedule_policy": args.schedule_policy,
               "world_size": args.world_size, "reference_fallback": args.reference_fallback,
               "debug_fail_token_id": args.debug_fail_token_id, **speculative_keywords(args)}
+    # The model loads in the children while this process imports its web stack (launch).
+    started = start_processes(str(artifact), args.host, args.port, args.dp, engine, dict(args.lora_modules),
+                              args.log_level)
+    if started is None:
+        exit_now(1)
+    with startup.phase("server_imports"):
+        from kiln.server.launch import ServeConfig, serve
+        from kiln.server.tokenizer_manager import Admission
     config = ServeConfig(
         host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name or artifact_model_name(artifact),
@@ -286,7 +302,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         engine=engine, dp=args.dp, admission=Admission(args.max_queued_requests),
         lora_modules=dict(args.lora_modules))
     # Its child processes are gone; the interpreter's teardown would only delay a prompt exit.
-    exit_now(serve(str(artifact), config))
+    exit_now(serve(str(artifact), config, startup, started))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The engine core: scheduler + worker (the model on one rank or several) + sampling, one ``step()``
-at a time, no threads.
+at a time, no threads (but one at start-up, which loads the tokenizer beside the weights).
 
 ``add_request`` validates and queues a request (n samples become n scheduler requests; the first
 leads, the others share its cached prompt); ``step`` schedules a batch, runs it, samples, applies
@@ -21,6 +21,7 @@ accepted tokens; steps are then never overlapped.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from itertools import repeat
 from typing import Any, Hashable
 
@@ -41,6 +42,7 @@ from .scheduler.request import DECODING, PENDING, Request, RequestState
 from .scheduler.scheduler import Scheduler, SchedulerConfig
 from .spec.config import SpecConfig
 from .spec.speculator import Speculator
+from .startup import StartupTimer
 from .text.stop_rules import STOP_RULES, StopRules, finish_reason, matched_stop, sampled_on_device
 from .text.tokenizer import Tokenizer
 from .worker.executor import graph_blockers
@@ -50,9 +52,13 @@ from .worker.worker import LocalWorker, RankConfig
 
 
 class EngineCore:
-    def __init__(self, artifact_path: str, options: EngineOptions | None = None) -> None:
+    def __init__(self, artifact_path: str, options: EngineOptions | None = None,
+                 startup: StartupTimer | None = None) -> None:
+        """``startup`` times the loading phases (``kiln.runtime.startup``); ``self.startup`` has them."""
         self.options = options or EngineOptions()
-        self.artifact = load_artifact(artifact_path)
+        self.startup = startup or StartupTimer("engine")
+        with self.startup.phase("artifact_read"):
+            self.artifact = load_artifact(artifact_path)
         rt = self.artifact.runtime
         bounds = rt["symbol_bounds"]
         device = self.options.resolved_device()
@@ -60,7 +66,10 @@ class EngineCore:
         self.max_seq_len: int = rt["max_seq_len"]
         self.vocab_size: int = rt["vocab_size"]
         self.page_size: int = rt["page_size"]
-        self.tokenizer = Tokenizer.from_dir(self.artifact.tokenizer_dir) if self.artifact.tokenizer_dir else None
+        # The tokenizer loads on a thread while the weights go to the device (which releases the GIL).
+        loading = ThreadPoolExecutor(1, thread_name_prefix="kiln-tokenizer")
+        tokenizer = loading.submit(self._load_tokenizer)
+        loading.shutdown(wait=False)
         # Refuses here, naming what needs FP8, when the GPU cannot run it and no fallback was asked for.
         references = uses_references(self.artifact, device, self.options.reference_fallback)
         buckets, prefill_graphs = graph_settings(self.options, device, graph_blockers(self.artifact, references))
@@ -74,7 +83,8 @@ class EngineCore:
         self.worker = start_worker(self.artifact, RankConfig(
             str(self.artifact.path), str(device), num_pages, buckets, prefill_graphs, self._world_size(rt),
             ranks > 1, self.options.reference_fallback, spec.tokens_per_verify if spec is not None else 1,
-            pp=rt["pp"]))
+            pp=rt["pp"]), self.startup)
+        self.tokenizer = tokenizer.result()
         self.runner = self.worker.runner
         self.allocator = PageAllocator(self.worker.num_pages)
         self.cache = RadixCache(self.allocator, self.page_size)
@@ -100,6 +110,10 @@ class EngineCore:
         self._inflight_by_argmax = False
         self._readback = TokenReadback(max(buckets, default=1), device)
         self.overlapped_steps = 0
+
+    def _load_tokenizer(self) -> Tokenizer | None:
+        with self.startup.phase("tokenizer"):
+            return Tokenizer.from_dir(self.artifact.tokenizer_dir) if self.artifact.tokenizer_dir else None
 
     def _lora_registry(self) -> LoraRegistry | None:
         """The adapter registry of a LoRA artifact (its slots are rank 0's runner's), else None."""
