@@ -43,6 +43,9 @@ def _add_compile(commands) -> None:
     p.add_argument("-o", "--output", required=True, type=Path, help="artifact directory to write (NAME.kiln)")
     add_compile_options(p)
     p.add_argument("--dump-ir", type=Path, default=None, help="write the IR after each pass into this directory")
+    p.add_argument("--warm", action="store_true",
+                   help="then load it once on this machine's GPU, saving the Triton kernels compiled for it into the "
+                        "artifact (kernels/triton-<version>-<arch>/), so that serving it compiles none")
     add_tuning_options(p)
     p.set_defaults(run=_run_compile)
 
@@ -195,8 +198,20 @@ def _run_compile(args: argparse.Namespace) -> int:
     from kiln.compiler.compile import compile_model
 
     options = replace(compile_options_from(args), **tuning_options(args))
+    if args.warm:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--warm compiles the Triton kernels for this machine's GPU, and it has none")
     out = compile_model(args.model, args.output, options, dump_ir=args.dump_ir)
     print(f"wrote {out}")
+    if args.warm:
+        from kiln.runtime.engine_core import EngineCore
+        from kiln.runtime.engine_options import EngineOptions
+
+        # Loading runs every decode graph's warm-up, which compiles the kernels; close() saves them.
+        EngineCore(str(out), EngineOptions(device="cuda")).close()
+        print(f"saved its Triton kernels for this GPU into {out / 'kernels'}")
     return 0
 
 

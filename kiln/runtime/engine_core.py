@@ -30,6 +30,7 @@ import torch
 from .artifact import load_artifact
 from .constraints import Constraints, constraint_of
 from .engine_options import DEFAULT_CPU_KV_TOKENS, EngineOptions, graph_settings
+from .kernel_cache import open_kernel_cache
 from .kvcache.allocator import PageAllocator
 from .device_support import uses_references
 from .kvcache.pool import pages_for_mem_fraction, pages_for_tokens, pool_dtype
@@ -80,11 +81,17 @@ class EngineCore:
                              f"the context length {self.max_seq_len}; raise kv_cache_tokens or mem_fraction")
         # What the core drives (every rank), and rank 0's model runner, for tools that look inside it.
         ranks = rt["ranks"]  # a sharded artifact's own ranks: pp x max(tp, ep)
+        # On a GPU, Triton reads the artifact's kernel binaries for this machine (kernel_cache.py).
+        self.kernel_cache = open_kernel_cache(self.artifact.path, device.index or 0) \
+            if device.type == "cuda" and not references else None
         self.worker = start_worker(self.artifact, RankConfig(
             str(self.artifact.path), str(device), num_pages, buckets, prefill_graphs, self._world_size(rt),
             ranks > 1, self.options.reference_fallback, spec.tokens_per_verify if spec is not None else 1,
             pp=rt["pp"]), self.startup)
         self.tokenizer = tokenizer.result()
+        if self.kernel_cache is not None:
+            with self.startup.phase("kernel_save"):  # what the warm-up compiled, for the next start
+                self.kernel_cache.save()
         self.runner = self.worker.runner
         self.allocator = PageAllocator(self.worker.num_pages)
         self.cache = RadixCache(self.allocator, self.page_size)
@@ -217,8 +224,12 @@ class EngineCore:
         return events
 
     def close(self) -> None:
-        """Stops the worker processes, if any (see ``worker.ranks``); the core is unusable after."""
+        """Stops the worker processes, if any (see ``worker.ranks``), and saves the Triton kernels
+        compiled since start-up into the artifact (lazily captured prefill graphs' kernels); the core
+        is unusable after."""
         self.worker.close()
+        if self.kernel_cache is not None:
+            self.kernel_cache.save()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.constraints.has_pending() or self._inflight is not None
