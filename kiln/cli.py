@@ -46,6 +46,9 @@ def _add_compile(commands) -> None:
     p.add_argument("-o", "--output", required=True, type=Path, help="artifact directory to write (NAME.kiln)")
     add_compile_options(p)
     p.add_argument("--dump-ir", type=Path, default=None, help="write the IR after each pass into this directory")
+    p.add_argument("--warm", action="store_true",
+                   help="then load it once on this machine's GPU, saving the Triton kernels compiled for it into the "
+                        "artifact (kernels/triton-<version>-<arch>/), so that serving it compiles none")
     add_tuning_options(p)
     p.set_defaults(run=_run_compile)
 
@@ -198,8 +201,20 @@ def _run_compile(args: argparse.Namespace) -> int:
     from kiln.compiler.compile import compile_model
 
     options = replace(compile_options_from(args), **tuning_options(args))
+    if args.warm:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--warm compiles the Triton kernels for this machine's GPU, and it has none")
     out = compile_model(args.model, args.output, options, dump_ir=args.dump_ir)
     print(f"wrote {out}")
+    if args.warm:
+        from kiln.runtime.engine_core import EngineCore
+        from kiln.runtime.engine_options import EngineOptions
+
+        # Loading runs every decode graph's warm-up, which compiles the kernels; close() saves them.
+        EngineCore(str(out), EngineOptions(device="cuda")).close()
+        print(f"saved its Triton kernels for this GPU into {out / 'kernels'}")
     return 0
 
 
@@ -281,17 +296,28 @@ def _lora_module(text: str) -> tuple[str, str]:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from kiln.artifact_cache import artifact_model_name, ensure_model_artifacts
-    from kiln.cli_speculative import speculative_keywords
-    from kiln.server.ipc import exit_now
-    from kiln.server.launch import ServeConfig, serve
-    from kiln.server.tokenizer_manager import Admission
+    import logging
+    import time
 
+    from kiln.artifact_cache import artifact_model_name, ensure_model_artifacts, is_artifact
+    from kiln.cli_speculative import speculative_keywords
+    from kiln.runtime.startup import process_phases
+    from kiln.server.children import start_processes
+    from kiln.server.ipc import exit_now
+
+    startup = process_phases("http", time.time())
+    logging.basicConfig(level=args.log_level.upper(), format="kiln: %(message)s")
     if args.device == "cpu" and args.backend is None:
         args.backend = "torch"  # Triton kernels need a GPU
     speculative = speculative_keywords(args)
-    artifact, draft = ensure_model_artifacts(args.model, compile_options_from(args), args.speculative_algorithm,
-                                             args.speculative_draft_model_path)
+    with startup.phase("artifact"):
+        # An artifact is served as it is: its compile options (which import the compiler) are not needed
+        # (unless a draft model must be compiled beside it).
+        if is_artifact(args.model) and args.speculative_draft_model_path is None:
+            artifact, draft = Path(args.model), None
+        else:
+            artifact, draft = ensure_model_artifacts(args.model, compile_options_from(args),
+                                                     args.speculative_algorithm, args.speculative_draft_model_path)
     if draft is not None:
         speculative["speculative_draft_model_path"] = draft
     if args.nnodes > 1 and args.dp > 1:
@@ -303,6 +329,19 @@ def _run_serve(args: argparse.Namespace) -> int:
               "world_size": args.world_size, "reference_fallback": args.reference_fallback,
               "debug_fail_token_id": args.debug_fail_token_id, "nnodes": args.nnodes,
               "dist_init_addr": args.dist_init_addr, **speculative}
+    if args.disaggregation_mode != "null":  # refused before any process starts
+        from kiln.server.launch import ServeConfig, check_disaggregation
+
+        check_disaggregation(str(artifact), ServeConfig(engine=engine, dp=args.dp,
+                                                        lora_modules=dict(args.lora_modules)))
+    # The model loads in the children while this process imports its web stack (launch).
+    started = start_processes(str(artifact), args.host, args.port, args.dp, engine, dict(args.lora_modules),
+                              args.log_level, args.disaggregation_mode, args.disaggregation_bootstrap_port)
+    if started is None:
+        exit_now(1)
+    with startup.phase("server_imports"):
+        from kiln.server.launch import ServeConfig, serve
+        from kiln.server.tokenizer_manager import Admission
     config = ServeConfig(
         host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name or artifact_model_name(artifact),
@@ -312,7 +351,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         lora_modules=dict(args.lora_modules), disaggregation_mode=args.disaggregation_mode,
         bootstrap_port=args.disaggregation_bootstrap_port)
     # Its child processes are gone; the interpreter's teardown would only delay a prompt exit.
-    exit_now(serve(str(artifact), config))
+    exit_now(serve(str(artifact), config, startup, started))
 
 
 def _add_router(commands) -> None:

@@ -1,5 +1,5 @@
 """The engine core: scheduler + worker (the model on one rank or several) + sampling, one ``step()``
-at a time, no threads.
+at a time, no threads (but one at start-up, which loads the tokenizer beside the weights).
 
 ``add_request`` validates and queues a request (n samples become n scheduler requests; the first
 leads, the others share its cached prompt); ``step`` schedules a batch, runs it, samples, applies
@@ -21,6 +21,7 @@ accepted tokens; steps are then never overlapped.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from itertools import repeat
 from typing import Any, Hashable
 
@@ -29,6 +30,7 @@ import torch
 from .artifact import load_artifact
 from .constraints import Constraints, constraint_of
 from .engine_options import DEFAULT_CPU_KV_TOKENS, EngineOptions, graph_settings
+from .kernel_cache import open_kernel_cache
 from .kvcache.allocator import PageAllocator
 from .device_support import uses_references
 from .kvcache.pool import pages_for_mem_fraction, pages_for_tokens, pool_dtype
@@ -41,6 +43,7 @@ from .scheduler.request import DECODING, PENDING, Request, RequestState
 from .scheduler.scheduler import Scheduler, SchedulerConfig
 from .spec.config import SpecConfig
 from .spec.speculator import Speculator
+from .startup import StartupTimer
 from .text.stop_rules import STOP_RULES, StopRules, finish_reason_after_grammar, matched_stop, sampled_on_device
 from .text.tokenizer import Tokenizer
 from .worker.executor import graph_blockers
@@ -51,9 +54,13 @@ from .worker.worker import LocalWorker, RankConfig
 
 
 class EngineCore:
-    def __init__(self, artifact_path: str, options: EngineOptions | None = None) -> None:
+    def __init__(self, artifact_path: str, options: EngineOptions | None = None,
+                 startup: StartupTimer | None = None) -> None:
+        """``startup`` times the loading phases (``kiln.runtime.startup``); ``self.startup`` has them."""
         self.options = options or EngineOptions()
-        self.artifact = load_artifact(artifact_path)
+        self.startup = startup or StartupTimer("engine")
+        with self.startup.phase("artifact_read"):
+            self.artifact = load_artifact(artifact_path)
         rt = self.artifact.runtime
         bounds = rt["symbol_bounds"]
         device = self.options.resolved_device()
@@ -61,7 +68,10 @@ class EngineCore:
         self.max_seq_len: int = rt["max_seq_len"]
         self.vocab_size: int = rt["vocab_size"]
         self.page_size: int = rt["page_size"]
-        self.tokenizer = Tokenizer.from_dir(self.artifact.tokenizer_dir) if self.artifact.tokenizer_dir else None
+        # The tokenizer loads on a thread while the weights go to the device (which releases the GIL).
+        loading = ThreadPoolExecutor(1, thread_name_prefix="kiln-tokenizer")
+        tokenizer = loading.submit(self._load_tokenizer)
+        loading.shutdown(wait=False)
         # Refuses here, naming what needs FP8, when the GPU cannot run it and no fallback was asked for.
         references = uses_references(self.artifact, device, self.options.reference_fallback)
         buckets, prefill_graphs = graph_settings(self.options, device, graph_blockers(self.artifact, references))
@@ -74,10 +84,17 @@ class EngineCore:
         ranks = rt["ranks"]  # a sharded artifact's own ranks: pp x max(tp, ep)
         world_size = self._world_size(rt)
         check_layout(world_size, self.options.nnodes, 0, self.options.dist_init_addr)
+        # On a GPU, Triton reads the artifact's kernel binaries for this machine (kernel_cache.py).
+        self.kernel_cache = open_kernel_cache(self.artifact.path, device.index or 0) \
+            if device.type == "cuda" and not references else None
         self.worker = start_worker(self.artifact, RankConfig(
             str(self.artifact.path), str(device), num_pages, buckets, prefill_graphs, world_size,
             ranks > 1, self.options.reference_fallback, spec.tokens_per_verify if spec is not None else 1,
-            pp=rt["pp"], nnodes=self.options.nnodes, dist_init_addr=self.options.dist_init_addr))
+            pp=rt["pp"], nnodes=self.options.nnodes, dist_init_addr=self.options.dist_init_addr), self.startup)
+        self.tokenizer = tokenizer.result()
+        if self.kernel_cache is not None:
+            with self.startup.phase("kernel_save"):  # what the warm-up compiled, for the next start
+                self.kernel_cache.save()
         self.runner = self.worker.runner
         self.allocator = PageAllocator(self.worker.num_pages)
         self.cache = RadixCache(self.allocator, self.page_size)
@@ -103,6 +120,10 @@ class EngineCore:
         self._inflight_by_argmax = False
         self._readback = TokenReadback(max(buckets, default=1), device)
         self.overlapped_steps = 0
+
+    def _load_tokenizer(self) -> Tokenizer | None:
+        with self.startup.phase("tokenizer"):
+            return Tokenizer.from_dir(self.artifact.tokenizer_dir) if self.artifact.tokenizer_dir else None
 
     def _lora_registry(self) -> LoraRegistry | None:
         """The adapter registry of a LoRA artifact (its slots are rank 0's runner's), else None."""
@@ -206,8 +227,12 @@ class EngineCore:
         return events
 
     def close(self) -> None:
-        """Stops the worker processes, if any (see ``worker.ranks``); the core is unusable after."""
+        """Stops the worker processes, if any (see ``worker.ranks``), and saves the Triton kernels
+        compiled since start-up into the artifact (lazily captured prefill graphs' kernels); the core
+        is unusable after."""
         self.worker.close()
+        if self.kernel_cache is not None:
+            self.kernel_cache.save()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.constraints.has_pending() or self._inflight is not None

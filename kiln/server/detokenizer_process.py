@@ -1,10 +1,11 @@
 """The detokenizer process: turns the scheduler's sample events into text deltas for the HTTP process.
 
-    python -m kiln.server.detokenizer_process '{"ipc_dir": ..., "parent_pid": ...}'
+    python -m kiln.server.detokenizer_process '{"ipc_dir": ..., "parent_pid": ..., "tokenizer_dir": ...}'
 
-It waits for the scheduler's READY (which names the artifact's tokenizer directory), loads the
-tokenizer and forwards READY, so the HTTP process knows both are up; with several data-parallel
-replicas it serves them all (request ids are unique across them) and forwards each one's READY.
+It loads the artifact's tokenizer at once (while the scheduler loads the model), then forwards the
+scheduler's READY, so the HTTP process knows both are up (the first READY carries the detokenizer's
+own start-up phases); with several data-parallel replicas it serves them all (request ids are
+unique across them) and forwards each one's READY.
 For every NEW request it keeps one ``SampleText`` per sample (the same incremental detokenizer and
 stop-string cut the in-process Engine uses); each EVENTS batch becomes one OUTPUTS batch:
 
@@ -19,11 +20,13 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Any
 
 import zmq
 
 from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.startup import StartupTimer, process_phases
 from kiln.runtime.text.text_stream import SampleText
 from kiln.runtime.text.tokenizer import Tokenizer
 from kiln.server import ipc
@@ -65,19 +68,20 @@ class Detokenizer:
                 spec_verify_tokens, prompt_logprobs, matched_stop]
 
 
-def run(inbox: zmq.Socket, outbox: zmq.Socket, parent: ipc.ParentWatch) -> int:
-    detokenizer: Detokenizer | None = None
+def run(inbox: zmq.Socket, outbox: zmq.Socket, parent: ipc.ParentWatch, tokenizer: Tokenizer | None,
+        startup: StartupTimer) -> int:
+    detokenizer = Detokenizer(tokenizer)
+    phases = startup.to_wire()  # sent with the first READY
     while parent.alive():
         for message in ipc.recv_ready(inbox, ipc.IDLE_POLL_MS):
             kind = message[0]
-            if kind == ipc.EVENTS and detokenizer is not None:
+            if kind == ipc.EVENTS:
                 outbox.send(ipc.pack([ipc.OUTPUTS, detokenizer.outputs(message[1])]))
-            elif kind == ipc.NEW and detokenizer is not None:
+            elif kind == ipc.NEW:
                 detokenizer.add(*message[1:])
             elif kind == ipc.READY:
-                if detokenizer is None:  # the replicas serve one artifact: its tokenizer, loaded once
-                    directory = message[1].get("tokenizer_dir")
-                    detokenizer = Detokenizer(Tokenizer.from_dir(directory) if directory else None)
+                message[1]["startup"] = message[1].get("startup", []) + phases
+                phases = []
                 outbox.send(ipc.pack(message))
             elif kind in (ipc.REJECT, ipc.STATS, ipc.FATAL):
                 outbox.send(ipc.pack(message))
@@ -90,10 +94,14 @@ def run(inbox: zmq.Socket, outbox: zmq.Socket, parent: ipc.ParentWatch) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    main_at = time.time()
     args = argv if argv is not None else sys.argv[1:]
     with ipc.worker_process(args, "detokenizer", ipc.DETOKENIZER_SOCKET, ipc.HTTP_SOCKET) as (config, inbox, outbox):
         try:
-            return run(inbox, outbox, ipc.ParentWatch(config["parent_pid"]))
+            startup = process_phases("detokenizer", main_at, config.get("spawned_at"))
+            with startup.phase("tokenizer"):
+                tokenizer = Tokenizer.from_dir(config["tokenizer_dir"]) if config.get("tokenizer_dir") else None
+            return run(inbox, outbox, ipc.ParentWatch(config["parent_pid"]), tokenizer, startup)
         except Exception as exc:
             log.exception("the detokenizer failed")
             outbox.send(ipc.pack([ipc.FATAL, f"the detokenizer failed: {type(exc).__name__}: {exc}"]))

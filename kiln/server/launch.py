@@ -12,9 +12,11 @@ engine core and KV cache), one inbox each, and the tokenizer manager's cache-awa
 the server like any child.
 
 Start-up: compile the model if needed (``ensure_artifact``), bind the port (a busy port fails at
-once, before the model loads), start both children (``python -m`` with a JSON argument: no pickled
-state crosses), wait for READY (the model is loaded and the detokenizer has its tokenizer), and
-only then listen on the port. While serving, a watcher notices a
+once, before the model loads), start both children (``children.start_processes``: ``kiln serve``
+does that before it imports this module, so the model loads while the web stack imports), load
+the tokenizer while waiting for READY (the model is loaded and the detokenizer has its tokenizer),
+and only then listen on the port. The start-up phases of every process (``kiln.runtime.startup``)
+are logged, then summed up in one line, and served in ``/health`` and ``/metrics``. While serving, a watcher notices a
 child that exits: the server logs it, fails requests in flight with 500 and exits non-zero.
 SIGTERM drains: new requests get 503, those in flight may finish for up to ``drain_timeout``
 seconds (then they fail with 503), and the server exits 0. SIGINT (or a second SIGTERM) stops at
@@ -25,15 +27,10 @@ when this process dies. The ipc:// socket directory is removed on the way out.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -43,12 +40,13 @@ import zmq
 import zmq.asyncio
 
 from kiln.lora_layout import LoraLayout
-from kiln.runtime.disagg.support import check_artifact_supported
-from kiln.runtime.engine_options import EngineOptions
+from kiln.runtime.startup import Phase, StartupReport, StartupTimer, process_started_at
 from kiln.runtime.worker.nccl_env import keep_multicast_off
 from kiln.runtime.text.tokenizer import Tokenizer
 
 from . import ipc
+from .children import (CHILD_POLL_S, Children, StartedProcesses, artifact_tokenizer_dir, scheduler_name,
+                       start_processes)
 from .context import ServerContext
 from .gate import ServerState
 from .http import build_app
@@ -60,7 +58,6 @@ from .tools import resolve_parser
 
 log = logging.getLogger("kiln.server")
 
-CHILD_POLL_S = 0.2
 CHILD_STOP_TIMEOUT_S = 10.0
 # After a child died the server is failing anyway: the survivor gets this long, then SIGKILL, so
 # the server exits within seconds (a scheduler's orderly exit can take longer on a busy machine).
@@ -91,42 +88,16 @@ class ServeConfig:
     bootstrap_port: int = 8998   # the prefill side's KV handoff port
 
     def scheduler_name(self, replica: int) -> str:
-        return "scheduler" if self.dp == 1 else f"replica {replica} scheduler"
+        return scheduler_name(replica, self.dp)
+
+    def start_processes(self, artifact: str) -> StartedProcesses | None:
+        """Binds the port and starts the children (None when the port is busy; the reason logged)."""
+        return start_processes(artifact, self.host, self.port, self.dp, self.engine, self.lora_modules,
+                               self.log_level, self.disaggregation_mode, self.bootstrap_port)
 
 
 class StartupError(RuntimeError):
     """A child reported FATAL or exited before the model was ready."""
-
-
-class Children:
-    """The scheduler and detokenizer processes."""
-
-    def __init__(self) -> None:
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, name: str, module: str, config: dict[str, Any]) -> None:
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", module, json.dumps(config)])
-
-    def exited(self) -> tuple[str, int] | None:
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                return name, proc.returncode
-        return None
-
-    async def watch(self, on_exit: Callable[[str, int], None]) -> None:
-        while (gone := self.exited()) is None:
-            await asyncio.sleep(CHILD_POLL_S)
-        on_exit(*gone)
-
-    def stop(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for name, proc in self.procs.items():
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("the %s process did not exit; killing it", name)
-                proc.kill()
-                proc.wait()
 
 
 class KilnServer(uvicorn.Server):
@@ -141,10 +112,16 @@ class KilnServer(uvicorn.Server):
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
+        self.on_listening: Callable[[], None] | None = None  # called once the socket accepts connections
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if self.on_listening is not None and self.started:
+            self.on_listening()
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         # Replaces uvicorn's handler, which re-raises the signal once serving ends and so would kill
@@ -180,6 +157,10 @@ class KilnServer(uvicorn.Server):
 
 def check_disaggregation(artifact: str, config: ServeConfig) -> None:
     """What a prefill or decode server cannot run, refused before anything starts (runtime/disagg/support.py)."""
+    # Here, not at the top: the engine's options import torch, which the HTTP process otherwise never loads.
+    from kiln.runtime.disagg.support import check_artifact_supported
+    from kiln.runtime.engine_options import EngineOptions
+
     if config.dp > 1:
         raise ValueError("--disaggregation-mode: a prefill or decode server runs one replica; leave --dp at 1")
     if config.lora_modules:
@@ -188,45 +169,33 @@ def check_disaggregation(artifact: str, config: ServeConfig) -> None:
     check_artifact_supported(artifact, EngineOptions(**config.engine))
 
 
-def serve(artifact: str, config: ServeConfig) -> int:
-    """Runs the server until it is stopped; returns the process exit code."""
-    if config.dp < 1:
-        raise ValueError(f"dp must be at least 1, got {config.dp}")
-    if config.disaggregation_mode != "null":
-        check_disaggregation(artifact, config)
-    config.router.validate()
-    config.admission.validate()
+def serve(artifact: str, config: ServeConfig, startup: StartupTimer | None = None,
+          started: StartedProcesses | None = None) -> int:
+    """Runs the server until it is stopped; returns the process exit code. ``started``: the port and
+    children ``kiln serve`` set up before it imported this module (else they are started here);
+    ``startup``: this process's start-up phases so far."""
+    try:
+        if config.dp < 1:
+            raise ValueError(f"dp must be at least 1, got {config.dp}")
+        if config.disaggregation_mode != "null":
+            check_disaggregation(artifact, config)
+        config.router.validate()
+        config.admission.validate()
+    except ValueError:
+        if started is not None:
+            started.abandon()
+        raise
     keep_multicast_off()  # the children inherit it (serve may be called without the command line)
     logging.basicConfig(level=config.log_level.upper(), format="kiln: %(message)s")
-    return asyncio.run(_serve(artifact, config))
-
-
-def bind_port(host: str, port: int) -> socket.socket:
-    """The HTTP socket, bound but not yet listening (uvicorn listens once the model is ready)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-async def _serve(artifact: str, config: ServeConfig) -> int:
-    try:
-        listener = bind_port(config.host, config.port)
-    except OSError as exc:
-        log.error("cannot listen on %s:%d: %s (is another server using the port? pick one with --port)",
-                  config.host, config.port, exc.strerror or exc)
+    started = started or config.start_processes(artifact)
+    if started is None:
         return 1
-    with listener:
-        return await _serve_on(listener, artifact, config)
+    with started.listener:
+        return asyncio.run(_serve(started, artifact, config, startup or StartupTimer("http")))
 
 
-async def _serve_on(listener: socket.socket, artifact: str, config: ServeConfig) -> int:
-    ipc_dir = tempfile.mkdtemp(prefix="kiln-")
+async def _serve(started: StartedProcesses, artifact: str, config: ServeConfig, startup: StartupTimer) -> int:
+    ipc_dir, children = started.ipc_dir, started.children
     context = zmq.Context()
     receiver = zmq.asyncio.Context.shadow(context.underlying).socket(zmq.PULL)
     receiver.setsockopt(zmq.LINGER, 0)
@@ -234,29 +203,25 @@ async def _serve_on(listener: socket.socket, artifact: str, config: ServeConfig)
     senders = [ipc.push_socket(context, ipc.address(ipc_dir, ipc.scheduler_socket(i))) for i in range(config.dp)]
     # Each child is told to stop directly: a dead scheduler could not pass the word on.
     stoppers = [*senders, ipc.push_socket(context, ipc.address(ipc_dir, ipc.DETOKENIZER_SOCKET))]
-    children = Children()
     loop = asyncio.get_running_loop()
     # Until uvicorn installs its handlers, SIGTERM cancels start-up (and the cleanup below runs).
     loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    # The tokenizer loads while the model does.
+    tokenizer = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, artifact, startup))
     try:
-        child_config = {"ipc_dir": ipc_dir, "parent_pid": os.getpid(), "log_level": config.log_level}
-        for replica in range(config.dp):
-            children.start(config.scheduler_name(replica), "kiln.server.scheduler_process",
-                           {**child_config, "artifact": artifact, "engine": config.engine, "replica": replica,
-                            "lora_modules": config.lora_modules, "disaggregation": config.disaggregation_mode,
-                            "bootstrap_port": config.bootstrap_port})
-        children.start("detokenizer", "kiln.server.detokenizer_process", child_config)
         try:
             facts = await _wait_ready(receiver, children, config.dp)
         except StartupError as exc:
             log.error("%s", exc)
             return 1
         loop.remove_signal_handler(signal.SIGTERM)
-        return await _run_http(config, facts, listener, receiver, senders, children)
+        return await _run_http(config, facts, await tokenizer, startup, started.listener, receiver, senders,
+                               children)
     except asyncio.CancelledError:
         log.info("stopped during start-up")
         return 128 + signal.SIGTERM
     finally:
+        tokenizer.cancel()
         loop.remove_signal_handler(signal.SIGTERM)
         for stopper in stoppers:
             stopper.send(ipc.pack([ipc.SHUTDOWN]))
@@ -266,6 +231,12 @@ async def _serve_on(listener: socket.socket, artifact: str, config: ServeConfig)
             stopper.close(linger=0)  # the children are gone: a SHUTDOWN still queued (a dead child's) has no reader
         context.term()
         shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def _load_tokenizer(artifact: str, startup: StartupTimer) -> Tokenizer | None:
+    directory = artifact_tokenizer_dir(artifact)
+    with startup.phase("tokenizer"):
+        return Tokenizer.from_dir(directory) if directory else None
 
 
 async def _wait_ready(receiver: zmq.asyncio.Socket, children: Children, replicas: int) -> list[dict[str, Any]]:
@@ -284,10 +255,11 @@ async def _wait_ready(receiver: zmq.asyncio.Socket, children: Children, replicas
     return [facts[replica] for replica in range(replicas)]
 
 
-async def _run_http(config: ServeConfig, replica_facts: list[dict[str, Any]], listener: socket.socket,
-                    receiver: zmq.asyncio.Socket, senders: list[zmq.Socket], children: Children) -> int:
+async def _run_http(config: ServeConfig, replica_facts: list[dict[str, Any]], tokenizer: Tokenizer | None,
+                    startup: StartupTimer, listener: socket.socket, receiver: zmq.asyncio.Socket,
+                    senders: list[zmq.Socket], children: Children) -> int:
     facts = replica_facts[0]  # the replicas serve one artifact
-    tokenizer = Tokenizer.from_dir(facts["tokenizer_dir"]) if facts["tokenizer_dir"] else None
+    models_ready_at = time.time()
     info = ModelInfo(config.served_model_name, facts["vocab_size"], facts["max_seq_len"], int(time.time()),
                      sum(f["max_running"] for f in replica_facts))
     metrics = ServerMetrics(config.dp)
@@ -313,6 +285,14 @@ async def _run_http(config: ServeConfig, replica_facts: list[dict[str, Any]], li
     server = KilnServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                        access_log=False, lifespan="off", timeout_graceful_shutdown=GRACEFUL_CLOSE_S),
                         state, manager, config.drain_timeout)
+
+    def listening() -> None:
+        startup.since("http_ready", models_ready_at)
+        phases = [Phase.from_wire(item) for f in replica_facts for item in f.get("startup", [])]
+        metrics.startup = StartupReport(process_started_at(), time.time(), (*startup.phases, *phases))
+        log.info("start-up: %s", metrics.startup.summary())
+
+    server.on_listening = listening
     tasks = [asyncio.ensure_future(manager.receive_loop(receiver)), asyncio.ensure_future(children.watch(child_exited))]
     tasks[0].add_done_callback(lambda t: t.cancelled() or fatal(f"the output receiver failed: {t.exception()!r}"))
     grpc_server = None

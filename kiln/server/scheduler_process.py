@@ -7,7 +7,8 @@ With ``kiln serve --dp N`` there are N of these, replicas 0..N-1, each with its 
 cache and inbox (``ipc.scheduler_socket(replica)``); on GPUs replica i runs on its own devices
 (``replica_options``). Its STATS and READY name its replica.
 
-It loads the model, reports READY (or FATAL when loading fails), then repeats: take every waiting
+It loads the model, reports READY with its start-up phases (``kiln.runtime.startup``; or FATAL
+when loading fails), then repeats: take every waiting
 ADD/ABORT, run one step while there is work, send the step's events to the detokenizer, and publish
 the core's stats (every ``STATS_INTERVAL_S`` while they change). A request the core refuses is
 answered with REJECT and the loop goes on; an error inside a step is fatal (the core's state is no
@@ -36,6 +37,7 @@ import zmq
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.engine_options import EngineOptions
 from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.startup import process_phases
 from kiln.runtime.text.detokenizer import PROMPT_CONTEXT_TOKENS
 from kiln.server import ipc
 from kiln.server.disaggregation import DecodeSide, PrefillSide
@@ -155,19 +157,24 @@ class SchedulerLoop:
 
 
 def main(argv: list[str] | None = None) -> int:
+    main_at = time.time()
     args = argv if argv is not None else sys.argv[1:]
     replica = json.loads(args[0]).get("replica", 0)
     with ipc.worker_process(args, "scheduler", ipc.scheduler_socket(replica),
                             ipc.DETOKENIZER_SOCKET) as (config, inbox, outbox):
+        startup = process_phases("scheduler" if replica == 0 else f"scheduler{replica}", main_at,
+                                 config.get("spawned_at"))
         try:
-            core = EngineCore(config["artifact"], replica_options(EngineOptions(**config["engine"]), replica))
-            for name, path in config.get("lora_modules", {}).items():
-                core.load_lora(name, path)
+            core = EngineCore(config["artifact"], replica_options(EngineOptions(**config["engine"]), replica), startup)
+            if config.get("lora_modules"):
+                with startup.phase("lora_modules"):
+                    for name, path in config["lora_modules"].items():
+                        core.load_lora(name, path)
         except Exception as exc:  # any load failure is reported the same way: a message and exit 1
             outbox.send(ipc.pack([ipc.FATAL, f"loading {config['artifact']} failed: {exc}"]))
             log.error("loading the model failed: %s", exc)
             return 1
-        outbox.send(ipc.pack([ipc.READY, {**model_facts(core), "replica": replica}]))
+        outbox.send(ipc.pack([ipc.READY, {**model_facts(core), "replica": replica, "startup": startup.to_wire()}]))
         try:
             SchedulerLoop(core, inbox, outbox, ipc.ParentWatch(config["parent_pid"]), replica,
                           config.get("disaggregation", "null"), config.get("bootstrap_port", 0)).run()

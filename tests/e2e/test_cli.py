@@ -163,9 +163,17 @@ def test_bench_dispatch():
     assert result.returncode == 2 and "unknown benchmark 'no-such-bench'" in result.stderr
     available = result.stderr.split("available: ", 1)[1].strip().split(", ")
     assert set(available) == {"decode", "disagg", "kernels", "lora_decode", "moe_decode", "offline", "serving",
-                              "spec_decode", "structured"}, "helpers and experiments are not"
+                              "spec_decode", "startup", "structured"}, "helpers and experiments are not"
     result = kiln("bench", "offline", "--help")
     assert result.returncode == 0 and "--prefix-words" in result.stdout
     # `kernels` names bench/kernel_bench.py (a bench module named kernels would shadow a package).
     result = kiln("bench", "kernels", "--help")
     assert result.returncode == 0 and "--only" in result.stdout
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal is for a machine without a GPU")
+def test_compile_warm_without_a_gpu_is_refused_before_compiling(tmp_path):
+    source = make_hf_model("llama3", tmp_path / "src")
+    result = kiln("compile", str(source), "-o", str(tmp_path / "m.kiln"), "--warm")
+    assert result.returncode == 2 and "--warm compiles the Triton kernels for this machine's GPU" in result.stderr
+    assert not (tmp_path / "m.kiln").exists()

@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .tree import MAX_TREE_TOKENS
-
 # Algorithms named by the option; the ones this engine runs.
 KNOWN_ALGORITHMS = ("ngram", "eagle", "eagle3")
 SUPPORTED_ALGORITHMS = ("ngram", "eagle", "eagle3")
@@ -99,6 +97,10 @@ def _eagle_shape(given: dict[str, Any]) -> tuple[int, int, int]:
     each and the ``num_draft_tokens - 1`` best nodes make the tree (EAGLE-2)."""
     if "speculative_draft_model_path" not in given:
         raise ValueError("speculative_draft_model_path: EAGLE needs its draft head's checkpoint directory")
+    # Here, not at the top: the tree's bound comes from the attention kernels (torch, Triton), which the
+    # HTTP process reads these options without.
+    from .tree import MAX_TREE_TOKENS
+
     topk = given.get("speculative_eagle_topk", 1)
     steps = given.get("speculative_num_steps")
     tokens = given.get("speculative_num_draft_tokens")

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from ..artifact import Artifact
 from ..scheduler.batch import StepLists
+from ..startup import StartupTimer
 from .rank_grid import leave_groups
 from .rank_process import HOST, READY, RENDEZVOUS_TIMEOUT, load_and_join, run_rank
 from .executor import StepResult
@@ -48,12 +49,13 @@ KILL_TIMEOUT_S = 1.0
 FAILURE_WAIT_S = 2.0
 
 
-def start_worker(artifact: Artifact, config: RankConfig) -> Worker:
+def start_worker(artifact: Artifact, config: RankConfig, startup: StartupTimer | None = None) -> Worker:
+    """``startup`` times rank 0's loading phases."""
     if config.world_size < 1:
         raise ValueError(f"world_size: must be at least 1, not {config.world_size}")
     if config.world_size == 1:
-        return LocalWorker(config.build_runner(artifact, 0))
-    return WorkerGroup(artifact, config)
+        return LocalWorker(config.build_runner(artifact, 0, startup))
+    return WorkerGroup(artifact, config, startup)
 
 
 class WorkerGroup:
@@ -64,7 +66,7 @@ class WorkerGroup:
     # overlap exists not to wait for. (Tensor-parallel artifacts may broadcast them on the device.)
     tokens_from_device = False
 
-    def __init__(self, artifact: Artifact, config: RankConfig) -> None:
+    def __init__(self, artifact: Artifact, config: RankConfig, startup: StartupTimer | None = None) -> None:
         if dist.is_initialized():
             raise RuntimeError("world_size > 1: this process already has a torch.distributed group "
                                "(one multi-rank engine per process)")
@@ -91,7 +93,8 @@ class WorkerGroup:
                 self.processes.append(process)
                 self._reports.append(reader)
             # While the workers load theirs.
-            self.runner = load_and_join(0, store, config, lambda: config.build_runner(artifact, 0), self._await_ready)
+            self.runner = load_and_join(0, store, config, lambda: config.build_runner(artifact, 0, startup),
+                                         self._await_ready)
             self._nodes = NodeWatch(config) if config.nnodes > 1 else None
         except BaseException:
             self._stop_workers(terminate=True)

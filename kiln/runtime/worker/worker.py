@@ -24,6 +24,7 @@ import torch
 from ..artifact import Artifact, load_artifact
 from ..sampling import SamplerOutput, SamplingBatch
 from ..scheduler.batch import StepLists
+from ..startup import StartupTimer
 from .executor import StepResult
 from .model_runner import ModelRunner
 from .pipeline_runner import PipelineRunner
@@ -103,13 +104,14 @@ class RankConfig:
     def grid(self) -> RankGrid:
         return RankGrid(self.world_size // self.pp, self.pp)
 
-    def build_runner(self, artifact: Artifact, rank: int) -> ModelRunner:
+    def build_runner(self, artifact: Artifact, rank: int, startup: StartupTimer | None = None) -> ModelRunner:
+        """Rank ``rank``'s runner; ``startup`` times its loading phases (a one-stage artifact's)."""
         if self.pp > 1:  # the stage's own program, weights and layers' KV pool
             stage = load_artifact(artifact.path, self.grid.stage(rank))
             return PipelineRunner(stage, self.rank_device(rank), self.num_pages, rank, self.grid, self.micro_batches,
                                   self.reference_fallback)
         return ModelRunner(artifact, self.rank_device(rank), self.num_pages, self.decode_buckets, self.prefill_graphs,
-                           rank if self.tensor_parallel else 0, self.reference_fallback, self.verify_tokens)
+                           rank if self.tensor_parallel else 0, self.reference_fallback, self.verify_tokens, startup)
 
 
 class LocalWorker:
