@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from kiln.lora_layout import TARGET_MODULES
+from kiln.runtime.worker.nccl_env import keep_multicast_off
 
 EXPECTED_ERRORS = (ValueError, FileNotFoundError, FileExistsError, LookupError)
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_multicast_off()  # before any process or communicator kiln makes: they inherit it
     parser = argparse.ArgumentParser(prog="kiln", description="Compile, serve and benchmark LLMs.")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_compile(commands)
@@ -27,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     cli_bench.add_parser(commands)
     cli_plan.add_parser(commands)
     _add_serve(commands)
+    _add_router(commands)
     args = parser.parse_args(argv)
     try:
         return args.run(args) or 0
@@ -43,6 +46,9 @@ def _add_compile(commands) -> None:
     p.add_argument("-o", "--output", required=True, type=Path, help="artifact directory to write (NAME.kiln)")
     add_compile_options(p)
     p.add_argument("--dump-ir", type=Path, default=None, help="write the IR after each pass into this directory")
+    p.add_argument("--warm", action="store_true",
+                   help="then load it once on this machine's GPU, saving the Triton kernels compiled for it into the "
+                        "artifact (kernels/triton-<version>-<arch>/), so that serving it compiles none")
     add_tuning_options(p)
     p.set_defaults(run=_run_compile)
 
@@ -195,8 +201,20 @@ def _run_compile(args: argparse.Namespace) -> int:
     from kiln.compiler.compile import compile_model
 
     options = replace(compile_options_from(args), **tuning_options(args))
+    if args.warm:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--warm compiles the Triton kernels for this machine's GPU, and it has none")
     out = compile_model(args.model, args.output, options, dump_ir=args.dump_ir)
     print(f"wrote {out}")
+    if args.warm:
+        from kiln.runtime.engine_core import EngineCore
+        from kiln.runtime.engine_options import EngineOptions
+
+        # Loading runs every decode graph's warm-up, which compiles the kernels; close() saves them.
+        EngineCore(str(out), EngineOptions(device="cuda")).close()
+        print(f"saved its Triton kernels for this GPU into {out / 'kernels'}")
     return 0
 
 
@@ -243,6 +261,19 @@ def _add_serve(commands) -> None:
                         "to the same scheduler(s): more when one HTTP process is the bottleneck (default 1)")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="most requests waiting beyond those running; more get 503 with Retry-After (default: no limit)")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="machines the ranks are spread over: each runs a consecutive 1/--nnodes share of the "
+                        "tp x pp ranks (default 1)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this machine's node (default 0): node 0 serves, nodes > 0 run only their ranks")
+    p.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                   help="node 0's rendezvous address, the same on every node (needed with --nnodes > 1)")
+    p.add_argument("--disaggregation-mode", default="null", choices=["null", "prefill", "decode"],
+                   help="prefill/decode disaggregation (docs/distributed.md): this server only prefills and hands "
+                        "the KV pages over, or only decodes requests whose pages it is handed; behind "
+                        "`kiln router --pd-disaggregation` (default null: both)")
+    p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998,
+                   help="the prefill server's port where its decode server connects for the KV handoff (default 8998)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--reference-fallback", action="store_true",
                    help="on a GPU that cannot run the model's FP8 (compute capability < 8.9), run the torch "
@@ -268,28 +299,103 @@ def _lora_module(text: str) -> tuple[str, str]:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from kiln.artifact_cache import artifact_model_name, ensure_artifact
-    from kiln.cli_speculative import speculative_keywords
-    from kiln.server.ipc import exit_now
-    from kiln.server.launch import ServeConfig, serve
-    from kiln.server.tokenizer_manager import Admission
+    import logging
+    import time
 
+    from kiln.artifact_cache import artifact_model_name, ensure_model_artifacts, is_artifact
+    from kiln.cli_speculative import speculative_keywords
+    from kiln.runtime.startup import process_phases
+    from kiln.server.children import start_processes
+    from kiln.server.ipc import exit_now
+
+    startup = process_phases("http", time.time())
+    logging.basicConfig(level=args.log_level.upper(), format="kiln: %(message)s")
     if args.device == "cpu" and args.backend is None:
         args.backend = "torch"  # Triton kernels need a GPU
-    artifact = ensure_artifact(args.model, compile_options_from(args))
+    speculative = speculative_keywords(args)
+    with startup.phase("artifact"):
+        # An artifact is served as it is: its compile options (which import the compiler) are not needed
+        # (unless a draft model must be compiled beside it).
+        if is_artifact(args.model) and args.speculative_draft_model_path is None:
+            artifact, draft = Path(args.model), None
+        else:
+            artifact, draft = ensure_model_artifacts(args.model, compile_options_from(args),
+                                                     args.speculative_algorithm, args.speculative_draft_model_path)
+    if draft is not None:
+        speculative["speculative_draft_model_path"] = draft
+    if args.nnodes > 1 and args.dp > 1:
+        raise ValueError("--dp: data-parallel replicas run on one node; with --nnodes > 1 leave --dp at 1")
+    if args.node_rank > 0:
+        return _run_node(str(artifact), args)
     engine = {"device": args.device, "kv_cache_tokens": args.kv_cache_tokens, "mem_fraction": args.mem_fraction,
               "max_batch_tokens": args.max_batch_tokens, "schedule_policy": args.schedule_policy,
               "world_size": args.world_size, "reference_fallback": args.reference_fallback,
-              "debug_fail_token_id": args.debug_fail_token_id, **speculative_keywords(args)}
+              "debug_fail_token_id": args.debug_fail_token_id, "nnodes": args.nnodes,
+              "dist_init_addr": args.dist_init_addr, **speculative}
+    if args.disaggregation_mode != "null":  # refused before any process starts
+        from kiln.server.launch import ServeConfig, check_disaggregation
+
+        check_disaggregation(str(artifact), ServeConfig(engine=engine, dp=args.dp,
+                                                        lora_modules=dict(args.lora_modules)))
+    # The model loads in the children while this process imports its web stack (launch).
+    started = start_processes(str(artifact), args.host, args.port, args.dp, engine, dict(args.lora_modules),
+                              args.log_level, args.disaggregation_mode, args.disaggregation_bootstrap_port,
+                              args.api_server_count)
+    if started is None:
+        exit_now(1)
+    with startup.phase("server_imports"):
+        from kiln.server.launch import ServeConfig, serve
+        from kiln.server.tokenizer_manager import Admission
     config = ServeConfig(
         host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name or artifact_model_name(artifact),
         max_body_bytes=args.max_body_bytes, max_n=args.max_n, drain_timeout=args.drain_timeout,
         log_level=args.log_level, tool_call_parser=args.tool_call_parser, grpc_port=args.grpc_port,
         engine=engine, dp=args.dp, admission=Admission(args.max_queued_requests),
-        lora_modules=dict(args.lora_modules), api_server_count=args.api_server_count)
+        lora_modules=dict(args.lora_modules), disaggregation_mode=args.disaggregation_mode,
+        bootstrap_port=args.disaggregation_bootstrap_port, api_server_count=args.api_server_count)
     # Its child processes are gone; the interpreter's teardown would only delay a prompt exit.
-    exit_now(serve(str(artifact), config))
+    exit_now(serve(str(artifact), config, startup, started))
+
+
+def _add_router(commands) -> None:
+    p = commands.add_parser("router", help="SGLang's PD router: one endpoint in front of a prefill and a decode server")
+    p.add_argument("--pd-disaggregation", action="store_true", required=True,
+                   help="route each request to a prefill and a decode server (the only mode)")
+    p.add_argument("--prefill", nargs="+", required=True, metavar=("URL", "BOOTSTRAP_PORT"),
+                   help="the prefill server's URL and its --disaggregation-bootstrap-port (default 8998)")
+    p.add_argument("--decode", required=True, metavar="URL", help="the decode server's URL")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.set_defaults(run=_run_router)
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kiln.server.pd_router import DEFAULT_BOOTSTRAP_PORT, build_router_app
+
+    if len(args.prefill) > 2 or (len(args.prefill) == 2 and not args.prefill[1].isdigit()):
+        raise ValueError(f"--prefill: expected URL [BOOTSTRAP_PORT], got {' '.join(args.prefill)}")
+    port = int(args.prefill[1]) if len(args.prefill) == 2 else DEFAULT_BOOTSTRAP_PORT
+    app = build_router_app(args.prefill[0].rstrip("/"), port, args.decode.rstrip("/"))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def _run_node(artifact: str, args: argparse.Namespace) -> int:
+    """A node > 0 of a multi-node group: only its ranks, no server (runtime/worker/node_process.py)."""
+    import logging
+
+    import torch
+
+    from kiln.runtime.worker.node_process import run_node
+    from kiln.runtime.worker.nodes import check_layout
+
+    check_layout(None, args.nnodes, args.node_rank, args.dist_init_addr)
+    logging.basicConfig(level=args.log_level.upper(), format="kiln: %(message)s")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return run_node(artifact, device, args.nnodes, args.node_rank, args.dist_init_addr)
 
 
 if __name__ == "__main__":

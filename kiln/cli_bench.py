@@ -1,7 +1,7 @@
 """``kiln bench NAME [ARGS...]``: runs a benchmark from the checkout's ``bench/`` directory.
 
 The benchmarks a user runs are scripts beside the package (``decode.py``, ``offline.py``,
-``serving.py``, ``structured.py``, and ``kernel_bench.py`` as ``kiln bench kernels``); this runs one
+``serving.py``, ``structured.py``, ``disagg.py``, and ``kernel_bench.py`` as ``kiln bench kernels``); this runs one
 with its own arguments, as ``python bench/NAME.py ARGS`` would. One-off probes of the engine's
 internals live in ``bench/experiments/`` and are run directly, not listed here. An installed kiln
 without the checkout has no ``bench/``, and says so.

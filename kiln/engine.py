@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence, Union
 
-from kiln.artifact_cache import ensure_artifact, is_artifact
+from kiln.artifact_cache import ensure_model_artifacts, is_artifact
 from kiln.compiler.options import CompileOptions
 from kiln.planner.auto import LayoutHints, resolve_layout
 from kiln.runtime.engine_core import EngineCore
@@ -65,7 +65,9 @@ class Engine:
                                          tp=layout.tp if layout else 1, pp=layout.pp if layout else 1,
                                          max_loras=(1 if lora_modules else 0) if max_loras is None else max_loras,
                                          max_lora_rank=max_lora_rank)
-        self.artifact_path = ensure_artifact(model, compile_options)
+        # With an EAGLE head, the target returns the features the head reads and the head is compiled too.
+        self.artifact_path, speculative_draft_model_path = ensure_model_artifacts(
+            model, compile_options, speculative_algorithm, speculative_draft_model_path)
         self.core = EngineCore(str(self.artifact_path), EngineOptions(
             device=device, kv_cache_tokens=kv_cache_tokens, mem_fraction=mem_fraction,
             schedule_policy=schedule_policy, enable_prefix_cache=enable_prefix_cache, world_size=world_size,

@@ -62,17 +62,26 @@ class StepField:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """One per-step output: a row for each logits row (``N``), named as the graph's output value."""
+    """One per-step output, named as the graph's output value: a row for each logits row (axis
+    ``N``: the model gives it), or for each token of the step (axis ``T``: a compiler pass exposes
+    it, ``passes/expose_hidden_states.py``)."""
 
     name: str
     doc: str
+    axis: str = LOGIT_ROW
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "doc": self.doc}
+        return {"name": self.name, "doc": self.doc, "axis": self.axis}
 
 
 LOGITS = StepOutput("logits", "f32 logits of each wanted row [N, vocab]")
 HIDDEN_STATES = StepOutput("hidden_states", "each wanted row's last hidden state, before the final norm [N, hidden]")
+# EAGLE draft heads' inputs, for every token of the step (the draft reads the target's features of
+# each token it catches up on, prompt tokens included).
+TOKEN_HIDDEN_STATES = StepOutput("token_hidden_states", "each token's last hidden state after the final norm "
+                                 "[T, hidden] (EAGLE and EAGLE-2 draft heads' input)", TOKEN)
+AUX_HIDDEN_STATES = StepOutput("aux_hidden_states", "each token's hidden states entering three layers, side by "
+                               "side [T, 3 * hidden] (EAGLE-3 draft heads' input)", TOKEN)
 
 
 @dataclass(frozen=True)
@@ -141,5 +150,12 @@ STEP_SCHEMA = StepSchema((
     StepField("page_table", SEQUENCE, 0, "each sequence's pages (row b, column j: the j-th page)", columns="P"),
     StepField("logits_index", LOGIT_ROW, 0, "the token rows whose logits the step returns"),
 ))
+# Speculative draft trees (CompileOptions.tree_attention; passes/tree_attention.py): each token's
+# bits over its sequence's last 32 context keys, which of them it attends to (kernels/attention.py).
+TREE_MASK = StepField("tree_mask", TOKEN, -1, "each token's draft-tree mask over its sequence's last 32 keys "
+                      "(-1: plain causal)")
+# A draft head's greedy proposal per row, already in the target's vocabulary (EAGLE-3's d2t applied).
+DRAFT_TOKENS = StepOutput("draft_tokens", "each wanted row's greedy draft token, in the target's vocabulary [N] i32")
 # The outputs a step may return beyond the logits, by name (what ``CompileOptions.step_outputs`` takes).
-OPTIONAL_OUTPUTS = {o.name: o for o in (HIDDEN_STATES,)}
+OPTIONAL_OUTPUTS = {o.name: o for o in (HIDDEN_STATES, TOKEN_HIDDEN_STATES, AUX_HIDDEN_STATES,
+                                               DRAFT_TOKENS)}

@@ -50,4 +50,6 @@ def test_an_unknown_field_is_named():
 
 
 def test_outputs_are_data():
-    assert StepOutput("logits", "x").to_json() == {"name": "logits", "doc": "x"}
+    assert StepOutput("logits", "x").to_json() == {"name": "logits", "doc": "x", "axis": "N"}
+    per_token = StepOutput("token_hidden_states", "y", "T")
+    assert StepOutput(**per_token.to_json()) == per_token

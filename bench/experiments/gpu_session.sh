@@ -49,7 +49,7 @@ for stage in "$@"; do
                python3 bench/experiments/prefill_breakdown.py $args 2>&1 | grep -v Warning
              done | tee "$out/prefill.log" ;;
     structured) python3 bench/structured.py --random-shape smollm2-135m --tokenizer-dir "${TOKENIZER_DIR:-.bench-tokenizer}" \
-                  --batches 1 16 2>&1 | tee "$out/structured.log" | tail -6 ;;
+                  --batches 1 16 64 2>&1 | tee "$out/structured.log" | tail -7 ;;
     structured-profile) python3 bench/structured.py --random-shape smollm2-135m \
                   --tokenizer-dir "${TOKENIZER_DIR:-.bench-tokenizer}" --batches 1 --profile > "$out/structured_profile.log" 2>&1
                   tail -4 "$out/structured_profile.log" ;;

@@ -70,7 +70,8 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
         ctx = PassContext(backend=options.backend, symbol_bounds=bounds, recipes=list(built.recipes),
                           quantization=quantization, tp=options.tp, pp=options.pp, stage=stage, ep=options.ep,
                           expert_placement=options.expert_placement, kv_cache_dtype=options.kv_cache_dtype,
-                          kv_cache_scales=options.kv_cache_scales, lora=options.lora_layout())
+                          kv_cache_scales=options.kv_cache_scales, lora=options.lora_layout(),
+                          step_outputs=options.step_outputs, aux_hidden_layers=options.aux_hidden_layers)
         dump = dump_ir if dump_ir is None or options.pp == 1 else dump_ir / stage_dir(stage)
         graph, pass_log = run_pipeline(built.graph, ctx, dump_dir=dump, skip=options.skip_passes)
         store = WeightStore(source.tensors, built.computed, ctx.recipes, str(source.path))

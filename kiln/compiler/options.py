@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from kiln.kernels.config import DEFAULTS, KernelConfig
 from kiln.kernels.registry import BACKENDS
 from kiln.lora_layout import SLOT_FIELD, TARGET_MODULES, LoraLayout
-from kiln.step_schema import OPTIONAL_OUTPUTS, SEQUENCE, STEP_SCHEMA, StepField, StepSchema
+from kiln.step_schema import OPTIONAL_OUTPUTS, SEQUENCE, STEP_SCHEMA, TREE_MASK, StepField, StepSchema
 
 from .passes.quantize_kv_cache import KV_CACHE_DTYPES
 from .passes.shard_ep import check_ep
@@ -28,6 +28,11 @@ class CompileOptions:
     step_fields: tuple[StepField, ...] = ()
     # Outputs beyond the logits each step returns, by name (kiln.step_schema.OPTIONAL_OUTPUTS).
     step_outputs: tuple[str, ...] = ()
+    # The layers whose input ``aux_hidden_states`` (EAGLE-3's draft input) holds; (): SGLang's default
+    # (passes/expose_hidden_states.default_aux_layers).
+    aux_hidden_layers: tuple[int, ...] = ()
+    # Draft-tree verification: a ``tree_mask`` step input every attention reads (passes/tree_attention.py).
+    tree_attention: bool = False
     kernel_config: KernelConfig = DEFAULTS  # the kernels' tunables, recorded in the manifest
     skip_passes: tuple[str, ...] = ()  # pipeline passes left out, for experiments (pipeline.run_pipeline)
     quantization: str | None = None  # a method of kiln.compiler.quantization.METHODS (fp8, w8a8_int8, ...)
@@ -117,6 +122,8 @@ class CompileOptions:
                              f"{', '.join(OPTIONAL_OUTPUTS)}")
         outputs = [OPTIONAL_OUTPUTS[name] for name in self.step_outputs]
         fields = self.step_fields
+        if self.tree_attention:
+            fields += (TREE_MASK,)
         if self.max_loras:
             fields += (StepField(SLOT_FIELD, SEQUENCE, -1, "each sequence's LoRA adapter slot (-1: the base model)"),)
         return STEP_SCHEMA.with_fields(*fields).with_outputs(*outputs)

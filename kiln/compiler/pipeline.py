@@ -1,7 +1,9 @@
 """The ordered pass list, and the loop that runs it, timing and optionally dumping the IR after each.
 
-Transforms rewrite the graph; analyses (kernel selection, memory planning) leave their results in
-the context for codegen. The order matters: tensor-parallel sharding comes first, on the graph as
+The per-token hidden states EAGLE draft heads read are exposed first, on the model's own residual
+adds (``expose_hidden_states``), and draft-tree verification's mask handed to the attentions
+(``tree_attention``). Transforms rewrite the graph; analyses (kernel selection, memory planning)
+leave their results in the context for codegen. The order matters: tensor-parallel sharding comes first, on the graph as
 the model wrote it (its patterns are the model's primitive ops); the pipeline split follows (it keeps
 one stage's layers: the compiler runs the list once per stage), so no fusion joins ops of two stages;
 then expert-parallel sharding of the ``moe`` ops tensor parallelism leaves whole (after their experts
@@ -33,6 +35,7 @@ from kiln.ir import Graph, print_graph, verify
 from .passes.base import Pass, PassContext
 from .passes.count_expert_load import count_expert_load
 from .passes.dce import eliminate_dead_code
+from .passes.expose_hidden_states import expose_hidden_states
 from .passes.fuse_add_rmsnorm import fuse_add_rmsnorm
 from .passes.fuse_linear_residual import fuse_linear_residual
 from .passes.fuse_linears import fuse_linears
@@ -50,6 +53,7 @@ from .passes.select_kernels import select_kernels
 from .passes.shard_ep import shard_ep
 from .passes.shard_tp import shard_tp
 from .passes.split_pipeline import split_pipeline
+from .passes.tree_attention import tree_attention
 
 
 def _verify(graph: Graph, ctx: PassContext) -> Graph:
@@ -59,6 +63,8 @@ def _verify(graph: Graph, ctx: PassContext) -> Graph:
 
 PIPELINE: list[tuple[str, Pass]] = [
     ("verify", _verify),
+    ("expose_hidden_states", expose_hidden_states),
+    ("tree_attention", tree_attention),
     ("shard_tp", shard_tp),
     ("split_pipeline", split_pipeline),
     ("place_experts", place_experts),
@@ -80,10 +86,10 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("plan_memory", plan_memory),
 ]
 # Without these there is no checked graph, no kernel table or no memory plan to write, no rank's
-# shard of a tensor- or expert-parallel model or stage of a pipelined one, or no LoRA hooks the
-# artifact was asked for.
-REQUIRED = frozenset({"verify", "shard_tp", "split_pipeline", "shard_ep", "insert_lora", "select_kernels",
-                      "plan_memory"})
+# shard of a tensor- or expert-parallel model or stage of a pipelined one, no LoRA hooks the
+# artifact was asked for, no step output the options ask for, or no tree mask its attention reads.
+REQUIRED = frozenset({"verify", "expose_hidden_states", "tree_attention", "shard_tp", "split_pipeline", "shard_ep",
+                      "insert_lora", "select_kernels", "plan_memory"})
 
 
 def selected_passes(skip: Sequence[str] = ()) -> list[tuple[int, str, Pass]]:

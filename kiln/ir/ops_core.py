@@ -122,7 +122,11 @@ def infer_kv_store(t: Types, a: Attrs) -> tuple[TensorType, ...]:
 
 
 def infer_paged_attention(t: Types, a: Attrs) -> tuple[TensorType, ...]:
-    q, k_cache, v_cache, q_start, q_len, kv_len, page_table = t
+    q, k_cache, v_cache, q_start, q_len, kv_len, page_table = t[:7]
+    for tree_mask in t[7:]:
+        expect_int("paged_attention", "tree_mask", tree_mask)
+        expect_rank("paged_attention", "tree_mask", tree_mask, 1)
+        expect(same_dim(tree_mask.shape[0], q.shape[0]), f"paged_attention: tree_mask {tree_mask} does not match q {q}")
     expect_rank("paged_attention", "q", q, 3)
     expect_rank("paged_attention", "k_cache", k_cache, 3)
     expect_same("paged_attention", k_cache, v_cache)
@@ -152,6 +156,23 @@ def _cast(t: Types, a: Attrs) -> tuple[TensorType, ...]:
     return (t[0].with_dtype(DType(a["dtype"])),)
 
 
+def _concat(t: Types, a: Attrs) -> tuple[TensorType, ...]:
+    first = t[0]
+    expect_rank("concat", "a", first, 2)
+    width = 0
+    for name, x in zip("abc", t):
+        expect(x.rank == 2 and same_dim(x.shape[0], first.shape[0]) and x.dtype == first.dtype,
+               f"concat: {name} {x} does not match a {first} in rows and dtype")
+        expect(isinstance(x.shape[1], int), f"concat: {name} {x} needs a static width")
+        width += x.shape[1]
+    return (TensorType((first.shape[0], width), first.dtype),)
+
+
+def _argmax(t: Types, a: Attrs) -> tuple[TensorType, ...]:
+    expect_rank("argmax", "x", t[0], 2)
+    return (TensorType((t[0].shape[0],), DType.i32),)
+
+
 register_op(OpDef("embedding", ("ids", "table", "row_start?"), {}, _embedding,
                   doc="rows of table picked by ids; with row_start, the table holds the vocabulary's rows from "
                       "row_start on (one rank's shard) and ids outside it give zero rows"))
@@ -177,11 +198,14 @@ register_op(OpDef("kv_store", ("k_cache", "v_cache", "k", "v", "slots"), KV_SCAL
                   doc="writes k and v of each token into its slot of the pool; returns the updated pool"))
 register_op(OpDef(
     "paged_attention",
-    ("q", "k_cache", "v_cache", "q_start", "q_len", "kv_len", "page_table"),
+    ("q", "k_cache", "v_cache", "q_start", "q_len", "kv_len", "page_table", "tree_mask?"),
     {"scale": AttrSpec("float"), "page_size": AttrSpec("int"), "sliding_window": AttrSpec("int", 0),
      "soft_cap": AttrSpec("float", 0.0), **KV_SCALE_ATTRS},
     infer_paged_attention,
-    doc="causal attention of each sequence's new tokens over its whole context in the paged pool (GQA)",
+    doc="causal attention of each sequence's new tokens over its whole context in the paged pool (GQA); "
+        "tree_mask (i32 per token): a draft tree's ancestors among the context's last 32 keys (kernels/attention.py)",
 ))
 register_op(OpDef("gather_rows", ("x", "index"), {}, _gather_rows, doc="x[index]"))
 register_op(OpDef("cast", ("x",), {"dtype": AttrSpec("dtype")}, _cast))
+register_op(OpDef("concat", ("a", "b", "c?"), {}, _concat, doc="the rows of a, b (and c) side by side: [rows, a + b (+ c)]"))
+register_op(OpDef("argmax", ("x",), {}, _argmax, doc="each row's index of its largest value (ties: the lowest), i32"))

@@ -61,12 +61,13 @@ def _rope_kv_attention(t: Sequence[TensorType], a: Mapping[str, Any]) -> tuple[T
 
 register_op(OpDef(
     "rope_kv_attention",
-    ("q", "k", "v", "positions", "cos_sin", "k_cache", "v_cache", "slots", "q_start", "q_len", "kv_len", "page_table"),
+    ("q", "k", "v", "positions", "cos_sin", "k_cache", "v_cache", "slots", "q_start", "q_len", "kv_len", "page_table",
+     "tree_mask?"),
     {"scale": AttrSpec("float"), "page_size": AttrSpec("int"), "sliding_window": AttrSpec("int", 0),
      "soft_cap": AttrSpec("float", 0.0), **KV_SCALE_ATTRS},
     _rope_kv_attention, num_outputs=3, aliases=(None, 5, 6), has_effect=True,
     doc="q_rot, k_cache, v_cache = rope_kv_store(q, k, v, positions, cos_sin, k_cache, v_cache, slots); returns "
-        "(paged_attention(q_rot, k_cache, v_cache, q_start, q_len, kv_len, page_table), k_cache, v_cache)",
+        "(paged_attention(q_rot, k_cache, v_cache, q_start, q_len, kv_len, page_table[, tree_mask]), k_cache, v_cache)",
 ))
 
 

@@ -9,6 +9,12 @@ The Triton implementation picks its kernel from host-side facts in ``sizes``: ``
 (a decode step) takes split-KV flash decoding (``attention_decode``), anything else or an unknown
 ``max_q_len`` the extend kernel (``attention_extend``). Rows of ``out`` that belong to no sequence
 are left as they were (the reference happens to zero them); padding rows are never read downstream.
+
+A tree mask (``tree_mask``, optional: speculative draft trees, whose nodes sit side by side in the
+context and see only their ancestors) gives each query row an i32 whose bit ``j`` says whether the
+key at context position ``kv_len - TREE_WINDOW_KEYS + j`` (the context's last 32) counts, on top of the
+causal rule; -1 keeps every key (plain causal). It applies to sequences of more than one new token
+(a single new token sees its whole context, as in a decode step, whose kernel never reads the mask).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 
 from kiln.ir.types import DType, TensorType
 
+from .attention_block import TREE_WINDOW_KEYS
 from .attention_decode import NewTokens, decode_splits, launch_decode
 from .attention_extend import extend_blocks, launch_extend
 from .config import DEFAULTS, KernelConfig
@@ -36,9 +43,9 @@ def context_slots(page_row: torch.Tensor, length: int, page_size: int) -> torch.
 
 
 def ref_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
-                        q_len: torch.Tensor, kv_len: torch.Tensor, page_table: torch.Tensor, *, scale: float,
-                        page_size: int, sliding_window: int = 0, soft_cap: float = 0.0, k_scale: float = 1.0,
-                        v_scale: float = 1.0) -> torch.Tensor:
+                        q_len: torch.Tensor, kv_len: torch.Tensor, page_table: torch.Tensor,
+                        tree_mask: torch.Tensor | None = None, *, scale: float, page_size: int, sliding_window: int = 0,
+                        soft_cap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     out = torch.zeros_like(q)
     heads, kv_heads = q.shape[1], k_cache.shape[1]
     group = heads // kv_heads
@@ -57,14 +64,19 @@ def ref_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         allowed = k_pos <= q_pos
         if sliding_window > 0:
             allowed &= k_pos > q_pos - sliding_window
+        if tree_mask is not None and n > 1:
+            tree_start = length - TREE_WINDOW_KEYS
+            bits = tree_mask[start:start + n].long()[:, None]
+            in_tree = k_pos >= tree_start
+            allowed &= ~in_tree | ((bits >> (k_pos - tree_start).clamp(0, TREE_WINDOW_KEYS - 1)) & 1).bool()
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:start + n] = torch.einsum("hnl,lhd->nhd", probs, v).to(q.dtype)
     return out
 
 
-def _paged_attention(q, k_cache, v_cache, q_start, q_len, kv_len, page_table, *, out, **attrs):
-    out.copy_(ref_paged_attention(q, k_cache, v_cache, q_start, q_len, kv_len, page_table, **attrs))
+def _paged_attention(q, k_cache, v_cache, q_start, q_len, kv_len, page_table, tree_mask=None, *, out, **attrs):
+    out.copy_(ref_paged_attention(q, k_cache, v_cache, q_start, q_len, kv_len, page_table, tree_mask, **attrs))
 
 
 register_impl("paged_attention", "torch", _paged_attention, reads_device=True)  # loops over the lengths
@@ -111,8 +123,9 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_star
 
 
 def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
-                           q_len: torch.Tensor, kv_len: torch.Tensor, page_table: torch.Tensor, *, out: torch.Tensor,
-                           scale: float, page_size: int, sliding_window: int = 0, soft_cap: float = 0.0,
+                           q_len: torch.Tensor, kv_len: torch.Tensor, page_table: torch.Tensor,
+                           tree_mask: torch.Tensor | None = None, *, out: torch.Tensor, scale: float,
+                           page_size: int, sliding_window: int = 0, soft_cap: float = 0.0,
                            sizes: Mapping[str, int] | None = None, new_tokens: NewTokens | None = None,
                            config: KernelConfig = DEFAULTS, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Writes each sequence's attention output into its rows of ``out``. Reads only host facts
@@ -128,6 +141,11 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     with the Triton rope and KV store kernels before the extend kernel.
     """
     _check(q, k_cache, v_cache, q_start, q_len, kv_len, page_table, out, page_size)
+    if tree_mask is not None:
+        require(tree_mask.dtype == torch.int32 and tree_mask.shape == (q.shape[0],), "triton.paged_attention",
+                lambda: f"tree_mask must be i32 [{q.shape[0]}] (a row per query token), got {tree_mask.dtype} "
+                f"{tuple(tree_mask.shape)}")
+        require_device("triton.paged_attention", q, tree_mask)
     sizes = sizes or {}
     tokens, heads, head_dim = q.shape
     max_q_len = sizes.get("max_q_len")
@@ -154,11 +172,11 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     bound = tokens if max_q_len is None else min(max_q_len, tokens)
     block_m, block_n, warps = extend_blocks(bound, head_dim)
     launch_extend(q, k_cache, v_cache, q_start, q_len, kv_len, page_table, out, max_q_len=bound,
-                  block_m=block_m, block_n=block_n, num_warps=warps, **common)
+                  block_m=block_m, block_n=block_n, num_warps=warps, tree_mask=tree_mask, **common)
 
 
 def _paged_attention_checker(types: Sequence[TensorType], attrs: Mapping[str, Any]) -> bool:
-    q, k_cache, v_cache, q_start, q_len, kv_len, page_table = types
+    q, k_cache, v_cache, q_start, q_len, kv_len, page_table = types[:7]
     head_dim = q.shape[2] if q.rank == 3 else None
     return (q.dtype in IR_FLOATS and k_cache.dtype in (q.dtype, DType.f8e4m3) and v_cache.dtype == k_cache.dtype
             and isinstance(head_dim, int) and head_dim <= MAX_HEAD_DIM

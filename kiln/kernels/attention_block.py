@@ -21,6 +21,9 @@ from .triton_support import tanh
 LOG2E = tl.constexpr(1.4426950408889634)
 FP8_MAX = tl.constexpr(448.0)  # the largest finite float8 e4m3fn
 ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: adding and subtracting it rounds an f32 to an integer
+# A tree mask's row covers the last TREE_WINDOW keys of its sequence's context, a bit each (i32).
+TREE_WINDOW_KEYS = 32
+TREE_WINDOW = tl.constexpr(TREE_WINDOW_KEYS)
 
 
 @triton.jit
@@ -63,14 +66,15 @@ def from_fp8(x, scale, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def fold_block(acc, m_i, l_i, q, q_pos, k, v, n0, kv_end, scale, soft_cap, window,
+def fold_block(acc, m_i, l_i, q, q_pos, k, v, n0, kv_end, scale, soft_cap, window, tree_bits, tree_start,
                MASKED: tl.constexpr, SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr,
-               BLOCK_N: tl.constexpr):
+               BLOCK_N: tl.constexpr, TREE: tl.constexpr):
     # Folds the K/V tiles of positions n0 .. n0 + BLOCK_N (load_kv_block's) into the online-softmax
     # state of the query tile q: [BLOCK_M, BLOCK_D] (already f32 when DOT_F32); q_pos: [BLOCK_M] the
     # context position of each query row. Positions at or past kv_end count for nothing. MASKED
     # applies the causal (and window) condition per score; callers leave it off for blocks wholly
-    # before every query of the tile.
+    # before every query of the tile. TREE (a draft tree's mask): a key at context position
+    # ``tree_start + j`` (j < TREE_WINDOW) counts only where bit j of the row's ``tree_bits`` is set.
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < kv_end
     if DOT_F32:
@@ -85,6 +89,10 @@ def fold_block(acc, m_i, l_i, q, q_pos, k, v, n0, kv_end, scale, soft_cap, windo
         allowed = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         if SLIDING:
             allowed = allowed & (offs_n[None, :] > q_pos[:, None] - window)
+        if TREE:
+            bit = tl.minimum(tl.maximum(offs_n - tree_start, 0), TREE_WINDOW - 1)
+            in_tree = (offs_n >= tree_start)[None, :]
+            allowed = allowed & (~in_tree | (((tree_bits[:, None] >> bit[None, :]) & 1) != 0))
         s = tl.where(allowed, s, float("-inf"))
     # m_i starts finite (-1e30), so a row whose scores are all masked keeps p = 0 and alpha = 1
     # instead of computing -inf - -inf.
@@ -105,11 +113,11 @@ def fold_block(acc, m_i, l_i, q, q_pos, k, v, n0, kv_end, scale, soft_cap, windo
 
 @triton.jit
 def attend_block(acc, m_i, l_i, q, q_pos, k_base, v_base, page_row, n0, kv_end, slot_stride, page_size,
-                 offs_d, d_mask, scale, soft_cap, window, k_scale, v_scale,
+                 offs_d, d_mask, scale, soft_cap, window, k_scale, v_scale, tree_bits, tree_start,
                  MASKED: tl.constexpr, SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr,
-                 BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, DTYPE: tl.constexpr):
+                 BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, DTYPE: tl.constexpr, TREE: tl.constexpr):
     # load_kv_block then fold_block: positions n0 .. n0 + BLOCK_N (keys at or past kv_end are never read).
     k, v = load_kv_block(k_base, v_base, page_row, n0, kv_end, slot_stride, page_size, offs_d, d_mask, k_scale,
                          v_scale, BLOCK_N, KV_FP8, DTYPE)
-    return fold_block(acc, m_i, l_i, q, q_pos, k, v, n0, kv_end, scale, soft_cap, window, MASKED=MASKED,
-                      SOFT_CAP=SOFT_CAP, SLIDING=SLIDING, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N)
+    return fold_block(acc, m_i, l_i, q, q_pos, k, v, n0, kv_end, scale, soft_cap, window, tree_bits, tree_start,
+                      MASKED=MASKED, SOFT_CAP=SOFT_CAP, SLIDING=SLIDING, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N, TREE=TREE)

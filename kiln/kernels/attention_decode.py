@@ -180,13 +180,14 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, part_o_ptr, part_lse_ptr, cou
         k_first = _with_new_token(k_first, k_new, start, stored_pos, BLOCK_N)
         v_first = _with_new_token(v_first, v_new, start, stored_pos, BLOCK_N)
         acc, m_i, l_i = fold_block(acc, m_i, l_i, q, q_pos, k_first, v_first, start, end, scale, soft_cap, window,
-                                   MASKED=True, SOFT_CAP=SOFT_CAP, SLIDING=False, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N)
+                                   0, 0, MASKED=True, SOFT_CAP=SOFT_CAP, SLIDING=False, DOT_F32=DOT_F32,
+                                   BLOCK_N=BLOCK_N, TREE=False)
         loop_start = start + BLOCK_N
     for n0 in range(loop_start, end, BLOCK_N):
         acc, m_i, l_i = attend_block(acc, m_i, l_i, q, q_pos, k_base, v_base, page_row, n0, end, slot_stride,
-                                     page_size, offs_d, d_mask, scale, soft_cap, window, k_scale, v_scale,
+                                     page_size, offs_d, d_mask, scale, soft_cap, window, k_scale, v_scale, 0, 0,
                                      MASKED=True, SOFT_CAP=SOFT_CAP, SLIDING=False, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N,
-                                     KV_FP8=KV_FP8, DTYPE=q_ptr.dtype.element_ty)
+                                     KV_FP8=KV_FP8, DTYPE=q_ptr.dtype.element_ty, TREE=False)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if SPLIT:
         store_split_and_merge(out, m_i, l_i, part_o_ptr, part_lse_ptr, counter_ptr, out_ptr, b, kv_head, split,

@@ -7,7 +7,7 @@ for the rows ``q_start[b] .. q_start[b] + q_len[b]``; -1: the base model, no upd
 loops over the slots with masks rather than over the sequences, so it never reads a device value
 on the host and can be captured. A ``prologue`` first makes the GEMM input from what x is (the
 unfused RMSNorm or SiLU·mul, as those ops' references round). The Triton kernels are in
-``lora_triton.py``.
+``lora_triton.py`` (segments) and ``lora_decode_triton.py`` (decode steps).
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ import torch
 
 from kiln.ir.types import TensorType
 
+from .config import DEFAULTS, KernelConfig
 from .elementwise import ref_silu_mul
-from .lora_triton import PROLOGUE_CODES, launch_lora
+from .lora_decode_triton import launch_decode
+from .lora_triton import PROLOGUE_CODES, launch_segments
 from .norm import ref_rmsnorm
 from .registry import register_impl
 from .triton_support import IR_FLOATS, IR_INDEXES, require, require_device, require_index
@@ -71,9 +73,10 @@ def _torch_lora(y, x, lora_a, lora_b, lora_slot, q_start, q_len, norm_weight=Non
 
 
 def triton_lora(y, x, lora_a, lora_b, lora_slot, q_start, q_len, norm_weight=None, *, out, slices, prologue="none",
-                eps=0.0, sizes=None):
-    """Decode steps (every sequence one token: ``max_q_len`` 1) take the row-per-sequence kernels
-    (BGMV), others the segment kernels (SGMV) with a grid sized by the longest sequence."""
+                eps=0.0, sizes=None, config: KernelConfig = DEFAULTS):
+    """Decode steps (every sequence one token: ``max_q_len`` 1) take the decode kernels
+    (``lora_decode_triton.py``), others the segment kernels (SGMV) with a grid sized by the longest
+    sequence."""
     require_device("lora", y, x, lora_a, lora_b, lora_slot, q_start, q_len, out)
     for name, t in (("lora_slot", lora_slot), ("q_start", q_start), ("q_len", q_len)):
         require_index("lora", name, t)
@@ -82,8 +85,13 @@ def triton_lora(y, x, lora_a, lora_b, lora_slot, q_start, q_len, norm_weight=Non
     max_q_len = (sizes or {}).get("max_q_len")
     tokens = x.shape[0]
     bound = tokens if max_q_len is None else min(max_q_len, tokens)
-    launch_lora(y, x, lora_a, lora_b, lora_slot, q_start, q_len, out, tuple(slices), bound,
-                norm_weight if norm_weight is not None else x, PROLOGUE_CODES[prologue], eps)
+    norm = norm_weight if norm_weight is not None else x
+    if bound == 1:
+        launch_decode(y, x, lora_a, lora_b, lora_slot, q_start, q_len, out, tuple(slices), norm,
+                      PROLOGUE_CODES[prologue], eps, config)
+    else:
+        launch_segments(y, x, lora_a, lora_b, lora_slot, q_start, q_len, out, tuple(slices), bound, norm,
+                        PROLOGUE_CODES[prologue], eps)
     return y
 
 
@@ -94,4 +102,4 @@ def _checker(types: Sequence[TensorType], attrs: Mapping[str, Any]) -> bool:
 
 
 register_impl("lora", "torch", _torch_lora)
-register_impl("lora", "triton", triton_lora, checker=_checker, priority=10, wants_sizes=True)
+register_impl("lora", "triton", triton_lora, checker=_checker, priority=10, wants_sizes=True, wants_config=True)

@@ -5,9 +5,7 @@ Two layouts of the same two steps:
   so the rows of a tile share one adapter and the products are ``tl.dot`` tiles. The first grid axis
   is sized for the longest sequence (``max_q_len``, else ``T``); blocks past a sequence's length,
   and sequences on slot -1 (the base model) or without tokens, return at once.
-- rows (BGMV, decode steps: one token a sequence): a program takes one sequence's row and a block
-  of the outputs, a GEMV against that sequence's adapter. At few rows the shrink also splits K over
-  programs (partial sums added into h atomically), so a batch of one does not walk K on one SM.
+- rows (decode steps, every sequence one token): ``lora_decode_triton.py``.
 
 The expand reads slice ``i``'s rows of h (``i*R .. i*R + R``) for the columns of y in slice ``i``
 (up to three slices: fused q/k/v); it adds in f32 and rounds once into y. Under the interpreter
@@ -20,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_support import dot_in_f32, pow2, sm_count
+from .triton_support import dot_in_f32, pow2
 
 # What x is (the op's ``prologue``): the GEMM input itself, an RMSNorm's input (normalized and scaled
 # here, rounded as the unfused norm rounds), or the gate/up GEMM's output (silu(gate) * up made here).
@@ -113,91 +111,23 @@ def _expand_segments(y_ptr, h_ptr, b_ptr, slot_ptr, q_start_ptr, q_len_ptr, N, R
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _shrink_rows(x_ptr, a_ptr, h_ptr, slot_ptr, q_start_ptr, q_len_ptr, norm_ptr, eps, K, NR, K_PER_SPLIT, x_stride,
-                 a_slot_stride, h_stride, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                 PROLOGUE: tl.constexpr):
-    b, r_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    slot = tl.load(slot_ptr + b)
-    if slot < 0 or tl.load(q_len_ptr + b) == 0:
-        return
-    row = tl.load(q_start_ptr + b).to(tl.int64)
-    offs_r = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = offs_r < NR
-    a_base = a_ptr + slot.to(tl.int64) * a_slot_stride
-    x_row = x_ptr + row * x_stride
-    rstd = 0.0
-    if PROLOGUE == 1:  # every split needs the whole row's norm: one row is cheap to read twice
-        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            v = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            squares += v * v
-        rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    k_start = split * K_PER_SPLIT
-    for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        x = _gemm_input(x_row + offs_k, k_ok, norm_ptr + offs_k, k_ok, K, rstd, PROLOGUE).to(tl.float32)
-        a = tl.load(a_base + offs_r[:, None] * K + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
-    if SPLIT:
-        tl.atomic_add(h_ptr + row * h_stride + offs_r, acc, mask=r_ok)
-    else:
-        tl.store(h_ptr + row * h_stride + offs_r, acc, mask=r_ok)
+def slice_ends(slices: tuple[int, ...], n: int) -> list[int]:
+    """Where slices 0 and 1 end among y's n columns (n past the last slice): a column's slice is how
+    many of the two it is at or past."""
+    return [sum(slices[:i + 1]) for i in range(len(slices) - 1)] + [n] * (3 - len(slices))
 
 
-@triton.jit
-def _expand_rows(y_ptr, h_ptr, b_ptr, slot_ptr, q_start_ptr, q_len_ptr, N, R, END0, END1, y_stride, h_stride,
-                 b_slot_stride, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SLICES: tl.constexpr):
-    b, n_block = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(slot_ptr + b)
-    if slot < 0 or tl.load(q_len_ptr + b) == 0:
-        return
-    row = tl.load(q_start_ptr + b).to(tl.int64)
-    offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_r = tl.arange(0, BLOCK_R)
-    n_ok, r_ok = offs_n < N, offs_r < R
-    piece = (offs_n >= END0).to(tl.int32) + (offs_n >= END1).to(tl.int32)
-    b_base = b_ptr + slot.to(tl.int64) * b_slot_stride
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for i in tl.static_range(SLICES):
-        h = tl.load(h_ptr + row * h_stride + i * R + offs_r, mask=r_ok, other=0.0)
-        w = tl.load(b_base + offs_n[:, None] * R + offs_r[None, :], mask=(n_ok & (piece == i))[:, None] & r_ok[None, :],
-                    other=0.0)
-        acc += tl.sum(w.to(tl.float32) * h[None, :], axis=1)
-    y = tl.load(y_ptr + row * y_stride + offs_n, mask=n_ok, other=0.0)
-    tl.store(y_ptr + row * y_stride + offs_n, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=n_ok)
-
-
-def launch_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, lora_slot: torch.Tensor,
-                q_start: torch.Tensor, q_len: torch.Tensor, h: torch.Tensor, slices: tuple[int, ...],
-                max_q_len: int, norm: torch.Tensor, prologue: int, eps: float) -> None:
+def launch_segments(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                    lora_slot: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor, h: torch.Tensor,
+                    slices: tuple[int, ...], max_q_len: int, norm: torch.Tensor, prologue: int, eps: float) -> None:
     """Shrink then expand, on inputs the dispatcher has checked; ``max_q_len`` bounds every q_len;
     ``norm`` is the RMSNorm's weight with prologue 1 (else any tensor: never read)."""
     batch, (_, nr, k), (_, n, r) = lora_slot.shape[0], lora_a.shape, lora_b.shape
     if batch == 0 or max_q_len == 0 or x.shape[0] == 0:
         return
-    ends = [sum(slices[:i + 1]) for i in range(len(slices) - 1)] + [n] * (3 - len(slices))
+    ends = slice_ends(slices, n)
     block_r = min(pow2(nr, 16), 64)
     common = (lora_slot, q_start, q_len)
-    if max_q_len == 1:
-        # Few rows would leave most of the GPU idle while a program walks all of K: split K over
-        # programs that add their partial sums into h (zeroed first), up to about one per SM.
-        r_blocks, k_blocks = triton.cdiv(nr, block_r), triton.cdiv(k, 2 * K_BLOCK)
-        splits = max(1, min(k_blocks, sm_count(x) // (batch * r_blocks)))
-        per_split = triton.cdiv(k_blocks, splits) * 2 * K_BLOCK
-        splits = triton.cdiv(k, per_split)
-        if splits > 1:
-            h.zero_()
-        _shrink_rows[(batch, r_blocks, splits)](x, lora_a, h, *common, norm, eps, k, nr, per_split, x.stride(0),
-                                                 lora_a.stride(0), h.stride(0), BLOCK_R=block_r, BLOCK_K=2 * K_BLOCK,
-                                                 SPLIT=splits > 1, PROLOGUE=prologue)
-        _expand_rows[(batch, triton.cdiv(n, N_BLOCK))](y, h, lora_b, *common, n, r, ends[0], ends[1], y.stride(0),
-                                                        h.stride(0), lora_b.stride(0), BLOCK_N=N_BLOCK,
-                                                        BLOCK_R=pow2(r, 16), SLICES=len(slices))
-        return
     m_blocks = triton.cdiv(max_q_len, SEGMENT_ROWS)
     dot_f32 = dot_in_f32(x.dtype)
     _shrink_segments[(m_blocks, batch, triton.cdiv(nr, block_r))](

@@ -26,21 +26,22 @@ from .triton_support import IR_FLOATS, IR_INDEXES, require, require_device, requ
 def ref_rope_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                           cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                           q_start: torch.Tensor, q_len: torch.Tensor, kv_len: torch.Tensor, page_table: torch.Tensor,
-                          *, scale: float, page_size: int, sliding_window: int = 0, soft_cap: float = 0.0,
-                          k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          tree_mask: torch.Tensor | None = None, *, scale: float, page_size: int,
+                          sliding_window: int = 0, soft_cap: float = 0.0, k_scale: float = 1.0,
+                          v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (attention output, k_cache, v_cache); the caches are updated in place."""
     q_rot, k_cache, v_cache = ref_rope_kv_store(q, k, v, positions, cos_sin, k_cache, v_cache, slots,
                                                 k_scale=k_scale, v_scale=v_scale)
-    out = ref_paged_attention(q_rot, k_cache, v_cache, q_start, q_len, kv_len, page_table, scale=scale,
+    out = ref_paged_attention(q_rot, k_cache, v_cache, q_start, q_len, kv_len, page_table, tree_mask, scale=scale,
                               page_size=page_size, sliding_window=sliding_window, soft_cap=soft_cap,
                               k_scale=k_scale, v_scale=v_scale)
     return out, k_cache, v_cache
 
 
-def _rope_kv_attention(q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_start, q_len, kv_len, page_table, *,
-                       out, **attrs):
+def _rope_kv_attention(q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_start, q_len, kv_len, page_table,
+                       tree_mask=None, *, out, **attrs):
     out.copy_(ref_rope_kv_attention(q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_start, q_len, kv_len,
-                                    page_table, **attrs)[0])
+                                    page_table, tree_mask, **attrs)[0])
 
 
 register_impl("rope_kv_attention", "torch", _rope_kv_attention, reads_device=True)
@@ -49,8 +50,9 @@ register_impl("rope_kv_attention", "torch", _rope_kv_attention, reads_device=Tru
 def triton_rope_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                              cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                              q_start: torch.Tensor, q_len: torch.Tensor, kv_len: torch.Tensor,
-                             page_table: torch.Tensor, *, out: torch.Tensor, scale: float, page_size: int,
-                             sliding_window: int = 0, soft_cap: float = 0.0, k_scale: float = 1.0,
+                             page_table: torch.Tensor, tree_mask: torch.Tensor | None = None, *, out: torch.Tensor,
+                             scale: float, page_size: int, sliding_window: int = 0, soft_cap: float = 0.0,
+                             k_scale: float = 1.0,
                              v_scale: float = 1.0, sizes: Mapping[str, int] | None = None,
                              config: KernelConfig = DEFAULTS) -> None:
     """Writes the attention output into ``out`` and the step's rotated k and v into the pool. The
@@ -73,14 +75,14 @@ def triton_rope_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     require(rot % 2 == 0 and 0 < rot <= q.shape[-1], kernel,
             lambda: f"rotary width {rot} must be even and <= head_dim {q.shape[-1]}")
     require_device(kernel, q, k, v, positions, cos_sin, slots)
-    triton_paged_attention(q, k_cache, v_cache, q_start, q_len, kv_len, page_table, out=out, scale=scale,
+    triton_paged_attention(q, k_cache, v_cache, q_start, q_len, kv_len, page_table, tree_mask, out=out, scale=scale,
                            page_size=page_size, sliding_window=sliding_window, soft_cap=soft_cap, sizes=sizes,
                            new_tokens=NewTokens(k, v, positions, cos_sin, slots), config=config, k_scale=k_scale,
                            v_scale=v_scale)
 
 
 def _checker(types: Sequence[TensorType], attrs: Mapping[str, Any]) -> bool:
-    q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_start, q_len, kv_len, page_table = types
+    q, k, v, positions, cos_sin, k_cache, v_cache, slots, q_start, q_len, kv_len, page_table = types[:12]
     head_dim = q.shape[2] if q.rank == 3 else None
     return (q.dtype in IR_FLOATS and all(t.dtype == q.dtype for t in (k, v))
             and k_cache.dtype in (q.dtype, DType.f8e4m3) and v_cache.dtype == k_cache.dtype

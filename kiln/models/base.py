@@ -14,7 +14,7 @@ import torch
 
 from kiln.compiler.recipes import Recipe
 from kiln.ir import DType, Graph
-from kiln.step_schema import STEP_SCHEMA, StepSchema
+from kiln.step_schema import LOGIT_ROW, STEP_SCHEMA, StepSchema
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,12 @@ class BuiltModel:
 
 
 def step_outputs(options: BuildOptions, values: dict[str, str]) -> list[str]:
-    """The graph outputs the step schema asks for, in its order, from the values a model can give
-    (by output name); an output the model cannot give is an error naming those it can."""
-    missing = [o.name for o in options.step_schema.outputs if o.name not in values]
+    """The graph outputs the step schema asks for per logits row, in its order, from the values a
+    model can give (by output name); an output the model cannot give is an error naming those it
+    can. Per-token outputs are a pass's to add (``compiler/passes/expose_hidden_states.py``)."""
+    wanted = [o for o in options.step_schema.outputs if o.axis == LOGIT_ROW]
+    missing = [o.name for o in wanted if o.name not in values]
     if missing:
         raise ValueError(f"this model cannot return {', '.join(missing)} from a step; it can return "
                          f"{', '.join(sorted(values))}")
-    return [values[o.name] for o in options.step_schema.outputs]
+    return [values[o.name] for o in wanted]

@@ -121,14 +121,50 @@ def gated_mlp(b: GraphBuilder, dtype: DType, x: str, prefix: str, hidden: int, i
     return linear(b, dtype, act, f"{prefix}.down_proj", hidden, intermediate, bias, f"{name}.down")
 
 
+def step_inputs(b: GraphBuilder, options: BuildOptions) -> dict[str, str]:
+    """The graph inputs of the step schema's fields, by field name."""
+    return {f.name: b.input(f.name, TensorType(f.shape, DType.i32)) for f in options.step_schema}
+
+
+def kv_cache_inputs(b: GraphBuilder, cfg: LlamaConfig, dtype: DType) -> list[tuple[str, str]]:
+    """Each layer's (k, v) pool input, ``[NS, kv_heads, head_dim]``."""
+    cache_type = TensorType(("NS", cfg.num_kv_heads, cfg.head_dim), dtype)
+    return [(b.input(f"k_cache.{i}", cache_type), b.input(f"v_cache.{i}", cache_type)) for i in range(cfg.num_layers)]
+
+
+def self_attention(b: GraphBuilder, cfg: LlamaConfig, options: BuildOptions, x: str, in_features: int, prefix: str,
+                   name: str, cache: tuple[str, str], step: dict[str, str], rope_table: str) -> str:
+    """The attention block's output (o_proj's, before the residual add) for the normed input ``x``
+    of ``in_features`` columns; the projections under ``prefix`` as HF names them."""
+    dt, D = options.dtype, cfg.head_dim
+    q_width, kv_width = cfg.num_heads * D, cfg.num_kv_heads * D
+    q = linear(b, dt, x, f"{prefix}.q_proj", q_width, in_features, cfg.qkv_bias, f"{name}.q")
+    k = linear(b, dt, x, f"{prefix}.k_proj", kv_width, in_features, cfg.qkv_bias, f"{name}.k")
+    v = linear(b, dt, x, f"{prefix}.v_proj", kv_width, in_features, cfg.qkv_bias, f"{name}.v")
+    q = b.op("reshape", q, shape=["T", cfg.num_heads, D], name=f"{name}.q_heads")
+    k = b.op("reshape", k, shape=["T", cfg.num_kv_heads, D], name=f"{name}.k_heads")
+    v = b.op("reshape", v, shape=["T", cfg.num_kv_heads, D], name=f"{name}.v_heads")
+    if cfg.qk_norm:
+        q = b.op("rmsnorm", q, b.param(f"{prefix}.q_norm.weight", TensorType((D,), dt)), eps=cfg.rms_norm_eps,
+                 name=f"{name}.q_normed")
+        k = b.op("rmsnorm", k, b.param(f"{prefix}.k_norm.weight", TensorType((D,), dt)), eps=cfg.rms_norm_eps,
+                 name=f"{name}.k_normed")
+    q = b.op("rope", q, step["positions"], rope_table, name=f"{name}.q_rot")
+    k = b.op("rope", k, step["positions"], rope_table, name=f"{name}.k_rot")
+    k_cache, v_cache = b.op("kv_store", *cache, k, v, step["slots"], names=(f"{name}.k_cache", f"{name}.v_cache"))
+    attn = b.op("paged_attention", q, k_cache, v_cache, step["q_start"], step["q_len"], step["kv_len"],
+                step["page_table"], scale=D ** -0.5, page_size=options.page_size, sliding_window=cfg.sliding_window,
+                name=f"{name}.attn")
+    attn = b.op("reshape", attn, shape=["T", q_width], name=f"{name}.attn_flat")
+    return linear(b, dt, attn, f"{prefix}.o_proj", cfg.hidden_size, q_width, cfg.o_bias, f"{name}.o")
+
+
 def _build_graph(cfg: LlamaConfig, options: BuildOptions, max_positions: int, feed_forward: FeedForward) -> Graph:
-    dt, H, D = options.dtype, cfg.hidden_size, cfg.head_dim
+    dt, H = options.dtype, cfg.hidden_size
     b = GraphBuilder(cfg.architecture)
-    step = {f.name: b.input(f.name, TensorType(f.shape, DType.i32)) for f in options.step_schema}
-    ids, positions, slots, logits_index = step["token_ids"], step["positions"], step["slots"], step["logits_index"]
-    seq_inputs = [step["q_start"], step["q_len"], step["kv_len"], step["page_table"]]
-    cache_type = TensorType(("NS", cfg.num_kv_heads, D), dt)
-    caches = [(b.input(f"k_cache.{i}", cache_type), b.input(f"v_cache.{i}", cache_type)) for i in range(cfg.num_layers)]
+    step = step_inputs(b, options)
+    ids, logits_index = step["token_ids"], step["logits_index"]
+    caches = kv_cache_inputs(b, cfg, dt)
     rope_table = b.param(ROPE_TABLE, TensorType((max_positions, cfg.rope.rot_dim), DType.f32))
 
     def weight(name: str, *shape: int) -> str:
@@ -136,26 +172,10 @@ def _build_graph(cfg: LlamaConfig, options: BuildOptions, max_positions: int, fe
 
     embed = weight("model.embed_tokens.weight", cfg.vocab_size, H)
     hidden = b.op("embedding", ids, embed, name="embed")
-    q_width, kv_width = cfg.num_heads * D, cfg.num_kv_heads * D
     for i in range(cfg.num_layers):
         p, n = f"model.layers.{i}", f"l{i}"
         x = b.op("rmsnorm", hidden, weight(f"{p}.input_layernorm.weight", H), eps=cfg.rms_norm_eps, name=f"{n}.attn_in")
-        q = linear(b, dt, x, f"{p}.self_attn.q_proj", q_width, H, cfg.qkv_bias, f"{n}.q")
-        k = linear(b, dt, x, f"{p}.self_attn.k_proj", kv_width, H, cfg.qkv_bias, f"{n}.k")
-        v = linear(b, dt, x, f"{p}.self_attn.v_proj", kv_width, H, cfg.qkv_bias, f"{n}.v")
-        q = b.op("reshape", q, shape=["T", cfg.num_heads, D], name=f"{n}.q_heads")
-        k = b.op("reshape", k, shape=["T", cfg.num_kv_heads, D], name=f"{n}.k_heads")
-        v = b.op("reshape", v, shape=["T", cfg.num_kv_heads, D], name=f"{n}.v_heads")
-        if cfg.qk_norm:
-            q = b.op("rmsnorm", q, weight(f"{p}.self_attn.q_norm.weight", D), eps=cfg.rms_norm_eps, name=f"{n}.q_normed")
-            k = b.op("rmsnorm", k, weight(f"{p}.self_attn.k_norm.weight", D), eps=cfg.rms_norm_eps, name=f"{n}.k_normed")
-        q = b.op("rope", q, positions, rope_table, name=f"{n}.q_rot")
-        k = b.op("rope", k, positions, rope_table, name=f"{n}.k_rot")
-        k_cache, v_cache = b.op("kv_store", *caches[i], k, v, slots, names=(f"{n}.k_cache", f"{n}.v_cache"))
-        attn = b.op("paged_attention", q, k_cache, v_cache, *seq_inputs, scale=D ** -0.5,
-                    page_size=options.page_size, sliding_window=cfg.sliding_window, name=f"{n}.attn")
-        attn = b.op("reshape", attn, shape=["T", q_width], name=f"{n}.attn_flat")
-        o = linear(b, dt, attn, f"{p}.self_attn.o_proj", H, q_width, cfg.o_bias, f"{n}.o")
+        o = self_attention(b, cfg, options, x, H, f"{p}.self_attn", n, caches[i], step, rope_table)
         hidden = b.op("add", hidden, o, name=f"{n}.resid_attn")
         x = b.op("rmsnorm", hidden, weight(f"{p}.post_attention_layernorm.weight", H), eps=cfg.rms_norm_eps,
                  name=f"{n}.mlp_in")

@@ -5,9 +5,9 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Mapping
 
-from . import llama, moe
+from . import eagle, llama, moe
 
-_FAMILIES: tuple[ModuleType, ...] = (llama, moe)
+_FAMILIES: tuple[ModuleType, ...] = (llama, moe, eagle)
 
 
 def supported_architectures() -> list[str]:

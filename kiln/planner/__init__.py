@@ -15,8 +15,25 @@ prints a plan; ``--tp auto`` on compile, serve and ``Engine`` asks the same func
     auto.py      ``--tp auto`` / ``--pp auto``: the plan's layout for a compile, and why
 """
 
-from .plan import Plan, PlanError, PlanRequest, make_plan
-from .shape import ModelShape
-from .sources import model_config
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .plan import Plan, PlanError, PlanRequest, make_plan
+    from .shape import ModelShape
+    from .sources import model_config
 
 __all__ = ["ModelShape", "Plan", "PlanError", "PlanRequest", "make_plan", "model_config"]
+
+# Imported on first use: the CLI reads hardware.py's GPU names for every command, and plan.py and
+# sources.py import torch and the GGUF reader (seconds that `kiln serve` should not spend).
+_MODULE_OF = {"Plan": "plan", "PlanError": "plan", "PlanRequest": "plan", "make_plan": "plan",
+              "ModelShape": "shape", "model_config": "sources"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULE_OF:
+        return getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,6 +6,13 @@ compiler's thread pool; the loop only polls the future), so a slow or bad constr
 other requests; a bad one ends that request alone with an error. Each sample keeps its
 ``GrammarState`` in ``request.extras["grammar"]`` across retraction: the scheduler keeps a retracted
 request's output tokens, so the state stays in step with them.
+
+Per step, the constrained rows are served as one batch: ``mask`` fills all their bitmask rows in one
+call into a buffer reused from step to step (``StepMasks``: pinned, one non-blocking copy to the
+device), and ``advance_all`` moves all their grammars over the step's tokens in one pass.
+The engine fills the mask right after launching the step's forward, so on a GPU it is built while
+the forward runs; with overlapped decode steps the forward of step N+1 runs while step N's tokens are
+accepted and step N+1's mask is filled.
 """
 
 from __future__ import annotations
@@ -17,7 +24,6 @@ from typing import Any
 
 import torch
 
-from kiln.kernels.bitmask import allocate_bitmask
 
 from .sampling import SamplingParams
 from .sampling.params import CONSTRAINT_FIELDS
@@ -52,6 +58,7 @@ class Constraints:
         self._timeout_s = timeout_s
         self._compiler = None
         self._pending: list[_Pending] = []
+        self._masks = None  # StepMasks, made on the first constrained step (it imports xgrammar)
 
     def start(self, samples: list[Request]) -> None:
         """Begins compiling the samples' shared constraint; they are released by ``poll``."""
@@ -93,24 +100,40 @@ class Constraints:
     def any_constrained(requests: list[Request]) -> bool:
         return any(GRAMMAR in r.extras for r in requests)
 
-    @staticmethod
-    def mask(requests: list[Request], vocab_size: int, device: torch.device) -> torch.Tensor | None:
-        """The packed bitmask of a step's sampled rows, or None when no row is constrained. Rows of
-        finished requests (an overlapped step ran one past their end) allow everything: their tokens
-        are dropped."""
+    def mask(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor | None:
+        """The packed bitmask of a step's sampled rows (``logits``' rows), on the logits' device, or
+        None when no row is constrained. Rows of finished requests (an overlapped step ran one past
+        their end) allow everything: their tokens are dropped. Valid until the next ``mask``."""
         states = [None if r.done else r.extras.get(GRAMMAR) for r in requests]
         if not any(states):
             return None
+        if self._masks is None or self._masks.device != logits.device or self._masks.vocab_size != logits.shape[1]:
+            from .grammar.step_mask import StepMasks
+
+            self._masks = StepMasks(logits.shape[1], logits.device)
+        return self._masks.fill(states)
+
+    @staticmethod
+    def advance_all(requests: list[Request], tokens: list[int]) -> list[str | None] | None:
+        """Moves every live constrained request's grammar over its token (``tokens[i]`` is
+        ``requests[i]``'s), all in one pass; per row the finish reason that gives ("stop": the grammar
+        ended, "error": it rejected the token; None: go on, or no grammar), or None when no row has a
+        live grammar. Finished rows (an overlapped step ran one past their end) are left alone."""
+        live = [(row, state) for row, request in enumerate(requests)
+                if not request.done and (state := request.extras.get(GRAMMAR)) is not None]
+        if not live:
+            return None
         from .grammar.matcher import GrammarState
 
-        bitmask = allocate_bitmask(len(requests), vocab_size, pin_memory=device.type == "cuda")
-        rows = [row for row, state in enumerate(states) if state is not None]
-        GrammarState.fill_bitmasks([states[row] for row in rows], bitmask, rows)
-        return bitmask.to(device, non_blocking=True)
+        accepted = GrammarState.accept_tokens([state for _, state in live], [tokens[row] for row, _ in live])
+        reasons: list[str | None] = [None] * len(requests)
+        for (row, state), ok in zip(live, accepted):
+            reasons[row] = "error" if not ok else "stop" if state.is_terminated() else None
+        return reasons
 
     @staticmethod
     def advance(request: Request, token: int) -> str | None:
-        """Moves the request's grammar over ``token``; a finish reason when that ends it."""
+        """``advance_all`` for one request: its finish reason after ``token``."""
         state = request.extras.get(GRAMMAR)
         if state is None:
             return None

@@ -1,5 +1,5 @@
 """The engine core: scheduler + worker (the model on one rank or several) + sampling, one ``step()``
-at a time, no threads.
+at a time, no threads (but one at start-up, which loads the tokenizer beside the weights).
 
 ``add_request`` validates and queues a request (n samples become n scheduler requests; the first
 leads, the others share its cached prompt); ``step`` schedules a batch, runs it, samples, applies
@@ -21,6 +21,7 @@ accepted tokens; steps are then never overlapped.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from itertools import repeat
 from typing import Any, Hashable
 
@@ -29,6 +30,7 @@ import torch
 from .artifact import load_artifact
 from .constraints import Constraints, constraint_of
 from .engine_options import DEFAULT_CPU_KV_TOKENS, EngineOptions, graph_settings
+from .kernel_cache import open_kernel_cache
 from .kvcache.allocator import PageAllocator
 from .device_support import uses_references
 from .kvcache.pool import pages_for_mem_fraction, pages_for_tokens, pool_dtype
@@ -41,18 +43,24 @@ from .scheduler.request import DECODING, PENDING, Request, RequestState
 from .scheduler.scheduler import Scheduler, SchedulerConfig
 from .spec.config import SpecConfig
 from .spec.speculator import Speculator
-from .text.stop_rules import STOP_RULES, StopRules, finish_reason, matched_stop, sampled_on_device
+from .startup import StartupTimer
+from .text.stop_rules import STOP_RULES, StopRules, finish_reason_after_grammar, matched_stop, sampled_on_device
 from .text.tokenizer import Tokenizer
 from .worker.executor import graph_blockers
+from .worker.nodes import check_layout
 from .worker.ranks import start_worker
 from .worker.token_readback import InflightStep, TokenReadback
 from .worker.worker import LocalWorker, RankConfig
 
 
 class EngineCore:
-    def __init__(self, artifact_path: str, options: EngineOptions | None = None) -> None:
+    def __init__(self, artifact_path: str, options: EngineOptions | None = None,
+                 startup: StartupTimer | None = None) -> None:
+        """``startup`` times the loading phases (``kiln.runtime.startup``); ``self.startup`` has them."""
         self.options = options or EngineOptions()
-        self.artifact = load_artifact(artifact_path)
+        self.startup = startup or StartupTimer("engine")
+        with self.startup.phase("artifact_read"):
+            self.artifact = load_artifact(artifact_path)
         rt = self.artifact.runtime
         bounds = rt["symbol_bounds"]
         device = self.options.resolved_device()
@@ -60,7 +68,10 @@ class EngineCore:
         self.max_seq_len: int = rt["max_seq_len"]
         self.vocab_size: int = rt["vocab_size"]
         self.page_size: int = rt["page_size"]
-        self.tokenizer = Tokenizer.from_dir(self.artifact.tokenizer_dir) if self.artifact.tokenizer_dir else None
+        # The tokenizer loads on a thread while the weights go to the device (which releases the GIL).
+        loading = ThreadPoolExecutor(1, thread_name_prefix="kiln-tokenizer")
+        tokenizer = loading.submit(self._load_tokenizer)
+        loading.shutdown(wait=False)
         # Refuses here, naming what needs FP8, when the GPU cannot run it and no fallback was asked for.
         references = uses_references(self.artifact, device, self.options.reference_fallback)
         buckets, prefill_graphs = graph_settings(self.options, device, graph_blockers(self.artifact, references))
@@ -71,10 +82,19 @@ class EngineCore:
                              f"the context length {self.max_seq_len}; raise kv_cache_tokens or mem_fraction")
         # What the core drives (every rank), and rank 0's model runner, for tools that look inside it.
         ranks = rt["ranks"]  # a sharded artifact's own ranks: pp x max(tp, ep)
+        world_size = self._world_size(rt)
+        check_layout(world_size, self.options.nnodes, 0, self.options.dist_init_addr)
+        # On a GPU, Triton reads the artifact's kernel binaries for this machine (kernel_cache.py).
+        self.kernel_cache = open_kernel_cache(self.artifact.path, device.index or 0) \
+            if device.type == "cuda" and not references else None
         self.worker = start_worker(self.artifact, RankConfig(
-            str(self.artifact.path), str(device), num_pages, buckets, prefill_graphs, self._world_size(rt),
+            str(self.artifact.path), str(device), num_pages, buckets, prefill_graphs, world_size,
             ranks > 1, self.options.reference_fallback, spec.tokens_per_verify if spec is not None else 1,
-            pp=rt["pp"]))
+            pp=rt["pp"], nnodes=self.options.nnodes, dist_init_addr=self.options.dist_init_addr), self.startup)
+        self.tokenizer = tokenizer.result()
+        if self.kernel_cache is not None:
+            with self.startup.phase("kernel_save"):  # what the warm-up compiled, for the next start
+                self.kernel_cache.save()
         self.runner = self.worker.runner
         self.allocator = PageAllocator(self.worker.num_pages)
         self.cache = RadixCache(self.allocator, self.page_size)
@@ -100,6 +120,10 @@ class EngineCore:
         self._inflight_by_argmax = False
         self._readback = TokenReadback(max(buckets, default=1), device)
         self.overlapped_steps = 0
+
+    def _load_tokenizer(self) -> Tokenizer | None:
+        with self.startup.phase("tokenizer"):
+            return Tokenizer.from_dir(self.artifact.tokenizer_dir) if self.artifact.tokenizer_dir else None
 
     def _lora_registry(self) -> LoraRegistry | None:
         """The adapter registry of a LoRA artifact (its slots are rank 0's runner's), else None."""
@@ -203,8 +227,12 @@ class EngineCore:
         return events
 
     def close(self) -> None:
-        """Stops the worker processes, if any (see ``worker.ranks``); the core is unusable after."""
+        """Stops the worker processes, if any (see ``worker.ranks``), and saves the Triton kernels
+        compiled since start-up into the artifact (lazily captured prefill graphs' kernels); the core
+        is unusable after."""
         self.worker.close()
+        if self.kernel_cache is not None:
+            self.kernel_cache.save()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.constraints.has_pending() or self._inflight is not None
@@ -259,6 +287,8 @@ class EngineCore:
         result = self.worker.forward(lists)
         logits, greedy = result.logits, result.greedy
         self.scheduler.complete_step(batch)
+        if self.speculator is not None:
+            self.speculator.absorb_prefill(batch, lists, result.outputs)
         if lists.prompt_rows:
             _score_prompt_rows(lists, logits)
             logits = logits[:len(lists.requests)]
@@ -276,7 +306,7 @@ class EngineCore:
             out = SamplerOutput(tokens, None, None, None)
         else:
             rows = [SamplingRow(r.params, r.seed, len(r.output_ids), r.prompt_ids, r.output_ids) for r in requests]
-            mask = Constraints.mask(requests, logits.shape[1], logits.device)
+            mask = self.constraints.mask(requests, logits)
             out = self.worker.sample(logits, SamplingBatch.pack(rows, self.vocab_size, logits.device), mask)
         return events + self._apply(lists, out)
 
@@ -316,7 +346,7 @@ class EngineCore:
         """The step's tokens, left on the device, for requests that pass ``sampled_on_device`` but
         not ``_graph_argmax_serves``: the argmax under the grammar masks (filled on the CPU while the
         step runs) when all are greedy, else the sampler's draw."""
-        mask = Constraints.mask(requests, logits.shape[1], logits.device)
+        mask = self.constraints.mask(requests, logits)
         if all(_argmax_row(r) for r in requests):
             return greedy if mask is None else masked_argmax(logits, mask, self.runner.sampler_kernels)
         rows = [SamplingRow(r.params, r.seed, len(r.output_ids)) for r in requests]
@@ -357,8 +387,10 @@ class EngineCore:
         events: list[SampleEvent] = []
         tokens = out.token_ids.tolist()
         logprobs = _token_logprobs(lists.requests, tokens, out) if out.logprobs is not None else repeat(())
+        # Every constrained row's grammar moves over its token in one pass, before the per-row loop.
+        grammar_reasons = Constraints.advance_all(lists.requests, tokens) or repeat(None)
         fail_id = self.options.debug_fail_token_id
-        for request, token, token_logprobs in zip(lists.requests, tokens, logprobs):
+        for request, token, token_logprobs, grammar_reason in zip(lists.requests, tokens, logprobs, grammar_reasons):
             if request.done:
                 continue  # aborted meanwhile, or a sibling sample's failure ended the whole request
             output = request.output_ids
@@ -369,7 +401,7 @@ class EngineCore:
             try:
                 if fail_id is not None and fail_id in request.prompt_ids:
                     raise RuntimeError(f"debug_fail_token_id {fail_id}: injected failure")
-                reason = finish_reason(request, token)
+                reason = finish_reason_after_grammar(request, token, grammar_reason)
             except Exception as exc:  # one request's fault (its stop rules, its text) fails it alone
                 events.extend(self.abort(request.rid, f"{INTERNAL_ERROR}{type(exc).__name__}: {exc}"))
                 continue

@@ -36,6 +36,11 @@ class EngineOptions:
     # The worker processes are started with multiprocessing's spawn, which imports the main module:
     # a script that builds an engine with N > 1 needs an `if __name__ == "__main__":` guard.
     world_size: int = 1
+    # Machines the ranks are spread over (SGLang's --nnodes / --dist-init-addr; runtime/worker/nodes.py):
+    # this engine is node 0's and hosts the group's rendezvous at dist_init_addr (HOST:PORT); the other
+    # nodes run `kiln serve A --nnodes N --node-rank R --dist-init-addr HOST:PORT` for their ranks.
+    nnodes: int = 1
+    dist_init_addr: str | None = None
     # On a GPU that cannot run the artifact's FP8 (compute capability < 8.9), run every kernel's torch
     # reference instead of refusing the artifact (runtime/device_support.py): correct, slow.
     reference_fallback: bool = False

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import zmq
 import zmq.asyncio
 
+from kiln.runtime.text.tokenizer import Tokenizer
 from kiln.server import ipc
 from kiln.server.api_servers import API_KEY_ENV, peer_sockets, samples_in_flight
 from kiln.server.children import CHILD_POLL_S
@@ -61,8 +62,10 @@ async def _serve(config: dict[str, Any], serve_config: ServeConfig) -> int:
         on_exit("the launching kiln serve process is gone")
 
     ties = ProcessTies([watch_launcher], listening=lambda: peers.tell(0, [ipc.READY, {"api_server": me}]))
+    tokenizer_dir = config["facts"][0]["tokenizer_dir"]
+    tokenizer = Tokenizer.from_dir(tokenizer_dir) if tokenizer_dir else None
     try:
-        return await run_http(serve_config, config["facts"], listener, receiver, senders, ties, peers,
+        return await run_http(serve_config, config["facts"], tokenizer, listener, receiver, senders, ties, peers,
                               samples_in_flight(ipc_dir, me, count))
     finally:
         listener.close()

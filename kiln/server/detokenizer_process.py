@@ -1,10 +1,11 @@
 """The detokenizer process: turns the scheduler's sample events into text deltas for the HTTP process.
 
-    python -m kiln.server.detokenizer_process '{"ipc_dir": ..., "parent_pid": ...}'
+    python -m kiln.server.detokenizer_process '{"ipc_dir": ..., "parent_pid": ..., "tokenizer_dir": ...}'
 
-It waits for the scheduler's READY (which names the artifact's tokenizer directory), loads the
-tokenizer and forwards READY, so the HTTP process knows both are up; with several data-parallel
-replicas it serves them all (request ids are unique across them) and forwards each one's READY.
+It loads the artifact's tokenizer at once (while the scheduler loads the model), then forwards the
+scheduler's READY, so the HTTP process knows both are up (the first READY carries the detokenizer's
+own start-up phases); with several data-parallel replicas it serves them all (request ids are
+unique across them) and forwards each one's READY.
 For every NEW request it keeps one ``SampleText`` per sample (the same incremental detokenizer and
 stop-string cut the in-process Engine uses) and the API server it came from (``--api-server-count``:
 each HTTP process has its own inbox); each EVENTS batch becomes one OUTPUTS batch per API server
@@ -21,11 +22,13 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Any
 
 import zmq
 
 from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.startup import StartupTimer, process_phases
 from kiln.runtime.text.text_stream import SampleText
 from kiln.runtime.text.tokenizer import Tokenizer
 from kiln.server import ipc
@@ -74,24 +77,25 @@ class Detokenizer:
                 spec_verify_tokens, prompt_logprobs, matched_stop]
 
 
-def run(inbox: zmq.Socket, outboxes: list[zmq.Socket], parent: ipc.ParentWatch) -> int:
+def run(inbox: zmq.Socket, outboxes: list[zmq.Socket], parent: ipc.ParentWatch, tokenizer: Tokenizer | None,
+        startup: StartupTimer) -> int:
     """``outboxes``: one per API server, in order (API server 0 is the launcher)."""
-    detokenizer: Detokenizer | None = None
+    detokenizer = Detokenizer(tokenizer)
+    phases = startup.to_wire()  # sent with the first READY
     while parent.alive():
         for message in ipc.recv_ready(inbox, ipc.IDLE_POLL_MS):
             kind = message[0]
-            if kind == ipc.EVENTS and detokenizer is not None:
+            if kind == ipc.EVENTS:
                 for origin, outputs in detokenizer.outputs(message[1]).items():
                     outboxes[origin].send(ipc.pack([ipc.OUTPUTS, outputs]))
-            elif kind == ipc.NEW and detokenizer is not None:
+            elif kind == ipc.NEW:
                 detokenizer.add(*message[1:])
             elif kind == ipc.READY:
-                if detokenizer is None:  # the replicas serve one artifact: its tokenizer, loaded once
-                    directory = message[1].get("tokenizer_dir")
-                    detokenizer = Detokenizer(Tokenizer.from_dir(directory) if directory else None)
+                message[1]["startup"] = message[1].get("startup", []) + phases
+                phases = []
                 outboxes[0].send(ipc.pack(message))
             elif kind == ipc.REJECT:
-                outboxes[message[3] if len(message) > 3 else 0].send(ipc.pack(message))
+                outboxes[message[4]].send(ipc.pack(message))
             elif kind in (ipc.STATS, ipc.FATAL):
                 data = ipc.pack(message)
                 for outbox in outboxes:
@@ -105,12 +109,16 @@ def run(inbox: zmq.Socket, outboxes: list[zmq.Socket], parent: ipc.ParentWatch) 
 
 
 def main(argv: list[str] | None = None) -> int:
+    main_at = time.time()
     args = argv if argv is not None else sys.argv[1:]
     with ipc.worker_process(args, "detokenizer", ipc.DETOKENIZER_SOCKET, ipc.http_socket(0)) as (config, inbox, outbox):
         outboxes = [outbox, *(ipc.push_socket(outbox.context, ipc.address(config["ipc_dir"], ipc.http_socket(i)))
                               for i in range(1, config.get("api_servers", 1)))]
         try:
-            return run(inbox, outboxes, ipc.ParentWatch(config["parent_pid"]))
+            startup = process_phases("detokenizer", main_at, config.get("spawned_at"))
+            with startup.phase("tokenizer"):
+                tokenizer = Tokenizer.from_dir(config["tokenizer_dir"]) if config.get("tokenizer_dir") else None
+            return run(inbox, outboxes, ipc.ParentWatch(config["parent_pid"]), tokenizer, startup)
         except Exception as exc:
             log.exception("the detokenizer failed")
             for target in outboxes:

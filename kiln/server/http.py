@@ -3,9 +3,10 @@
 Routes: ``/v1/chat/completions`` and ``/v1/completions`` (openai_routes), ``/v1/responses``
 (responses_api), ``/generate``,
 ``/tokenize`` and ``/detokenize`` (native_routes), and here ``/v1/models`` and
-``/v1/models/{id}``, ``/health`` (200 while the engine is up), ``/health_generate`` (generates one
-token end to end), ``/metrics`` (Prometheus text; with several API servers, all of theirs summed:
-see metrics.py), and FastAPI's ``/openapi.json`` and ``/docs``.
+``/v1/models/{id}``, ``/health`` (200 while the engine is up; its JSON has the start-up report, see
+``kiln.runtime.startup``), ``/health_generate`` (generates one token end to end), ``/metrics``
+(Prometheus text; with several API servers, all of theirs summed: see metrics.py), and FastAPI's
+``/openapi.json`` and ``/docs``.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def build_app(ctx: ServerContext, api_key: str | None, max_body_bytes: int,
     async def health() -> JSONResponse:
         if manager.failure is not None:
             return APIError(503, f"the engine is unavailable: {manager.failure}").response()
-        return JSONResponse({"status": "ok"})
+        startup = ctx.metrics.startup
+        return JSONResponse({"status": "ok", **({"startup": startup.to_json()} if startup is not None else {})})
 
     @app.get("/health_generate")
     async def health_generate() -> JSONResponse:

@@ -11,10 +11,9 @@ is one msgpack array whose first item names its kind (the constants below). msgp
 plain data (no pickle, no ext types), so nothing a request sends can execute code on the way.
 
 Messages:
-    ADD [rid, prompt_ids, params, lora, origin]
-                                       HTTP -> the routed replica's scheduler; params is ``SamplingParams`` as a
-                                       dict, lora the adapter's name (None: the base model), origin the
-                                       sending API server (its outputs go back there)
+    ADD [rid, prompt_ids, params, options]  HTTP -> the routed replica's scheduler; params is ``SamplingParams``
+                                       as a dict, options an ``AddOptions`` as a map of the fields set (the
+                                       adapter, the bootstrap room, the sending API server: its origin)
     LORA_LOAD [name, path]             HTTP -> every scheduler: serve the PEFT adapter at path as name
     LORA_UNLOAD [name]                 HTTP -> every scheduler: forget it (its requests in flight finish)
     ABORT [rid]                        HTTP -> scheduler
@@ -23,7 +22,10 @@ Messages:
                                        scheduler -> detokenizer, before any event of rid
     EVENTS [[event...]]                scheduler -> detokenizer (``event_to_wire``)
     OUTPUTS [[output...]]              detokenizer -> the requests' API server (``detokenizer_process`` builds them)
-    REJECT [rid, message, origin]      the scheduler refused a request (bad input); forwarded to its API server
+    REJECT [rid, message, status, origin]
+                                       the scheduler refused a request: bad input when status is None (a 400),
+                                       else that HTTP status (a disaggregation peer gone); forwarded to the
+                                       request's API server (its ADD's origin)
     STATS [{name: number}, replica]    EngineCore.stats() of one replica; forwarded to every API server
     READY {model facts}                a scheduler loaded the model (facts name its replica); forwarded to API
                                        server 0 (the launcher) once the detokenizer is ready too; an API server
@@ -41,6 +43,7 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
@@ -61,6 +64,23 @@ ASK, ANSWER = "ask", "answer"
 IDLE_POLL_MS = 500
 # Pending messages are flushed for at most this long when a socket closes at shutdown.
 LINGER_MS = 1000
+
+
+@dataclass(frozen=True)
+class AddOptions:
+    """An ADD's optional parts. On the wire a map of the fields set, by name, so that a feature adds
+    its field here without moving another's; a name left out reads as its default."""
+
+    lora: str | None = None                   # the LoRA adapter's name (None: the base model)
+    bootstrap: dict[str, Any] | None = None   # a disaggregated request's room and prefill address
+    origin: int = 0                           # the sending API server (``--api-server-count``): its outputs go there
+
+    def to_wire(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> "AddOptions":
+        return cls(**wire)
 
 
 def scheduler_socket(replica: int) -> str:

@@ -13,9 +13,11 @@ the server like any child. With ``api_server_count`` > 1 this process is API ser
 HTTP processes on the port, each with its own tokenizer manager (``api_servers.py``).
 
 Start-up: compile the model if needed (``ensure_artifact``), bind the port (a busy port fails at
-once, before the model loads), start both children (``python -m`` with a JSON argument: no pickled
-state crosses), wait for READY (the model is loaded and the detokenizer has its tokenizer), and
-only then listen on the port. While serving, a watcher notices a
+once, before the model loads), start both children (``children.start_processes``: ``kiln serve``
+does that before it imports this module, so the model loads while the web stack imports), load
+the tokenizer while waiting for READY (the model is loaded and the detokenizer has its tokenizer),
+and only then listen on the port. The start-up phases of every process (``kiln.runtime.startup``)
+are logged, then summed up in one line, and served in ``/health`` and ``/metrics``. While serving, a watcher notices a
 child that exits: the server logs it, fails requests in flight with 500 and exits non-zero.
 SIGTERM drains: new requests get 503, those in flight may finish for up to ``drain_timeout``
 seconds (then they fail with 503), and the server exits 0. SIGINT (or a second SIGTERM) stops at
@@ -31,7 +33,6 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Awaitable, Callable
@@ -41,11 +42,14 @@ import zmq
 import zmq.asyncio
 
 from kiln.lora_layout import LoraLayout
+from kiln.runtime.startup import Phase, StartupReport, StartupTimer, process_started_at
+from kiln.runtime.worker.nccl_env import keep_multicast_off
 from kiln.runtime.text.tokenizer import Tokenizer
 
 from . import ipc
 from .api_servers import ApiServers
-from .children import CHILD_POLL_S, Children
+from .children import (CHILD_POLL_S, Children, StartedProcesses, artifact_tokenizer_dir, scheduler_name,
+                       start_processes)
 from .context import ServerContext
 from .gate import ServerState
 from .http import build_app
@@ -84,10 +88,18 @@ class ServeConfig:
     router: RouterOptions = RouterOptions()
     admission: Admission = Admission()                     # the queue limit (--max-queued-requests)
     lora_modules: dict[str, str] = field(default_factory=dict)  # LoRA adapters served from the start, by name
-    api_server_count: int = 1                              # HTTP processes sharing the port (--api-server-count)
+    # Prefill/decode disaggregation (server/disaggregation.py): "null" (off), "prefill" or "decode".
+    disaggregation_mode: str = "null"
+    bootstrap_port: int = 8998   # the prefill side's KV handoff port
+    api_server_count: int = 1    # HTTP processes sharing the port (--api-server-count)
 
     def scheduler_name(self, replica: int) -> str:
-        return "scheduler" if self.dp == 1 else f"replica {replica} scheduler"
+        return scheduler_name(replica, self.dp)
+
+    def start_processes(self, artifact: str) -> StartedProcesses | None:
+        """Binds the port and starts the children (None when the port is busy; the reason logged)."""
+        return start_processes(artifact, self.host, self.port, self.dp, self.engine, self.lora_modules,
+                               self.log_level, self.disaggregation_mode, self.bootstrap_port, self.api_server_count)
 
     def to_json(self) -> dict[str, Any]:
         """Everything but the API key (which must not show in a command line), as JSON data."""
@@ -117,10 +129,16 @@ class KilnServer(uvicorn.Server):
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
+        self.on_listening: Callable[[], None] | None = None  # called once the socket accepts connections
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if self.on_listening is not None and self.started:
+            self.on_listening()
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         # Replaces uvicorn's handler, which re-raises the signal once serving ends and so would kill
@@ -156,68 +174,51 @@ class KilnServer(uvicorn.Server):
         self.stop(0, "the drain timeout passed")
 
 
-def serve(artifact: str, config: ServeConfig) -> int:
-    """Runs the server until it is stopped; returns the process exit code."""
-    if config.dp < 1:
-        raise ValueError(f"dp must be at least 1, got {config.dp}")
-    if config.api_server_count < 1:
-        raise ValueError(f"api_server_count must be at least 1, got {config.api_server_count}")
-    config.router.validate()
-    config.admission.validate()
+def check_disaggregation(artifact: str, config: ServeConfig) -> None:
+    """What a prefill or decode server cannot run, refused before anything starts (runtime/disagg/support.py)."""
+    # Here, not at the top: the engine's options import torch, which the HTTP process otherwise never loads.
+    from kiln.runtime.disagg.support import check_artifact_supported
+    from kiln.runtime.engine_options import EngineOptions
+
+    if config.dp > 1:
+        raise ValueError("--disaggregation-mode: a prefill or decode server runs one replica; leave --dp at 1")
+    if config.lora_modules:
+        raise ValueError("--disaggregation-mode: LoRA adapters are not served with disaggregation (the handed-over "
+                         "KV pages are the base model's); serve --lora-modules without it")
+    check_artifact_supported(artifact, EngineOptions(**config.engine))
+
+
+def serve(artifact: str, config: ServeConfig, startup: StartupTimer | None = None,
+          started: StartedProcesses | None = None) -> int:
+    """Runs the server until it is stopped; returns the process exit code. ``started``: the port and
+    children ``kiln serve`` set up before it imported this module (else they are started here);
+    ``startup``: this process's start-up phases so far."""
+    try:
+        if config.dp < 1:
+            raise ValueError(f"dp must be at least 1, got {config.dp}")
+        if config.api_server_count < 1:
+            raise ValueError(f"api_server_count must be at least 1, got {config.api_server_count}")
+        if config.disaggregation_mode != "null":
+            check_disaggregation(artifact, config)
+        config.router.validate()
+        config.admission.validate()
+    except ValueError:
+        if started is not None:
+            started.abandon()
+        raise
+    keep_multicast_off()  # the children inherit it (serve may be called without the command line)
     logging.basicConfig(level=config.log_level.upper(), format="kiln: %(message)s")
-    return asyncio.run(_serve(artifact, config))
-
-
-def bind_port(host: str, port: int, reuse_port: bool = False) -> socket.socket:
-    """The HTTP socket, bound but not yet listening (uvicorn listens once the model is ready)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def bind_ports(host: str, port: int, count: int) -> list[socket.socket]:
-    """One HTTP socket per API server on the port. Several are bound with SO_REUSEPORT (the kernel
-    spreads new connections over them), once a plain bind found the port free: a server holding it
-    with SO_REUSEPORT would share it silently otherwise."""
-    first = bind_port(host, port)
-    if count == 1:
-        return [first]
-    first.close()
-    sockets: list[socket.socket] = []
-    try:
-        for _ in range(count):
-            sockets.append(bind_port(host, port, reuse_port=True))
-    except OSError:
-        for sock in sockets:
-            sock.close()
-        raise
-    return sockets
-
-
-async def _serve(artifact: str, config: ServeConfig) -> int:
-    try:
-        listeners = bind_ports(config.host, config.port, config.api_server_count)
-    except OSError as exc:
-        log.error("cannot listen on %s:%d: %s (is another server using the port? pick one with --port)",
-                  config.host, config.port, exc.strerror or exc)
+    started = started or config.start_processes(artifact)
+    if started is None:
         return 1
     try:
-        return await _serve_on(listeners, artifact, config)
+        return asyncio.run(_serve(started, artifact, config, startup or StartupTimer("http")))
     finally:
-        for listener in listeners:
-            listener.close()
+        started.close_listeners()
 
 
-async def _serve_on(listeners: list[socket.socket], artifact: str, config: ServeConfig) -> int:
-    ipc_dir = tempfile.mkdtemp(prefix="kiln-")
+async def _serve(started: StartedProcesses, artifact: str, config: ServeConfig, startup: StartupTimer) -> int:
+    ipc_dir, children = started.ipc_dir, started.children
     context = zmq.Context()
     receiver = zmq.asyncio.Context.shadow(context.underlying).socket(zmq.PULL)
     receiver.setsockopt(zmq.LINGER, 0)
@@ -225,19 +226,13 @@ async def _serve_on(listeners: list[socket.socket], artifact: str, config: Serve
     senders = [ipc.push_socket(context, ipc.address(ipc_dir, ipc.scheduler_socket(i))) for i in range(config.dp)]
     # Each child is told to stop directly: a dead scheduler could not pass the word on.
     stoppers = [*senders, ipc.push_socket(context, ipc.address(ipc_dir, ipc.DETOKENIZER_SOCKET))]
-    children = Children()
     api_servers = ApiServers(context, ipc_dir, config.api_server_count)
     loop = asyncio.get_running_loop()
     # Until uvicorn installs its handlers, SIGTERM cancels start-up (and the cleanup below runs).
     loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    # The tokenizer loads while the model does.
+    tokenizer = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, artifact, startup))
     try:
-        child_config = {"ipc_dir": ipc_dir, "parent_pid": os.getpid(), "log_level": config.log_level,
-                        "api_servers": config.api_server_count}
-        for replica in range(config.dp):
-            children.start(config.scheduler_name(replica), "kiln.server.scheduler_process",
-                           {**child_config, "artifact": artifact, "engine": config.engine, "replica": replica,
-                            "lora_modules": config.lora_modules})
-        children.start("detokenizer", "kiln.server.detokenizer_process", child_config)
         try:
             facts = await _wait_ready(receiver, children, config.dp)
         except StartupError as exc:
@@ -245,19 +240,21 @@ async def _serve_on(listeners: list[socket.socket], artifact: str, config: Serve
             return 1
 
         async def start_api_servers(should_stop: Callable[[], bool]) -> bool:
-            api_servers.start(listeners[1:], {**child_config, "serve": config.to_json(), "facts": facts},
-                              config.api_key)
+            child_config = {"ipc_dir": ipc_dir, "parent_pid": os.getpid(), "log_level": config.log_level,
+                            "api_servers": config.api_server_count, "serve": config.to_json(), "facts": facts}
+            api_servers.start(started.listeners[1:], child_config, config.api_key)
             return await api_servers.wait_ready(should_stop)
 
         watches = [lambda on_exit: children.watch(lambda name, code: on_exit(
                        f"the {name} process exited unexpectedly (code {code})")), api_servers.watch]
-        return await run_http(config, facts, listeners[0], receiver, senders,
+        return await run_http(config, facts, await tokenizer, started.listeners[0], receiver, senders,
                               ProcessTies(watches, start_api_servers, forward_signal=api_servers.signal),
-                              api_servers.peers, api_servers.samples_in_flight())
+                              api_servers.peers, api_servers.samples_in_flight(), startup)
     except asyncio.CancelledError:
         log.info("stopped during start-up")
         return 128 + signal.SIGTERM
     finally:
+        tokenizer.cancel()
         loop.remove_signal_handler(signal.SIGTERM)
         # The API servers first: their requests in flight need the scheduler and detokenizer.
         api_servers.stop(config.drain_timeout + GRACEFUL_CLOSE_S + CHILD_STOP_TIMEOUT_S, CHILD_STOP_TIMEOUT_S)
@@ -270,6 +267,12 @@ async def _serve_on(listeners: list[socket.socket], artifact: str, config: Serve
             stopper.close(linger=0)  # the children are gone: a SHUTDOWN still queued (a dead child's) has no reader
         context.term()
         shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def _load_tokenizer(artifact: str, startup: StartupTimer) -> Tokenizer | None:
+    directory = artifact_tokenizer_dir(artifact)
+    with startup.phase("tokenizer"):
+        return Tokenizer.from_dir(directory) if directory else None
 
 
 async def _wait_ready(receiver: zmq.asyncio.Socket, children: Children, replicas: int) -> list[dict[str, Any]]:
@@ -300,13 +303,15 @@ class ProcessTies:
     forward_signal: Callable[[int], None] | None = None  # a SIGTERM or SIGINT it got, passed on
 
 
-async def run_http(config: ServeConfig, replica_facts: list[dict[str, Any]], listener: socket.socket,
-                   receiver: zmq.asyncio.Socket, senders: list[zmq.Socket], ties: ProcessTies, peers: Peers,
-                   samples_in_flight: SamplesInFlight | None = None) -> int:
+async def run_http(config: ServeConfig, replica_facts: list[dict[str, Any]], tokenizer: Tokenizer | None,
+                   listener: socket.socket, receiver: zmq.asyncio.Socket, senders: list[zmq.Socket],
+                   ties: ProcessTies, peers: Peers, samples_in_flight: SamplesInFlight | None = None,
+                   startup: StartupTimer | None = None) -> int:
     """Serves HTTP on ``listener`` until stopped, as API server ``peers.me`` (0 also serves gRPC);
-    returns the exit code. Every API server process runs this, the launcher and those it started."""
+    returns the exit code. Every API server process runs this, the launcher and those it started;
+    ``startup``: the launcher's start-up phases (the server's start-up report is made once it listens)."""
     facts = replica_facts[0]  # the replicas serve one artifact
-    tokenizer = Tokenizer.from_dir(facts["tokenizer_dir"]) if facts["tokenizer_dir"] else None
+    models_ready_at = time.time()
     info = ModelInfo(config.served_model_name, facts["vocab_size"], facts["max_seq_len"], int(time.time()),
                      sum(f["max_running"] for f in replica_facts))
     metrics = ServerMetrics(config.dp, peers.me)
@@ -332,6 +337,17 @@ async def run_http(config: ServeConfig, replica_facts: list[dict[str, Any]], lis
     server = KilnServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                        access_log=False, lifespan="off", timeout_graceful_shutdown=GRACEFUL_CLOSE_S),
                         state, manager, config.drain_timeout, ties.forward_signal)
+
+    def listening() -> None:
+        if startup is not None:
+            startup.since("http_ready", models_ready_at)
+            phases = [Phase.from_wire(item) for f in replica_facts for item in f.get("startup", [])]
+            metrics.startup = StartupReport(process_started_at(), time.time(), (*startup.phases, *phases))
+            log.info("start-up: %s", metrics.startup.summary())
+        if ties.listening is not None:
+            ties.listening()
+
+    server.on_listening = listening
     tasks = [asyncio.ensure_future(manager.receive_loop(receiver, peers.handle)),
              *(asyncio.ensure_future(watch(process_gone)) for watch in ties.watches)]
     tasks[0].add_done_callback(lambda t: t.cancelled() or fatal(f"the output receiver failed: {t.exception()!r}"))
@@ -351,8 +367,6 @@ async def run_http(config: ServeConfig, replica_facts: list[dict[str, Any]], lis
             log.info("gRPC on %s:%d", config.host, config.grpc_port)
         if peers.me == 0:
             log.info("model ready; serving it as %r", config.served_model_name)
-        if ties.listening is not None:
-            tasks.append(asyncio.ensure_future(_once_started(server, ties.listening)))
         # uvicorn's signal handlers take over from start-up's (which would still see the signals).
         asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
         await server.serve(sockets=[listener])
@@ -362,9 +376,3 @@ async def run_http(config: ServeConfig, replica_facts: list[dict[str, Any]], lis
         for task in tasks:
             task.cancel()
     return server.exit_code
-
-
-async def _once_started(server: uvicorn.Server, callback: Callable[[], None]) -> None:
-    while not server.started:
-        await asyncio.sleep(0.01)
-    callback()

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from kiln.lora_layout import LoraLayout
-from kiln.runtime.lora.adapter import AdapterError, load_adapter
 
 from . import ipc
 from .errors import APIError, invalid
@@ -51,6 +49,11 @@ class ServerAdapters:
             raise invalid("lora_path", "this artifact has no LoRA slots; compile or serve it with --max-loras N")
         if name in self.paths:
             raise invalid("lora_name", f"an adapter named {name!r} is already loaded; unload it first")
+        # Imported here: the adapter reader needs torch, which the HTTP process otherwise never loads.
+        import torch
+
+        from kiln.runtime.lora.adapter import AdapterError, load_adapter
+
         try:
             load_adapter(path, self.layout, torch.float32)
         except AdapterError as exc:

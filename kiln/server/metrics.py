@@ -7,7 +7,8 @@ latest published ``EngineCore.stats()``, with a MoE model's tokens per expert pe
 (``kiln_moe_expert_tokens_total{layer, expert}``). With several data-parallel replicas (``kiln serve --dp``)
 the engine series are their sums (ratios recomputed from the sums), followed by each replica's
 own with a ``replica`` label, and the router's series follow: requests routed to each replica,
-requests in flight on each, and its prefix hit rate. Everything runs on the event loop's thread,
+requests in flight on each, and its prefix hit rate. The start-up phases' seconds end it
+(``kiln_startup_seconds{phase, process}``, ``kiln.runtime.startup``). Everything runs on the event loop's thread,
 so no locks. A few dozen lines here spare the server a dependency.
 
 With several API servers (``kiln serve --api-server-count N``) each HTTP process counts its own
@@ -24,6 +25,7 @@ import math
 from typing import Any, Iterable, Mapping, Sequence
 
 from kiln.runtime.outputs import EXPERT_TOKENS
+from kiln.runtime.startup import StartupReport
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
                    40.0, 80.0)
@@ -189,6 +191,7 @@ class ServerMetrics:
         self.router_prompt_tokens = Counter("kiln_router_prompt_tokens_total", "Prompt tokens the router routed")
         self.router_hit_tokens = Counter("kiln_router_prefix_hit_tokens_total",
                                          "Prompt tokens whose prefix the router had sent to the chosen replica")
+        self.startup: StartupReport | None = None  # set once the server listens (launch.py)
 
     @property
     def engine_stats(self) -> Mapping[str, float]:
@@ -210,6 +213,7 @@ class ServerMetrics:
             return self._render()
         merged = ServerMetrics(self.replicas, self.api_server)
         merged.replica_stats = self.replica_stats
+        merged.startup = self.startup  # the launcher's (API server 0's) report
         snapshots = sorted([self.snapshot(), *others], key=lambda s: s["api_server"])
         for snapshot in snapshots:
             for metric in merged._own_series():
@@ -235,6 +239,8 @@ class ServerMetrics:
         lines += _expert_lines(combined)
         if self.replicas > 1:
             lines += self._router_lines()
+        if self.startup is not None:
+            lines += self.startup.metric_lines()
         return "\n".join(lines) + "\n"
 
     def _router_lines(self) -> list[str]:

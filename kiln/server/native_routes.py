@@ -37,7 +37,7 @@ def add_native_routes(app: FastAPI, ctx: ServerContext) -> None:
         params = body.to_sampling_params()
         ctx.check_n(params.n)
         manager.check(prompt_ids, params, param, "max_new_tokens")
-        stream = manager.submit([prompt_ids], params, "max_new_tokens")
+        stream = manager.submit([prompt_ids], params, "max_new_tokens", bootstrap=body.bootstrap())
         rid = uuid.uuid4().hex
         if body.stream:
             return EventStream(_generate_events(stream, rid), stream)

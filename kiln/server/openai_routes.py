@@ -36,7 +36,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         ctx.check_n(body.n)
         chat = await prepare_chat(ctx, body)
         params, tools = chat.params, chat.tools
-        stream = manager.submit([chat.prompt_ids], params, body.max_tokens_param, lora=lora)
+        stream = manager.submit([chat.prompt_ids], params, body.max_tokens_param, lora=lora, bootstrap=body.bootstrap())
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream and tools is not None:
             return EventStream(tool_chat_events(stream, rid, created, body.model or ctx.model_name, body, tools), stream)
@@ -57,7 +57,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         params = body.to_sampling_params(body.generated_tokens)
         for prompt_ids in prompts:
             manager.check(prompt_ids, params, "prompt", "max_tokens")
-        stream = manager.submit(prompts, params, lora=lora)
+        stream = manager.submit(prompts, params, lora=lora, bootstrap=body.bootstrap())
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             if body.echo:

@@ -62,7 +62,23 @@ class ChatMessage(BaseModel):
     content: Union[str, list[TextPart], None] = None
 
 
-class _Sampling(BaseModel):
+class Bootstrap(BaseModel):
+    """SGLang's disaggregation fields, which ``kiln router --pd-disaggregation`` adds: the prefill server's
+    bootstrap address and the room that pairs its prefill with the decode server's request."""
+
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)
+    bootstrap_room: int | None = Field(None, ge=0)
+
+    def bootstrap(self) -> dict[str, Any] | None:
+        if self.bootstrap_room is None:
+            return None
+        if self.bootstrap_host is None or self.bootstrap_port is None:
+            raise invalid("bootstrap_room", "bootstrap_room: needs bootstrap_host and bootstrap_port too")
+        return {"room": self.bootstrap_room, "host": self.bootstrap_host, "port": self.bootstrap_port}
+
+
+class _Sampling(Bootstrap):
     """What chat and completion requests share."""
 
     model: str | None = None
@@ -168,7 +184,7 @@ class CompletionRequest(_Sampling):
         return params
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(Bootstrap):
     """The native endpoint: text or token ids, and ``SamplingParams`` fields as they are."""
 
     text: str | None = None

@@ -15,7 +15,7 @@ count is the API servers' own (``SamplesInFlight``, shared by all of them), exac
 schedulers' published queue lengths lag.
 
 With several API servers (``--api-server-count``) each HTTP process has its own tokenizer manager;
-each ADD names its ``api_server``, so its outputs come back to this one.
+each ADD names its ``api_server`` (``AddOptions.origin``), so its outputs come back to this one.
 """
 
 from __future__ import annotations
@@ -249,20 +249,26 @@ class TokenizerManager:
     # ---- requests ------------------------------------------------------------------------------
 
     def submit(self, prompts: list[list[int]], params: SamplingParams,
-               max_tokens_param: str = "max_tokens", lora: str | None = None) -> RequestStream:
-        """Sends each prompt to its replica; ``lora``: the adapter to run them under (None: the base)."""
+               max_tokens_param: str = "max_tokens", lora: str | None = None,
+               bootstrap: dict[str, Any] | None = None) -> RequestStream:
+        """Sends each prompt to its replica; ``lora``: the adapter to run them under (None: the base);
+        ``bootstrap``: a disaggregated request's room and prefill address (server/disaggregation.py),
+        for a single prompt."""
+        if bootstrap is not None and (len(prompts) > 1 or params.n > 1):
+            raise invalid("bootstrap_room", "bootstrap_room: a disaggregated request has one prompt and n=1")
         if self.failure is not None:
             raise APIError(503, f"the engine is unavailable: {self.failure}")
         self._admit(len(prompts) * params.n)
         stream = RequestStream(self, len(prompts) * params.n, max_tokens_param)
         wire_params = asdict(params)
+        options = ipc.AddOptions(lora=lora, bootstrap=bootstrap, origin=self.api_server).to_wire()
         now = time.monotonic()
         for index, prompt_ids in enumerate(prompts):
             rid = uuid.uuid4().hex
             replica = self._router.route(prompt_ids)
             self._live[rid] = _Live(stream, index, params.n, now, replica)
             stream.rids.append(rid)
-            self._send(replica, [ipc.ADD, rid, prompt_ids, wire_params, lora, self.api_server])
+            self._send(replica, [ipc.ADD, rid, prompt_ids, wire_params, options])
         return stream
 
     def _admit(self, samples: int) -> None:
@@ -321,7 +327,10 @@ class TokenizerManager:
             live = self._forget(message[1])
             if live is not None:
                 renames = {"max_new_tokens": live.stream.max_tokens_param}
-                live.stream.put(from_value_error(ValueError(message[2]), renames))
+                # A status: a refusal that is no bad input (a disaggregation peer gone).
+                status = message[3]
+                live.stream.put(from_value_error(ValueError(message[2]), renames) if status is None
+                                else APIError(status, message[2]))
         elif kind == ipc.FATAL:
             self.failure = message[1]
             self.fail_all(500, message[1])

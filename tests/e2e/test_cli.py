@@ -47,7 +47,7 @@ def test_compile_takes_a_kernel_config_and_skipped_passes(tmp_path):
     assert typo.returncode == 2 and "Traceback" not in typo.stderr
     assert "no field 'decode_blok_n'; fields: pdl, decode_min_split_tokens" in typo.stderr
     unknown = kiln("compile", str(source), "-o", str(tmp_path / "unknown.kiln"), "--skip-pass", "fuse_everything")
-    assert unknown.returncode == 2 and "no such pass; passes: verify, shard_tp, split_pipeline, place_experts, shard_ep, count_expert_load, fuse_linears" in unknown.stderr
+    assert unknown.returncode == 2 and "no such pass; passes: verify, expose_hidden_states, tree_attention, shard_tp, split_pipeline, place_experts, shard_ep, count_expert_load, fuse_linears" in unknown.stderr
 
 
 def test_compile_takes_a_quantization(tmp_path):
@@ -162,9 +162,18 @@ def test_bench_dispatch():
     result = kiln("bench", "no-such-bench")
     assert result.returncode == 2 and "unknown benchmark 'no-such-bench'" in result.stderr
     available = result.stderr.split("available: ", 1)[1].strip().split(", ")
-    assert set(available) == {"decode", "kernels", "lora_decode", "moe_decode", "offline", "serving", "structured"}, "helpers and experiments are not"
+    assert set(available) == {"decode", "disagg", "kernels", "lora_decode", "moe_decode", "offline", "serving",
+                              "spec_decode", "startup", "structured"}, "helpers and experiments are not"
     result = kiln("bench", "offline", "--help")
     assert result.returncode == 0 and "--prefix-words" in result.stdout
     # `kernels` names bench/kernel_bench.py (a bench module named kernels would shadow a package).
     result = kiln("bench", "kernels", "--help")
     assert result.returncode == 0 and "--only" in result.stdout
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal is for a machine without a GPU")
+def test_compile_warm_without_a_gpu_is_refused_before_compiling(tmp_path):
+    source = make_hf_model("llama3", tmp_path / "src")
+    result = kiln("compile", str(source), "-o", str(tmp_path / "m.kiln"), "--warm")
+    assert result.returncode == 2 and "--warm compiles the Triton kernels for this machine's GPU" in result.stderr
+    assert not (tmp_path / "m.kiln").exists()

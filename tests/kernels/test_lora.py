@@ -1,4 +1,5 @@
-"""The lora op's kernels: ref_lora against a per-sequence loop, the Triton SGMV/BGMV kernels against ref_lora."""
+"""The lora op's kernels: ref_lora against a per-sequence loop, the Triton kernels (segments; decode rows: one
+row split over K, several rows in tiles of one adapter) against ref_lora."""
 
 from __future__ import annotations
 
@@ -105,4 +106,53 @@ def test_prologues_make_the_gemm_input_as_the_unfused_ops_do(prologue, dtype, le
     h = torch.empty(x.shape[0], a.shape[1], dtype=torch.float32, device=device)
     triton_lora(y, x, a, b, slot, start, length, norm, out=h, slices=[24, 24], prologue=prologue, eps=1e-5,
                 sizes={"max_q_len": max(lengths)})
+    assert_matches(y, expected)
+
+
+DECODE_CASES = [
+    # (rows, slot of each row, slices, in_features, rank, slots): one token a sequence
+    (1, [1], [600], 1000, 16, 2),                                   # split K, a run of column blocks
+    (3, [0, -1, 2], [48, 16, 16], 130, 8, 3),                       # fused q/k/v, odd K
+    (17, [i % 4 - 1 for i in range(17)], [301, 301], 77, 64, 3),    # gate/up, rank 64, odd N
+    (64, [i % 9 - 1 for i in range(64)], [72], 200, 16, 8),         # 8 adapters and the base model
+    (17, [2] * 17, [40, 24, 24], 96, 16, 3),                        # every row on one adapter
+    (5, [-1] * 5, [70], 50, 8, 2),                                  # no adapter at all: y unchanged
+    (6, [0, -1, 0, 0, -1, 0], [40, 24], 700, 16, 1),                # one adapter's tile, K split in planes
+    (50, [i % 2 if i % 5 else -1 for i in range(50)], [33], 600, 8, 2),  # two tiles an adapter, K split
+]
+
+
+@pytest.mark.parametrize("prologue", ["none", "rmsnorm", "silu_mul"])
+@pytest.mark.parametrize("rows,slots,slices,in_features,rank,num_slots", DECODE_CASES)
+def test_decode_kernels_match_ref(rows, slots, slices, in_features, rank, num_slots, prologue, device, assert_matches):
+    """The decode layout (shrink split over K into planes the expand adds, the expand walking runs of
+    column blocks) at several batch sizes, ranks, slice counts and prologues; h holds each adapter
+    row's shrink result."""
+    y, x, a, b, slot, start, length = _inputs([1] * rows, slots, slices, in_features, rank, num_slots,
+                                              torch.float32, device)
+    norm = None
+    if prologue == "rmsnorm":
+        norm = 1 + 0.1 * torch.randn(in_features, device=device)
+    elif prologue == "silu_mul":
+        x = torch.randn(rows, 2 * in_features, device=device)
+    expected, expected_h = ref_lora(y, x, a, b, slot, start, length, slices, norm, prologue, 1e-5)
+    h = torch.full((rows, a.shape[1]), float("nan"), device=device)
+    triton_lora(y, x, a, b, slot, start, length, norm, out=h, slices=slices, prologue=prologue, eps=1e-5,
+                sizes={"max_q_len": 1})
+    assert_matches(y, expected)
+    adapter_rows = slot >= 0
+    assert_matches(h[adapter_rows], expected_h[adapter_rows])
+
+
+def test_decode_split_rmsnorm_in_bf16(device, assert_matches):
+    """Tiles of one adapter with K split and the RMSNorm prologue, in bf16: the norm's 1/rms scales
+    the summed planes (the unfused norm rounds the normalized input instead: within bf16 tolerance)."""
+    y, x, a, b, slot, start, length = _inputs([1] * 6, [0, -1, 0, 0, 0, -1], [32, 32], 1024, 8, 1, torch.bfloat16,
+                                              device)
+    x, b = x * 3, b * 0.1  # (as in the prologue test above: updates about y's size)
+    norm = (1 + 0.1 * torch.randn(1024, device=device)).to(torch.bfloat16)
+    expected, _ = ref_lora(y, x, a, b, slot, start, length, [32, 32], norm, "rmsnorm", 1e-5)
+    h = torch.empty(6, 16, dtype=torch.float32, device=device)
+    triton_lora(y, x, a, b, slot, start, length, norm, out=h, slices=[32, 32], prologue="rmsnorm", eps=1e-5,
+                sizes={"max_q_len": 1})
     assert_matches(y, expected)

@@ -94,6 +94,12 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def environ_of(pid: int) -> dict[str, str]:
+    """A live process's environment, from /proc."""
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode(errors="replace").split("=", 1) for e in entries if b"=" in e)
+
+
 def children_of(pid: int) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():

@@ -5,8 +5,8 @@ A tiny model (8 running at once, ``--max-queued-requests 56``) takes 64 concurre
 both API servers (``kiln_api_server_requests_total`` shows each served some), every one answered with its
 own prompt echoed; the queue limit is the server's (64 streams in flight over both, then either refuses
 the next); streams closed by their clients are aborted (nothing stays held); a LoRA adapter loaded
-through one API server is listed and served by all, and gone from all once unloaded; SIGTERM drains
-both and leaves no process. The real SmolLM2 answers the smoke question (Paris) from both API servers,
+through one API server is listed and served by all, and gone from all once unloaded; neither API
+server loads torch; SIGTERM drains both and leaves no process. The real SmolLM2 answers the smoke question (Paris) from both API servers,
 and killing one API server ends the whole server within 5 s with no process left.
 """
 
@@ -100,6 +100,17 @@ def test_64_concurrent_requests_spread_over_both_api_servers_none_lost(server):
     assert seen['kiln_requests_total{endpoint="/v1/completions",status="200"}'] >= 64  # summed over both
     assert seen["kiln_generation_tokens_total"] >= 64 * OUTPUT_TOKENS
     assert seen["kiln_queue_rejections_total"] == 0
+
+
+def test_no_api_server_process_loads_torch(server):
+    """The extra HTTP processes start as light as the launcher (tests/server/test_startup.py)."""
+    def loads_torch(pid: int) -> bool:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+    api_servers = [pid for pid in server.child_pids()
+                   if b"kiln.server.api_server_process" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(api_servers) == 1
+    assert not loads_torch(server.proc.pid) and not loads_torch(api_servers[0])
 
 
 def test_the_queue_limit_is_the_servers_and_closed_streams_are_aborted(server):

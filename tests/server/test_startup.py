@@ -1,6 +1,7 @@
 """Start-up as the README runs it: the model is served under its own name (the README's curl works
 as written), a busy port fails before the model loads, and ``kiln chat`` with nothing on stdin
-sends nothing."""
+sends nothing; every process's start-up phases reach the log, ``/health`` and ``/metrics``, and
+the HTTP and detokenizer processes start without torch."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import json
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from tests.server.harness import ServerProcess, started_by, wait_gone
 
@@ -54,3 +57,40 @@ def test_chat_with_empty_stdin_sends_nothing(smollm2_artifact):
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout == ""
     assert "no message to send" in done.stderr
+
+
+# The phases each process reports (kiln.runtime.startup); on a GPU the scheduler adds kernel_warmup
+# and graph_capture.
+EXPECTED_PHASES = {
+    "http": {"imports", "artifact", "server_imports", "tokenizer", "http_ready"},
+    "scheduler": {"spawn", "imports", "artifact_read", "tokenizer", "weights_load", "kernel_load", "kv_pool"},
+    "detokenizer": {"spawn", "imports", "tokenizer"},
+}
+
+
+def test_health_and_metrics_report_every_processs_start_up_phases(server, http):
+    report = http.get("/health").json()["startup"]
+    by_process: dict[str, set[str]] = {}
+    for phase in report["phases"]:
+        by_process.setdefault(phase["process"], set()).add(phase["name"])
+        assert phase["seconds"] >= 0 and 0 <= phase["start"] <= report["seconds"]
+    assert by_process == EXPECTED_PHASES
+    metrics = http.get("/metrics").text
+    assert 'kiln_startup_seconds{phase="weights_load",process="scheduler"}' in metrics
+    ready = next(line for line in metrics.splitlines() if line.startswith('kiln_startup_seconds{phase="ready"'))
+    assert float(ready.split()[-1]) == pytest.approx(report["seconds"], abs=1e-3)  # the JSON rounds to 4 places
+    log = server.log()
+    assert "kiln: start-up: ready in" in log  # the summary
+    assert "kiln scheduler: start-up: scheduler weights_load" in log and "kiln: start-up: http tokenizer" in log
+
+
+def test_the_http_and_detokenizer_processes_never_load_torch(server):
+    """torch costs a process seconds of start-up; only the scheduler (the engine) needs it."""
+    def loads_torch(pid: int) -> bool:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+    roles = {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in server.child_pids()}
+    detokenizer = next(pid for pid, cmdline in roles.items() if b"detokenizer_process" in cmdline)
+    scheduler = next(pid for pid, cmdline in roles.items() if b"scheduler_process" in cmdline)
+    assert loads_torch(scheduler)  # the check sees torch where it is
+    assert not loads_torch(server.proc.pid) and not loads_torch(detokenizer)

@@ -33,6 +33,9 @@ class PassContext:
     kv_cache_scales: tuple[tuple[float, float], ...] = ()  # an FP8 pool's (k, v) scales per layer; (): 1.0
     # LoRA slots, rank and targets (None: no LoRA); insert_lora fills in its hooks for the manifest.
     lora: LoraLayout | None = None
+    # Per-token outputs expose_hidden_states adds (step output names), and the layers EAGLE-3 reads.
+    step_outputs: tuple[str, ...] = ()
+    aux_hidden_layers: tuple[int, ...] = ()
     # Results of the analysis passes, read by codegen and the manifest.
     kernel_choice: list[str] = field(default_factory=list)
     generated_kernels: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (op, source)

@@ -20,18 +20,20 @@ from .patterns import Match, Rule, op, rewrite, var
 
 _STORE_INPUTS = ("q", "k", "v", "positions", "cos_sin", "k_cache", "v_cache", "slots")
 _SEQUENCES = ("q_start", "q_len", "kv_len", "page_table")
+_TREE = "tree_mask"  # optional (passes/tree_attention.py)
 
 
 def _build(m: Match) -> Node:
     store = m.nodes["store"]
-    inputs = [m[name] for name in (*_STORE_INPUTS, *_SEQUENCES)]
+    inputs = [m[name] for name in (*_STORE_INPUTS, *_SEQUENCES, _TREE)]
     return m.make("rope_kv_attention", inputs, [m.root.out, *store.outputs[1:]], m.root.attrs)
 
 
 # Eight inputs: a store with q/k norms does not match.
 _STORE = op("rope_kv_store", *map(var, _STORE_INPUTS), name="store")
 STORE_INTO_ATTENTION = Rule(op("paged_attention", _STORE, op("rope_kv_store", name="store", output=1),
-                               op("rope_kv_store", name="store", output=2), *map(var, _SEQUENCES)), _build)
+                               op("rope_kv_store", name="store", output=2), *map(var, _SEQUENCES),
+                               var(_TREE, optional=True)), _build)
 
 
 def fuse_rope_attention(graph: Graph, ctx: PassContext) -> Graph:

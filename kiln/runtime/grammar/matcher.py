@@ -2,7 +2,10 @@
 
 Each decode step the engine asks the state for the row of allowed next tokens (``fill_bitmask``),
 samples under that mask, then feeds the chosen token back (``accept``). The state wraps an
-``xgrammar.GrammarMatcher``, a pushdown automaton that lives on the CPU and advances per token.
+``xgrammar.GrammarMatcher``, a pushdown automaton that lives on the CPU and advances per token. A
+step's constrained rows are served together: ``fill_bitmasks`` fills all their masks in one call
+(on xgrammar's threads) and ``accept_tokens`` advances all their states in one tight loop, with
+termination tracked here rather than asked of the matcher row by row.
 
 Stop tokens (end of sequence) are part of the grammar's language: the mask allows them only where
 the constrained text may end, and once the text is complete it allows nothing else. Accepting a stop
@@ -37,6 +40,10 @@ class GrammarState:
         self.grammar = grammar
         self.stop_token_ids = stops
         self._matcher = xgrammar.GrammarMatcher(grammar, override_stop_tokens=stops)
+        # The matcher terminates exactly when it accepts one of its stop tokens (and a rollback past
+        # that token revives it): tracked here, so checking a step's rows costs no native call each.
+        self._stops = frozenset(self._matcher.stop_token_ids)
+        self._terminated = False
         self._num_accepted = 0
 
     @classmethod
@@ -73,24 +80,38 @@ class GrammarState:
         _batch_matcher().batch_fill_next_token_bitmask([s._matcher for s in states], bitmask, rows)
 
     def _require_live(self) -> None:
-        if self._matcher.is_terminated():
+        if self._terminated:
             raise RuntimeError("the grammar has terminated (its stop token was accepted): the request "
                                "should have finished, and has no next token to mask")
 
     def accept(self, token_id: int) -> bool:
         """Advance over the sampled token. False (state unchanged) means the token breaks the
         grammar, which a token the mask allowed never does: the engine should abort the request."""
-        if self._matcher.accept_token(token_id):
+        return self._accepted(token_id, self._matcher.accept_token(token_id))
+
+    @staticmethod
+    def accept_tokens(states: "list[GrammarState]", token_ids: list[int]) -> list[bool]:
+        """``accept`` for many states at once, ``states[i]`` over ``token_ids[i]``: a whole step's
+        constrained rows in one tight loop. (xgrammar's ``BatchGrammarMatcher.batch_accept_token``
+        also advances the matchers one after another, and converting its arguments costs more than
+        the loop: in xgrammar 0.2.9, 92 against 74 µs for 64 rows of a JSON schema.)"""
+        return [state._accepted(token_id, state._matcher.accept_token(token_id))
+                for state, token_id in zip(states, token_ids)]
+
+    def _accepted(self, token_id: int, ok: bool) -> bool:
+        """Book-keeping after the matcher saw ``token_id``: counts and termination, or the warning."""
+        if ok:
             self._num_accepted += 1
+            self._terminated = token_id in self._stops
             return True
         logger.warning("grammar rejected token %d after %d accepted tokens%s", token_id, self._num_accepted,
-                       " (it had already terminated)" if self._matcher.is_terminated() else
+                       " (it had already terminated)" if self._terminated else
                        " (was the mask applied to its row?)")
         return False
 
     def is_terminated(self) -> bool:
         """A stop token was accepted: the constrained output is finished."""
-        return self._matcher.is_terminated()
+        return self._terminated
 
     def is_completed(self) -> bool:
         """The text so far is a complete match, so a stop token is allowed next."""
@@ -103,6 +124,7 @@ class GrammarState:
         if num_tokens:
             self._matcher.rollback(num_tokens)
             self._num_accepted -= num_tokens
+            self._terminated = self._matcher.is_terminated()
 
 
 _BATCH_MATCHER: xgrammar.BatchGrammarMatcher | None = None

@@ -17,6 +17,8 @@ Sizing, three ways:
 
 from __future__ import annotations
 
+import math
+import mmap
 from typing import Any, Mapping
 
 import torch
@@ -73,6 +75,17 @@ def pages_for_mem_fraction(mem_fraction: float, device: torch.device | str, num_
     return num_pages
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor. On the CPU it lies in anonymous memory, which the OS zero-fills a page at
+    a time when first touched: ``torch.zeros`` writes every byte up front (seconds for a pool of a
+    few GB, at every start), this costs nothing until the pages are used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    memory = mmap.mmap(-1, max(nbytes, 1))  # the tensor keeps the mapping alive
+    return torch.frombuffer(memory, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
 class KVPool:
     """Owns the pool tensor. Zero-filled so the reserved page reads as finite zeros, never NaN."""
 
@@ -89,7 +102,7 @@ class KVPool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_slots = num_pages * page_size
-        self.buffer = torch.zeros((num_layers, 2, self.num_slots, kv_heads, head_dim), dtype=dtype, device=device)
+        self.buffer = _zeros((num_layers, 2, self.num_slots, kv_heads, head_dim), dtype, torch.device(device))
 
     @property
     def device(self) -> torch.device:
@@ -113,3 +126,9 @@ class KVPool:
             views[f"k_cache.{self.first_layer + layer}"] = self.k(layer)
             views[f"v_cache.{self.first_layer + layer}"] = self.v(layer)
         return views
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Every layer's K and V at slots ``src`` copied to slots ``dst`` (all read before any is
+        written, so the two may overlap): a verify step's accepted tree path moved into place."""
+        index = torch.tensor(src, device=self.device)
+        self.buffer[:, :, torch.tensor(dst, device=self.device)] = self.buffer[:, :, index]

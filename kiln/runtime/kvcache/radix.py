@@ -11,6 +11,7 @@ API (all plain Python on token-id sequences and page numbers; nothing touches te
   ``evict``/``reset``, or they may be freed and reused. Splits a node when the match ends inside it
   and refreshes the LRU time of the path. To leave at least one token to compute logits from, match
   ``token_ids[:-1]``.
+- ``peek_prefix`` / ``cached_length``: the same match, not counted in the hit counters.
 - ``lock(node)`` / ``unlock(node)``: a running request's reference on the path node..root; locked
   nodes are never evicted. A handle stays valid across splits (the node keeps its identity as the
   lower half); locking a node that was already evicted raises.
@@ -104,6 +105,10 @@ class RadixCache:
     def cached_length(self, namespace: Hashable, token_ids: Sequence[int]) -> int:
         """How many leading tokens ``match_prefix`` would find, without counting it as a query."""
         return self._walk(namespace, token_ids).length
+
+    def peek_prefix(self, namespace: Hashable, token_ids: Sequence[int]) -> PrefixMatch:
+        """``match_prefix`` without counting it as a query (for reading the cache, not serving a request)."""
+        return self._walk(namespace, token_ids)
 
     def lock(self, node: RadixNode) -> None:
         if not node.alive:

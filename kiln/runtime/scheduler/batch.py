@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from kiln.step_schema import STEP_SCHEMA, StepSchema
 
+from ..spec.tree import DraftTree, tree_mask_rows
 from .request import Request
 from .scheduler import ScheduleBatch, ScheduledChunk, prompt_logprob_positions
 
@@ -55,14 +56,19 @@ def build_step_lists(batch: ScheduleBatch, page_size: int) -> StepLists:
     return lists
 
 
-def build_verify_lists(batch: ScheduleBatch, drafts: list[list[int]], page_size: int) -> StepLists:
-    """A verify step's lists: decoding request ``i`` brings its last token and ``drafts[i]`` (whose
-    pages ``Scheduler.reserve_drafts`` gave it) and wants the logits of each, one row per token in
-    ``requests``; then the chunks, as in ``build_step_lists``."""
+def build_verify_lists(batch: ScheduleBatch, trees: list[DraftTree], page_size: int,
+                       tree_masks: bool = False) -> StepLists:
+    """A verify step's lists: decoding request ``i`` brings its last token and the nodes of
+    ``trees[i]`` (whose pages ``Scheduler.reserve_drafts`` gave it), side by side in its context,
+    each at the position of its depth, and wants the logits of each, one row per token in
+    ``requests``; then the chunks, as in ``build_step_lists``. ``tree_masks``: the artifact reads a
+    tree mask (``spec/tree.py``), filled for every token (-1, plain causal, but in a tree)."""
     lists = StepLists.empty()
     lists.lora_slot = []  # (a column of LoRA artifacts' schema: every step fills it)
-    for request, draft in zip(batch.decodes, drafts):
-        start, count = request.num_computed, 1 + len(draft)
+    if tree_masks:
+        lists.tree_mask = []
+    for request, tree in zip(batch.decodes, trees):
+        start, count = request.num_computed, 1 + len(tree)
         pages = request.pages
         first_row = len(lists.token_ids)
         lists.q_start.append(first_row)
@@ -71,13 +77,18 @@ def build_verify_lists(batch: ScheduleBatch, drafts: list[list[int]], page_size:
         lists.page_table.append(pages)
         lists.lora_slot.append(request.lora_slot)
         lists.token_ids.append((request.output_ids or request.prompt_ids)[-1])
-        lists.token_ids.extend(draft)
-        lists.positions.extend(range(start, start + count))
+        lists.token_ids.extend(tree.tokens)
+        lists.positions.append(start)
+        lists.positions.extend(start + depth for depth in tree.depths())
         lists.slots.extend(pages[pos // page_size] * page_size + pos % page_size for pos in range(start, start + count))
         lists.logits_index.extend(range(first_row, first_row + count))
         lists.requests.extend([request] * count)
+        if tree_masks:
+            lists.tree_mask.extend(tree_mask_rows(tree, start + count))
     for chunk in batch.chunks:
         _append_chunk(lists, chunk, page_size)
+        if tree_masks:
+            lists.tree_mask.extend([-1] * (chunk.end - chunk.start))
     return lists
 
 

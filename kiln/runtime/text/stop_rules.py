@@ -46,15 +46,20 @@ class StopRules:
 def finish_reason(request: Request, token: int) -> str | None:
     """Why ``request`` ends with ``token`` just appended: "stop", "length", "error" (the grammar
     rejected the token), or None to go on. The request's ``StopRules`` are in its extras; on a
-    stop they record what matched."""
-    extras = request.extras
-    rules: StopRules = extras[STOP_RULES]
-    if GRAMMAR in extras:  # (checked here: a call per sample for the few constrained ones only)
-        grammar_reason = Constraints.advance(request, token)
-        if grammar_reason is not None:
-            if grammar_reason == "stop" and token in rules.token_ids:
-                rules.matched = token  # the grammar ended on EOS
-            return grammar_reason
+    stop they record what matched. Its grammar, if any, is advanced over the token here."""
+    # (checked here: a call per sample for the few constrained ones only)
+    grammar_reason = Constraints.advance(request, token) if GRAMMAR in request.extras else None
+    return finish_reason_after_grammar(request, token, grammar_reason)
+
+
+def finish_reason_after_grammar(request: Request, token: int, grammar_reason: str | None) -> str | None:
+    """``finish_reason`` for a request whose grammar (if any) the caller has already advanced over
+    ``token``, all of a step's rows at once (``Constraints.advance_all``), with this verdict."""
+    rules: StopRules = request.extras[STOP_RULES]
+    if grammar_reason is not None:
+        if grammar_reason == "stop" and token in rules.token_ids:
+            rules.matched = token  # the grammar ended on EOS
+        return grammar_reason
     if token in rules.token_ids:
         rules.matched = token
         return "stop"

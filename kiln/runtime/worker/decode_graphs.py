@@ -31,10 +31,13 @@ On a CPU (no graphs) the same padded path runs eagerly; tests use it to check th
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..sampling import SamplerKernels
 from ..scheduler.batch import StepLists
+from ..startup import StartupTimer
 from .executor import Executor, StepInputs, StepResult
 from .step_buffers import StepLayout
 
@@ -44,7 +47,9 @@ _LAYOUT_FIELDS = ("q_start", "q_len", "logits_index")
 
 class DecodeGraphs:
     def __init__(self, executor: Executor, kv_views: dict[str, torch.Tensor], buckets: list[int],
-                 page_table_width: int, tokens_per_sequence: int = 1) -> None:
+                 page_table_width: int, tokens_per_sequence: int = 1, startup: StartupTimer | None = None) -> None:
+        """``startup`` gets the capture's two phases: ``kernel_warmup`` (the runs before each capture,
+        where Triton compiles or loads its kernels) and ``graph_capture``."""
         self.executor = executor
         self.kv_views = kv_views
         self.buckets = sorted(set(buckets))
@@ -93,7 +98,7 @@ class DecodeGraphs:
             self._copy_stream = torch.cuda.Stream(device)
             self._replayed = [torch.cuda.Event() for _ in range(2)]  # each turn's last replay
             self._uploaded = [torch.cuda.Event() for _ in range(2)]  # each turn's last input transfer
-            self._capture()
+            self._capture(startup or StartupTimer("engine"))
 
     def fits(self, lists: StepLists) -> bool:
         """A step of k tokens a sequence, with every row's logits, small enough for a bucket."""
@@ -185,7 +190,9 @@ class DecodeGraphs:
         # max_kv_len stays at the table's reach: the graph must serve any context up to it.
         return StepInputs(views, max_q_len=self.k, max_kv_len=self.width * self.executor.page_size)
 
-    def _capture(self) -> None:
+    def _capture(self, startup: StartupTimer) -> None:
+        began = time.time()
+        warmup = 0.0
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.executor.device)
         empty = StepLists.empty(self.executor.schema)
@@ -200,12 +207,15 @@ class DecodeGraphs:
                 rows = self.k * bucket
                 ids, mirror = self._greedy_target(turn)[:rows], self._mirrors[turn][:rows]
                 stream.wait_stream(torch.cuda.current_stream())
+                warmup_began = time.time()
                 with torch.cuda.stream(stream):
                     # Warm-up: Triton compiles and autotunes outside the capture, and the argmax's
                     # first launch sizes the semaphore counters, which must not be allocated inside it.
                     for _ in range(2):
                         argmax_rows(self.executor.run(inputs, self.kv_views)["logits"], ids, mirror=mirror)
                 torch.cuda.current_stream().wait_stream(stream)
+                torch.cuda.current_stream().synchronize()
+                warmup += time.time() - warmup_began
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     outputs = self.executor.run(inputs, self.kv_views)
@@ -218,3 +228,5 @@ class DecodeGraphs:
                 assert all(kept[name].data_ptr() == value.data_ptr() for name, value in outputs.items())
             self._graphs[bucket] = graphs
         torch.cuda.synchronize()
+        startup.add("kernel_warmup", began, warmup)
+        startup.add("graph_capture", began + warmup, time.time() - began - warmup)

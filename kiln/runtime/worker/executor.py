@@ -22,6 +22,7 @@ from kiln.step_schema import StepSchema
 
 from ..artifact import Artifact
 from ..device_support import uses_references
+from ..startup import StartupTimer
 
 @dataclass
 class StepInputs:
@@ -117,17 +118,20 @@ def _drop_sizes(fn: Callable) -> Callable:
 
 class Executor:
     def __init__(self, artifact: Artifact, device: torch.device | str, rank: int = 0,
-                 reference_fallback: bool = False) -> None:
+                 reference_fallback: bool = False, startup: StartupTimer | None = None) -> None:
+        startup = startup or StartupTimer("engine")
         self.device = torch.device(device)
         references = uses_references(artifact, self.device, reference_fallback)
         self.artifact = artifact
-        self.weights = artifact.load_weights(self.device, rank)
+        with startup.phase("weights_load"):
+            self.weights = artifact.load_weights(self.device, rank)
         plan = artifact.manifest["memory_plan"]
         self.bounds: dict[str, int] = plan["bounds"]
         self.page_size: int = artifact.runtime["page_size"]
         self.schema = artifact.step_schema
         self.arena = torch.empty(plan["arena_bytes"], dtype=torch.uint8, device=self.device)
-        self.step_fn = artifact.program.bind(kernel_table(artifact, self.device, references))
+        with startup.phase("kernel_load"):
+            self.step_fn = artifact.program.bind(kernel_table(artifact, self.device, references))
 
     def arena_view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         count = 1

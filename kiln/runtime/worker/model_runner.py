@@ -18,6 +18,7 @@ from ..kvcache.pool import KVPool, pool_dtype
 from ..lora.slots import LoraSlots
 from ..sampling import SamplerKernels, SamplerOutput, SamplingBatch, sample
 from ..scheduler.batch import StepLists
+from ..startup import StartupTimer
 from .decode_graphs import DecodeGraphs
 from .executor import Executor, StepInputs, StepResult
 from .expert_load import ExpertLoad
@@ -26,16 +27,19 @@ from .prefill_graphs import PrefillGraphs
 class ModelRunner:
     def __init__(self, artifact: Artifact, device: torch.device | str, num_pages: int,
                  decode_buckets: tuple[int, ...] = (), prefill_graphs: bool = False, rank: int = 0,
-                 reference_fallback: bool = False, verify_tokens: int = 1) -> None:
+                 reference_fallback: bool = False, verify_tokens: int = 1, startup: StartupTimer | None = None) -> None:
+        """``startup`` times the loading phases (weights, kernels, KV pool, graph capture)."""
+        startup = startup or StartupTimer("engine")
         rt = artifact.runtime
         self.device = torch.device(device)
-        self.executor = Executor(artifact, self.device, rank, reference_fallback)
+        self.executor = Executor(artifact, self.device, rank, reference_fallback, startup)
         self.sampler_kernels = SamplerKernels.for_device(self.device, artifact.kernel_config)
         self.page_size: int = rt["page_size"]
         self.vocab_size: int = rt["vocab_size"]
         layers = artifact.layers  # a pipeline stage's pool holds its own layers only
-        self.pool = KVPool(len(layers), rt["num_kv_heads"], rt["head_dim"], pool_dtype(rt),
-                           self.device, num_pages, self.page_size, layers.start)
+        with startup.phase("kv_pool"):
+            self.pool = KVPool(len(layers), rt["num_kv_heads"], rt["head_dim"], pool_dtype(rt),
+                               self.device, num_pages, self.page_size, layers.start)
         self.expert_load = ExpertLoad(rt.get("expert_load", []), self.device)
         # LoRA artifacts: the adapter slots' buffers, graph inputs the program reads beside the pool's
         # views (the registry writes adapters into them; graphs see the writes at replay).
@@ -47,7 +51,8 @@ class ModelRunner:
                          **(self.lora_slots.buffers if self.lora_slots is not None else {})}
         bounds = rt["symbol_bounds"]
         buckets = [b for b in decode_buckets if b <= min(bounds["T"], bounds["B"], bounds["N"])]
-        self.decode_graphs = DecodeGraphs(self.executor, self.kv_views, buckets, bounds["P"]) if buckets else None
+        self.decode_graphs = DecodeGraphs(self.executor, self.kv_views, buckets, bounds["P"],
+                                          startup=startup) if buckets else None
         self.prefill_graphs = PrefillGraphs(self.executor, self.kv_views, bounds) if prefill_graphs else None
         # Speculative verify steps where every sequence brings verify_tokens tokens (drafts padded to
         # a full chain): decode graphs of that many tokens a sequence, for the buckets that fit.
@@ -75,8 +80,9 @@ class ModelRunner:
         """Host memory the step that made ``tokens`` also wrote them to, if any (see DecodeGraphs)."""
         return self.decode_graphs.host_mirror(tokens) if self.decode_graphs is not None else None
 
-    def forward_eager(self, lists: StepLists) -> StepResult:
-        """The step run op by op, never through a graph, on tensors exactly the step's size."""
+    def forward_eager(self, lists: StepLists, extra_feeds: dict[str, torch.Tensor] | None = None) -> StepResult:
+        """The step run op by op, never through a graph, on tensors exactly the step's size.
+        ``extra_feeds``: graph inputs beyond the step schema's (a draft head's hidden states)."""
         schema = self.executor.schema
         sizes = {axis: len(lists.column(name)) for axis, name in schema.size_fields().items()}
         feeds = {}
@@ -92,6 +98,7 @@ class ModelRunner:
             for i, row in enumerate(rows):
                 table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
             feeds[field.name] = table.to(self.device, non_blocking=True)
+        feeds.update(extra_feeds or {})
         inputs = StepInputs(feeds, max_q_len=max(lists.q_len), max_kv_len=max(lists.kv_len))
         return StepResult(self.executor.run(inputs, self.kv_views), None)
 

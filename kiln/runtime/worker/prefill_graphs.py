@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from kiln.step_schema import TOKEN
+
 from ..scheduler.batch import StepLists
 from .executor import Executor, StepInputs, StepResult
 from .expert_load import counted_once
@@ -69,7 +71,8 @@ class PrefillGraphs:
             and all(len(row) <= self.layout.width for row in lists.page_table)
 
     def run(self, lists: StepLists) -> StepResult:
-        """The step's outputs, a row for each of ``lists.logits_index`` (views valid until the next step)."""
+        """The step's outputs, a row for each of ``lists.logits_index`` (per-token outputs: for each
+        token) (views valid until the next step)."""
         n = len(lists.logits_index)
         sizes = self._buckets(len(lists.token_ids), len(lists.q_len), n)
         inputs = self._stage(lists, sizes)
@@ -81,7 +84,9 @@ class PrefillGraphs:
                 self._graphs[key] = self._capture(inputs)
             graph, outputs = self._graphs[key]
             graph.replay()
-        return StepResult({name: value[:n] for name, value in outputs.items()}, None)
+        per_token = {o.name for o in self.executor.schema.outputs if o.axis == TOKEN}
+        tokens = len(lists.token_ids)
+        return StepResult({name: value[:tokens if name in per_token else n] for name, value in outputs.items()}, None)
 
     def _buckets(self, t: int, b: int, n: int) -> dict[str, int]:
         sequences = next(s for s in self.sequence_buckets if s >= b)

@@ -71,7 +71,7 @@ def load_and_join(rank: int, store: dist.Store, config: RankConfig, load: Callab
     return runner
 
 
-def run_rank(rank: int, port: int, config: RankConfig, report: Connection) -> None:
+def run_rank(rank: int, host: str, port: int, config: RankConfig, report: Connection) -> None:
     """The worker process's main (a ``multiprocessing`` spawn target)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent()
@@ -79,7 +79,7 @@ def run_rank(rank: int, port: int, config: RankConfig, report: Connection) -> No
         device = config.rank_device(rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        store = dist.TCPStore(HOST, port, config.world_size, False, timeout=RENDEZVOUS_TIMEOUT)
+        store = dist.TCPStore(host, port, config.world_size, False, timeout=RENDEZVOUS_TIMEOUT)
         runner = load_and_join(rank, store, config,
                                lambda: config.build_runner(load_artifact(config.artifact_path), rank),
                                lambda: report.send_bytes(READY))

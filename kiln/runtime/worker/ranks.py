@@ -12,6 +12,10 @@ sentinels; when one ends it records a ``WorkerDied`` naming the rank, its exit c
 error, and stops the other workers (they may be blocked on the dead one). The next step, or
 ``check()``, raises it; a broadcast that fails because a peer's connection closed raises it too.
 ``close()`` sends the stop message, joins the workers and kills any that linger.
+
+On several nodes (``RankConfig.nnodes``, see ``nodes.py``) the group starts only node 0's ranks;
+the others join the store at ``dist_init_addr`` from their own machines, and the watcher also
+checks their heartbeats.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import signal
 import threading
 from multiprocessing import get_context
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
 
 import torch
@@ -28,15 +33,15 @@ import torch.distributed as dist
 
 from ..artifact import Artifact
 from ..scheduler.batch import StepLists
+from ..startup import StartupTimer
 from .rank_grid import leave_groups
 from .rank_process import HOST, READY, RENDEZVOUS_TIMEOUT, load_and_join, run_rank
 from .executor import StepResult
+from .nccl_env import keep_multicast_off
+from .nodes import HEARTBEAT_S, NodeWatch, parse_addr, publish_config
 from .step_wire import send_step
 from .worker import LocalWorker, RankConfig, Worker, WorkerDied
 
-# NVLink multicast stays off in every rank's NCCL (it can take shared GPUs out of service); set here,
-# before any communicator exists, so rank 0 and the workers (which inherit it) agree.
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 # How long workers get to exit after the stop message (close) or SIGTERM (failure) before SIGKILL.
 STOP_TIMEOUT_S = 5.0
 KILL_TIMEOUT_S = 1.0
@@ -44,12 +49,13 @@ KILL_TIMEOUT_S = 1.0
 FAILURE_WAIT_S = 2.0
 
 
-def start_worker(artifact: Artifact, config: RankConfig) -> Worker:
+def start_worker(artifact: Artifact, config: RankConfig, startup: StartupTimer | None = None) -> Worker:
+    """``startup`` times rank 0's loading phases."""
     if config.world_size < 1:
         raise ValueError(f"world_size: must be at least 1, not {config.world_size}")
     if config.world_size == 1:
-        return LocalWorker(config.build_runner(artifact, 0))
-    return WorkerGroup(artifact, config)
+        return LocalWorker(config.build_runner(artifact, 0, startup))
+    return WorkerGroup(artifact, config, startup)
 
 
 class WorkerGroup:
@@ -60,7 +66,7 @@ class WorkerGroup:
     # overlap exists not to wait for. (Tensor-parallel artifacts may broadcast them on the device.)
     tokens_from_device = False
 
-    def __init__(self, artifact: Artifact, config: RankConfig) -> None:
+    def __init__(self, artifact: Artifact, config: RankConfig, startup: StartupTimer | None = None) -> None:
         if dist.is_initialized():
             raise RuntimeError("world_size > 1: this process already has a torch.distributed group "
                                "(one multi-rank engine per process)")
@@ -70,25 +76,26 @@ class WorkerGroup:
             if last.index >= torch.cuda.device_count():
                 raise ValueError(f"world_size: {config.world_size} ranks from {device} need {last}, and this "
                                  f"host has {torch.cuda.device_count()} GPUs")
-            os.environ.update(NCCL_ENV)
+        keep_multicast_off()  # before any communicator, so rank 0 and the workers (which inherit it) agree
         self.failure: WorkerDied | None = None
         self.processes: list[BaseProcess] = []   # rank r is processes[r - 1]
         self._reports: list[Connection] = []
         self._lock = threading.Lock()            # the watcher and close() both reap the workers
         self._closed = False
         context = get_context("spawn")
-        store = dist.TCPStore(HOST, 0, config.world_size, True, timeout=RENDEZVOUS_TIMEOUT, wait_for_workers=False)
+        host, port = parse_addr(config.dist_init_addr) if config.nnodes > 1 else (HOST, 0)
+        store = dist.TCPStore(host, port, config.world_size, True, timeout=RENDEZVOUS_TIMEOUT, wait_for_workers=False)
         try:
-            for rank in range(1, config.world_size):
-                reader, writer = context.Pipe(duplex=False)
-                process = context.Process(target=run_rank, args=(rank, store.port, config, writer),
-                                          name=f"kiln-rank{rank}", daemon=True)
-                process.start()
-                writer.close()
+            if config.nnodes > 1:
+                publish_config(store, config)
+            for rank in config.node_ranks(0)[1:]:
+                process, reader = spawn_rank(context, rank, host, store.port, config)
                 self.processes.append(process)
                 self._reports.append(reader)
             # While the workers load theirs.
-            self.runner = load_and_join(0, store, config, lambda: config.build_runner(artifact, 0), self._await_ready)
+            self.runner = load_and_join(0, store, config, lambda: config.build_runner(artifact, 0, startup),
+                                         self._await_ready)
+            self._nodes = NodeWatch(config) if config.nnodes > 1 else None
         except BaseException:
             self._stop_workers(terminate=True)
             raise
@@ -166,10 +173,17 @@ class WorkerGroup:
 
     def _watch(self) -> None:
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
-        ready = wait([*sentinels, self._wake_r])
-        if self._wake_r in ready:
-            return
-        self.failure = self._death(sentinels[ready[0]])
+        while True:
+            # Other nodes' ranks have no sentinel here: their heartbeats are checked between waits.
+            ready = wait([*sentinels, self._wake_r], HEARTBEAT_S if self._nodes is not None else None)
+            if self._wake_r in ready:
+                return
+            if ready:
+                self.failure = self._death(sentinels[ready[0]])
+                break
+            if (stalled := self._nodes.stalled()) is not None:
+                self.failure = WorkerDied(stalled)
+                break
         self._stop_workers(terminate=True)
 
     def _death(self, rank: int, error: str | None = None) -> WorkerDied:
@@ -181,25 +195,41 @@ class WorkerGroup:
         how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 \
             else f"exited with code {code}"
         if error is None:
-            error = _last_error(self._reports[rank - 1])
+            error = last_error(self._reports[rank - 1])
         return WorkerDied(f"worker rank {rank} (pid {process.pid}) {how}" + (f": {error}" if error else ""))
 
     def _stop_workers(self, terminate: bool) -> None:
         """Reaps every worker: at once with SIGTERM (``terminate``), else after they exit on their own
         (the stop message); SIGKILL for any still there after the timeout."""
         with self._lock:
-            if terminate:
-                for process in self.processes:
-                    if process.exitcode is None:
-                        process.terminate()
-            for process in self.processes:
-                process.join(KILL_TIMEOUT_S if terminate else STOP_TIMEOUT_S)
-                if process.exitcode is None:
-                    process.kill()
-                    process.join()
+            stop_processes(self.processes, terminate)
 
 
-def _last_error(report: Connection) -> str:
+def stop_processes(processes: list[BaseProcess], terminate: bool) -> None:
+    """Ends ``processes``: SIGTERM first when ``terminate``, SIGKILL for any still there after the timeout."""
+    if terminate:
+        for process in processes:
+            if process.exitcode is None:
+                process.terminate()
+    for process in processes:
+        process.join(KILL_TIMEOUT_S if terminate else STOP_TIMEOUT_S)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+
+
+def spawn_rank(context: SpawnContext, rank: int, host: str, port: int, config: RankConfig
+               ) -> tuple[BaseProcess, Connection]:
+    """Starts rank ``rank``'s worker process; returns it and the read end of its report pipe."""
+    reader, writer = context.Pipe(duplex=False)
+    process = context.Process(target=run_rank, args=(rank, host, port, config, writer), name=f"kiln-rank{rank}",
+                              daemon=True)
+    process.start()
+    writer.close()
+    return process, reader
+
+
+def last_error(report: Connection) -> str:
     """The error a worker wrote to its report pipe before ending, if any."""
     error = b""
     while report.poll() and (message := _read(report)):

@@ -24,6 +24,7 @@ import torch
 from ..artifact import Artifact, load_artifact
 from ..sampling import SamplerOutput, SamplingBatch
 from ..scheduler.batch import StepLists
+from ..startup import StartupTimer
 from .executor import StepResult
 from .model_runner import ModelRunner
 from .pipeline_runner import PipelineRunner
@@ -79,24 +80,38 @@ class RankConfig:
     # and the micro-batches a step is split into so that they overlap (pipeline_runner.py).
     pp: int = 1
     micro_batches: int = 2
+    # Machines the ranks are spread over (``nodes.py``): node n runs ranks n*k..(n+1)*k-1 (k =
+    # world_size / nnodes), a contiguous range of the grid's ranks (so the tp/pp groups are the same
+    # on one node or several), and every rank meets the others at ``dist_init_addr`` (HOST:PORT, node
+    # 0's rendezvous store). One node: the group's store is on loopback, on a free port.
+    nnodes: int = 1
+    dist_init_addr: str | None = None
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def node_ranks(self, node: int) -> range:
+        return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
 
     def rank_device(self, rank: int) -> torch.device:
         device = torch.device(self.device)
         if device.type != "cuda":
             return device  # CPU ranks share the host
-        return torch.device("cuda", (device.index or 0) + rank)
+        return torch.device("cuda", (device.index or 0) + rank % self.ranks_per_node)
 
     @property
     def grid(self) -> RankGrid:
         return RankGrid(self.world_size // self.pp, self.pp)
 
-    def build_runner(self, artifact: Artifact, rank: int) -> ModelRunner:
+    def build_runner(self, artifact: Artifact, rank: int, startup: StartupTimer | None = None) -> ModelRunner:
+        """Rank ``rank``'s runner; ``startup`` times its loading phases (a one-stage artifact's)."""
         if self.pp > 1:  # the stage's own program, weights and layers' KV pool
             stage = load_artifact(artifact.path, self.grid.stage(rank))
             return PipelineRunner(stage, self.rank_device(rank), self.num_pages, rank, self.grid, self.micro_batches,
                                   self.reference_fallback)
         return ModelRunner(artifact, self.rank_device(rank), self.num_pages, self.decode_buckets, self.prefill_graphs,
-                           rank if self.tensor_parallel else 0, self.reference_fallback, self.verify_tokens)
+                           rank if self.tensor_parallel else 0, self.reference_fallback, self.verify_tokens, startup)
 
 
 class LocalWorker:

@@ -144,7 +144,8 @@ def test_the_pipeline_shards_a_real_moe_model(tp):
     graph, log = run_pipeline(_qwen2_moe_graph(), PassContext(tp=tp, ep=2, symbol_bounds=bounds))
     text = print_graph(graph)
     assert "param @model.layers.1.mlp.experts.gate_up_proj.shard: f32[4, 96, 64] placement=expert(0)" in text
-    assert [entry["pass"] for entry in log][:5] == ["verify", "shard_tp", "split_pipeline", "place_experts", "shard_ep"]
+    assert [entry["pass"] for entry in log][:7] == ["verify", "expose_hidden_states", "tree_attention", "shard_tp",
+                                                   "split_pipeline", "place_experts", "shard_ep"]
     reduces = [node for node in graph.nodes if node.op == "all_reduce"]
     assert all(node.attrs["world_size"] == 2 for node in reduces)
     # ep alone: only the experts' sum; inside tp=2 also the embedding, 2 attention o's, the dense

@@ -133,3 +133,52 @@ def test_batch_fill_equals_one_row_at_a_time(grammar_compiler):
         state.fill_bitmask(single, 0)
         assert torch.equal(batched[row], single[0])
     assert torch.equal(batched[1], allocate_bitmask(1, PADDED_VOCAB)[0])  # untouched rows allow everything
+
+
+def test_batch_accept_equals_one_row_at_a_time(grammar_compiler, random_walk):
+    """accept_tokens (a whole step's states at once) gives each state exactly what accept gives it:
+    the verdicts, the counts, termination and every later mask, including rejected tokens (a token
+    outside the grammar, a token after the stop token) and states of several grammars in one batch."""
+    grammars = [grammar_compiler.compile("json_schema", SCHEMA), grammar_compiler.compile("regex", "(cat|dog)s?"),
+                grammar_compiler.compile("json_schema", '{"type": "boolean"}')]
+    walks = [random_walk(GrammarState(grammar), seed=seed) for seed, grammar in enumerate(grammars)]
+    # Each row's tokens: its walk, then a token after its end (rejected: it has terminated); row 1 is
+    # also given a token outside its grammar at step 2, which both sides must reject alike.
+    stepped = [GrammarState(g) for g in grammars]
+    batched = [GrammarState(g) for g in grammars]
+    outside = 4  # an id no grammar here allows after its first token
+    for step in range(max(map(len, walks)) + 1):
+        rows = [i for i, walk in enumerate(walks) if step <= len(walk)]
+        tokens = [walks[i][step] if step < len(walks[i]) else EOS for i in rows]
+        if step == 2:
+            tokens[rows.index(1)] = outside
+        expected = [stepped[i].accept(token) for i, token in zip(rows, tokens)]
+        assert GrammarState.accept_tokens([batched[i] for i in rows], tokens) == expected
+        if step == 2:
+            assert not expected[rows.index(1)]
+            assert stepped[1].accept(walks[1][2]) and batched[1].accept(walks[1][2])
+        for i in rows:
+            a, b = stepped[i], batched[i]
+            assert (a.num_accepted, a.is_terminated(), a.is_completed()) == (b.num_accepted, b.is_terminated(),
+                                                                             b.is_completed())
+            if not a.is_terminated():
+                assert torch.equal(mask_of(a), mask_of(b))
+    assert all(state.is_terminated() for state in batched)
+
+
+def test_termination_follows_the_matcher_through_accepts_and_rollbacks(grammar_compiler, random_walk):
+    """is_terminated (tracked without asking the matcher) agrees with xgrammar's matcher at every
+    position of a walk, after a rollback over the stop token, and after accepting it again."""
+    grammar = grammar_compiler.compile("json_schema", SCHEMA)
+    tokens = random_walk(GrammarState(grammar), seed=3)
+    state = GrammarState(grammar)
+    for token in tokens:
+        assert state.accept(token)
+        assert state.is_terminated() == state._matcher.is_terminated()
+    assert state.is_terminated()
+    for undo in (1, 3):
+        state.rollback(undo)
+        assert not state.is_terminated() and not state._matcher.is_terminated()
+        for token in tokens[len(tokens) - undo:]:
+            assert state.accept(token)
+        assert state.is_terminated() and state._matcher.is_terminated()

@@ -6,6 +6,7 @@ from kiln.runtime.kvcache.radix import RadixCache
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.scheduler.batch import build_verify_lists
 from kiln.runtime.scheduler.request import Request
+from kiln.runtime.spec.tree import DraftTree
 from kiln.runtime.scheduler.scheduler import Scheduler, SchedulerConfig
 
 PAGE = 4
@@ -30,7 +31,7 @@ def test_drafts_get_pages_and_rejected_ones_give_them_back():
     free = scheduler.allocator.free_count
     assert scheduler.reserve_drafts(request, 5) == 5                # positions 7..11: one more page
     assert len(request.pages) == 3 and scheduler.allocator.free_count == free - 1
-    lists = build_verify_lists(batch, [[8, 9, 10, 11, 12]], PAGE)
+    lists = build_verify_lists(batch, [DraftTree.chain([8, 9, 10, 11, 12])], PAGE)
     assert lists.token_ids == [7, 8, 9, 10, 11, 12] and lists.positions == list(range(6, 12))
     assert lists.q_len == [6] and lists.kv_len == [12] and lists.logits_index == list(range(6))
     assert lists.requests == [request] * 6
@@ -42,6 +43,22 @@ def test_drafts_get_pages_and_rejected_ones_give_them_back():
     scheduler.complete_verify(request, 1)
     assert request.num_computed == 8 and request.remaining == 1
     assert len(request.pages) == 2 and scheduler.allocator.free_count == free
+
+
+def test_a_tree_is_laid_side_by_side_at_the_positions_of_its_depths():
+    """Root 7 at position 6; nodes 8 and 9 its children (position 7), 10 under 9 (position 8): slots
+    consecutive, each node's mask row the context before the root, the root and its ancestors."""
+    scheduler, request = _decoding()
+    batch = scheduler.schedule()
+    scheduler.reserve_drafts(request, 3)
+    lists = build_verify_lists(batch, [DraftTree([8, 9, 10], [-1, -1, 1])], PAGE, tree_masks=True)
+    assert lists.token_ids == [7, 8, 9, 10] and lists.positions == [6, 7, 7, 8] and lists.kv_len == [10]
+    pages = request.pages
+    assert lists.slots == [pages[p // PAGE] * PAGE + p % PAGE for p in range(6, 10)]
+    # The window is the context's last 32 keys: key k is bit k + 22 (context 10); keys 0..6 the root's prefix.
+    prefix = sum(1 << (k + 22) for k in range(7))
+    assert lists.tree_mask == [prefix, prefix | 1 << 29, prefix | 1 << 30,
+                               (prefix | 1 << 30 | 1 << 31) - (1 << 32)]
 
 
 def test_drafts_take_what_the_pool_has_without_retracting():

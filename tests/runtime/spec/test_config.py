@@ -18,6 +18,15 @@ def test_off_by_default():
     assert SpecConfig.from_options(EngineOptions(), BOUNDS) is None
 
 
+def test_eagle_chains_count_steps_as_sglang():
+    """speculative_num_draft_tokens counts the verified last token too (SGLang): steps + 1 for a chain."""
+    for given in (dict(speculative_num_steps=3), dict(speculative_num_draft_tokens=4),
+                  dict(speculative_num_steps=3, speculative_num_draft_tokens=4, speculative_eagle_topk=1)):
+        config = SpecConfig.from_options(EngineOptions(speculative_algorithm="eagle3",
+                                                       speculative_draft_model_path="/d", **given), BOUNDS)
+        assert (config.num_draft_tokens, config.tokens_per_verify, config.draft_model_path) == (3, 4, "/d")
+
+
 def test_ngram_defaults_and_given_values():
     config = SpecConfig.from_options(EngineOptions(speculative_algorithm="ngram"), BOUNDS)
     assert (config.algorithm, config.num_draft_tokens, config.ngram_min_window, config.ngram_max_window) == \
@@ -31,8 +40,12 @@ def test_ngram_defaults_and_given_values():
 
 @pytest.mark.parametrize("options, named", [
     (dict(speculative_num_draft_tokens=4), "speculative_num_draft_tokens"),
-    (dict(speculative_algorithm="medusa"), "'medusa' is not an algorithm; supported: ngram"),
-    (dict(speculative_algorithm="eagle3"), "'eagle3' draft heads are not supported"),
+    (dict(speculative_algorithm="medusa"), "'medusa' is not an algorithm; supported: ngram, eagle, eagle3"),
+    (dict(speculative_algorithm="eagle3"), "speculative_draft_model_path: EAGLE needs its draft head"),
+    (dict(speculative_algorithm="eagle", speculative_draft_model_path="/x", speculative_eagle_topk=2,
+          speculative_num_steps=2, speculative_num_draft_tokens=8), "verifies 2 to 7 tokens"),
+    (dict(speculative_algorithm="eagle", speculative_draft_model_path="/x", speculative_eagle_topk=8,
+          speculative_num_steps=6, speculative_num_draft_tokens=16), "more than the tree mask's 32"),
     (dict(speculative_algorithm="ngram", speculative_draft_model_path="/x"), "speculative_draft_model_path"),
     (dict(speculative_algorithm="ngram", speculative_num_steps=3), "speculative_num_steps"),
     (dict(speculative_algorithm="ngram", speculative_eagle_topk=4), "speculative_eagle_topk"),
