@@ -29,7 +29,8 @@ Messages:
     STATS [{name: number}, replica]    EngineCore.stats() of one replica; forwarded to every API server
     READY {model facts}                a scheduler loaded the model (facts name its replica); forwarded to API
                                        server 0 (the launcher) once the detokenizer is ready too; an API server
-                                       started later says READY {"api_server": j} to API server 0 once it listens
+                                       started later says READY {"api_server": j} to API server 0 once it listens,
+                                       and API server 0 then READY {"startup": report} to each (its /health report)
     FATAL [message]                    a process cannot go on; forwarded to every API server, then the sender exits
     ASK [token, asker, question, ...]  API server -> the others (``peers.py``: metrics, LoRA adapters)
     ANSWER [token, answer]             back to the asker

@@ -309,7 +309,8 @@ async def run_http(config: ServeConfig, replica_facts: list[dict[str, Any]], tok
                    startup: StartupTimer | None = None) -> int:
     """Serves HTTP on ``listener`` until stopped, as API server ``peers.me`` (0 also serves gRPC);
     returns the exit code. Every API server process runs this, the launcher and those it started;
-    ``startup``: the launcher's start-up phases (the server's start-up report is made once it listens)."""
+    ``startup``: the launcher's start-up phases (the server's start-up report is made once it listens,
+    and sent to the other API servers)."""
     facts = replica_facts[0]  # the replicas serve one artifact
     models_ready_at = time.time()
     info = ModelInfo(config.served_model_name, facts["vocab_size"], facts["max_seq_len"], int(time.time()),
@@ -344,11 +345,19 @@ async def run_http(config: ServeConfig, replica_facts: list[dict[str, Any]], tok
             phases = [Phase.from_wire(item) for f in replica_facts for item in f.get("startup", [])]
             metrics.startup = StartupReport(process_started_at(), time.time(), (*startup.phases, *phases))
             log.info("start-up: %s", metrics.startup.summary())
+            for other in range(1, peers.count):  # the server's report, served by every API server
+                peers.tell(other, [ipc.READY, {"startup": metrics.startup.to_wire()}])
         if ties.listening is not None:
             ties.listening()
 
+    def from_peers(message: list[Any]) -> bool:
+        if message[0] == ipc.READY and "startup" in message[1]:  # API server 0's start-up report
+            metrics.startup = StartupReport.from_wire(message[1]["startup"])
+            return True
+        return peers.handle(message)
+
     server.on_listening = listening
-    tasks = [asyncio.ensure_future(manager.receive_loop(receiver, peers.handle)),
+    tasks = [asyncio.ensure_future(manager.receive_loop(receiver, from_peers)),
              *(asyncio.ensure_future(watch(process_gone)) for watch in ties.watches)]
     tasks[0].add_done_callback(lambda t: t.cancelled() or fatal(f"the output receiver failed: {t.exception()!r}"))
     grpc_server = None

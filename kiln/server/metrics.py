@@ -213,7 +213,7 @@ class ServerMetrics:
             return self._render()
         merged = ServerMetrics(self.replicas, self.api_server)
         merged.replica_stats = self.replica_stats
-        merged.startup = self.startup  # the launcher's (API server 0's) report
+        merged.startup = self.startup  # the server's report (API server 0 made it and told the others)
         snapshots = sorted([self.snapshot(), *others], key=lambda s: s["api_server"])
         for snapshot in snapshots:
             for metric in merged._own_series():

@@ -6,7 +6,7 @@ both API servers (``kiln_api_server_requests_total`` shows each served some), ev
 own prompt echoed; the queue limit is the server's (64 streams in flight over both, then either refuses
 the next); streams closed by their clients are aborted (nothing stays held); a LoRA adapter loaded
 through one API server is listed and served by all, and gone from all once unloaded; neither API
-server loads torch; SIGTERM drains both and leaves no process. The real SmolLM2 answers the smoke question (Paris) from both API servers,
+server loads torch, and each serves the server's start-up report; SIGTERM drains both and leaves no process. The real SmolLM2 answers the smoke question (Paris) from both API servers,
 and killing one API server ends the whole server within 5 s with no process left.
 """
 
@@ -111,6 +111,14 @@ def test_no_api_server_process_loads_torch(server):
                    if b"kiln.server.api_server_process" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert len(api_servers) == 1
     assert not loads_torch(server.proc.pid) and not loads_torch(api_servers[0])
+
+
+def test_every_api_server_serves_the_servers_start_up_report(server):
+    reports = [response.json()["startup"] for response in fresh_requests(server, "GET", "/health")]
+    assert all(report == reports[0] for report in reports) and reports[0]["seconds"] > 0
+    assert {phase["process"] for phase in reports[0]["phases"]} >= {"http", "scheduler", "detokenizer"}
+    for response in fresh_requests(server, "GET", "/metrics", count=4):
+        assert 'kiln_startup_seconds{phase="weights_load",process="scheduler"}' in response.text
 
 
 def test_the_queue_limit_is_the_servers_and_closed_streams_are_aborted(server):
