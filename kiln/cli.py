@@ -256,6 +256,9 @@ def _add_serve(commands) -> None:
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel replicas, each its own scheduler process, engine and KV cache (on GPUs its "
                         "own devices), behind one endpoint with a cache-aware router (default 1)")
+    p.add_argument("--api-server-count", type=int, default=1,
+                   help="HTTP processes on the port (vLLM's name), each with its own tokenizer manager, all sending "
+                        "to the same scheduler(s): more when one HTTP process is the bottleneck (default 1)")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="most requests waiting beyond those running; more get 503 with Retry-After (default: no limit)")
     p.add_argument("--nnodes", type=int, default=1,
@@ -336,7 +339,8 @@ def _run_serve(args: argparse.Namespace) -> int:
                                                         lora_modules=dict(args.lora_modules)))
     # The model loads in the children while this process imports its web stack (launch).
     started = start_processes(str(artifact), args.host, args.port, args.dp, engine, dict(args.lora_modules),
-                              args.log_level, args.disaggregation_mode, args.disaggregation_bootstrap_port)
+                              args.log_level, args.disaggregation_mode, args.disaggregation_bootstrap_port,
+                              args.api_server_count)
     if started is None:
         exit_now(1)
     with startup.phase("server_imports"):
@@ -349,7 +353,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level, tool_call_parser=args.tool_call_parser, grpc_port=args.grpc_port,
         engine=engine, dp=args.dp, admission=Admission(args.max_queued_requests),
         lora_modules=dict(args.lora_modules), disaggregation_mode=args.disaggregation_mode,
-        bootstrap_port=args.disaggregation_bootstrap_port)
+        bootstrap_port=args.disaggregation_bootstrap_port, api_server_count=args.api_server_count)
     # Its child processes are gone; the interpreter's teardown would only delay a prompt exit.
     exit_now(serve(str(artifact), config, startup, started))
 

@@ -119,6 +119,15 @@ class StartupReport:
     def seconds(self) -> float:
         return self.ready_at - self.origin
 
+    def to_wire(self) -> list[Any]:
+        """As plain data, for another API server (``--api-server-count``)."""
+        return [self.origin, self.ready_at, [p.to_wire() for p in self.phases]]
+
+    @classmethod
+    def from_wire(cls, item: list[Any]) -> "StartupReport":
+        origin, ready_at, phases = item
+        return cls(float(origin), float(ready_at), tuple(Phase.from_wire(p) for p in phases))
+
     def to_json(self) -> dict[str, Any]:
         """``{"seconds": total, "phases": [{"name", "process", "start" (s after origin), "seconds"}]}``."""
         return {"seconds": round(self.seconds, 4),

@@ -1,4 +1,5 @@
-"""What the routes share: the tokenizer manager, server state, metrics and per-server settings."""
+"""What the routes share: the tokenizer manager, server state, metrics, the other API servers and
+per-server settings."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from .errors import invalid
 from .gate import ServerState
 from .metrics import ServerMetrics
 from .lora_routes import ServerAdapters
+from .peers import Peers
 from .tokenizer_manager import TokenizerManager
 
 
@@ -19,6 +21,7 @@ class ServerContext:
     max_n: int
     tool_call_parser: str = "hermes"  # how tool calls read in this model's output (--tool-call-parser)
     adapters: ServerAdapters = field(default_factory=lambda: ServerAdapters(None))  # LoRA adapters by name
+    peers: Peers = field(default_factory=Peers)  # the server's other HTTP processes (--api-server-count)
 
     @property
     def model_name(self) -> str:

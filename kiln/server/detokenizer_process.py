@@ -7,13 +7,15 @@ scheduler's READY, so the HTTP process knows both are up (the first READY carrie
 own start-up phases); with several data-parallel replicas it serves them all (request ids are
 unique across them) and forwards each one's READY.
 For every NEW request it keeps one ``SampleText`` per sample (the same incremental detokenizer and
-stop-string cut the in-process Engine uses); each EVENTS batch becomes one OUTPUTS batch:
+stop-string cut the in-process Engine uses) and the API server it came from (``--api-server-count``:
+each HTTP process has its own inbox); each EVENTS batch becomes one OUTPUTS batch per API server
+with requests in it:
 
     [rid, index, text_delta, token_ids, logprobs, finish_reason, error, prompt_tokens, cached_tokens,
      spec_verify_ct, spec_verify_tokens, prompt_logprobs, matched_stop]
 
 where each logprobs entry is ``[token_id, token_bytes, logprob, [[id, bytes, logprob], ...]]``.
-REJECT, STATS and FATAL pass through unchanged.
+REJECT goes to its request's API server; STATS and FATAL to every API server; READY to API server 0.
 """
 
 from __future__ import annotations
@@ -41,15 +43,22 @@ class Detokenizer:
         self.token_bytes = TokenBytes(tokenizer)
         self._texts: dict[str, list[SampleText | None]] = {}
         self._open: dict[str, int] = {}  # samples of each request not finished yet
+        self._origin: dict[str, int] = {}  # the API server each request came from
 
-    def add(self, rid: str, prompt_tail: list[int], params: dict[str, Any]) -> None:
+    def add(self, rid: str, prompt_tail: list[int], params: dict[str, Any], origin: int = 0) -> None:
         sampling = SamplingParams(**params)
         make = (lambda: SampleText(self.tokenizer, prompt_tail, sampling)) if self.tokenizer else (lambda: None)
         self._texts[rid] = [make() for _ in range(sampling.n)]
         self._open[rid] = sampling.n
+        self._origin[rid] = origin
 
-    def outputs(self, events: list[list[Any]]) -> list[list[Any]]:
-        return [self._output(*event) for event in events]
+    def outputs(self, events: list[list[Any]]) -> dict[int, list[list[Any]]]:
+        """The events' outputs, grouped by the API server their requests came from."""
+        by_origin: dict[int, list[list[Any]]] = {}
+        for event in events:
+            origin = self._origin.get(event[0], 0)  # read before _output forgets a finished request
+            by_origin.setdefault(origin, []).append(self._output(*event))
+        return by_origin
 
     def _output(self, rid: str, index: int, token_ids: list[int], logprobs: list[list[Any]], finish_reason: str | None,
                 error: str | None, prompt_tokens: int, cached_tokens: int, spec_verify_ct: int,
@@ -60,7 +69,7 @@ class Detokenizer:
         if finish_reason is not None and rid in self._open:
             self._open[rid] -= 1
             if self._open[rid] == 0:
-                del self._open[rid], self._texts[rid]
+                del self._open[rid], self._texts[rid], self._origin[rid]
         named = [[token, self.token_bytes.bytes_of(token), value,
                   [[alt, self.token_bytes.bytes_of(alt), alt_value] for alt, alt_value in top]]
                  for token, value, top in logprobs]
@@ -68,23 +77,29 @@ class Detokenizer:
                 spec_verify_tokens, prompt_logprobs, matched_stop]
 
 
-def run(inbox: zmq.Socket, outbox: zmq.Socket, parent: ipc.ParentWatch, tokenizer: Tokenizer | None,
+def run(inbox: zmq.Socket, outboxes: list[zmq.Socket], parent: ipc.ParentWatch, tokenizer: Tokenizer | None,
         startup: StartupTimer) -> int:
+    """``outboxes``: one per API server, in order (API server 0 is the launcher)."""
     detokenizer = Detokenizer(tokenizer)
     phases = startup.to_wire()  # sent with the first READY
     while parent.alive():
         for message in ipc.recv_ready(inbox, ipc.IDLE_POLL_MS):
             kind = message[0]
             if kind == ipc.EVENTS:
-                outbox.send(ipc.pack([ipc.OUTPUTS, detokenizer.outputs(message[1])]))
+                for origin, outputs in detokenizer.outputs(message[1]).items():
+                    outboxes[origin].send(ipc.pack([ipc.OUTPUTS, outputs]))
             elif kind == ipc.NEW:
                 detokenizer.add(*message[1:])
             elif kind == ipc.READY:
                 message[1]["startup"] = message[1].get("startup", []) + phases
                 phases = []
-                outbox.send(ipc.pack(message))
-            elif kind in (ipc.REJECT, ipc.STATS, ipc.FATAL):
-                outbox.send(ipc.pack(message))
+                outboxes[0].send(ipc.pack(message))
+            elif kind == ipc.REJECT:
+                outboxes[message[4]].send(ipc.pack(message))
+            elif kind in (ipc.STATS, ipc.FATAL):
+                data = ipc.pack(message)
+                for outbox in outboxes:
+                    outbox.send(data)
             elif kind == ipc.SHUTDOWN:
                 return 0
             else:
@@ -96,16 +111,22 @@ def run(inbox: zmq.Socket, outbox: zmq.Socket, parent: ipc.ParentWatch, tokenize
 def main(argv: list[str] | None = None) -> int:
     main_at = time.time()
     args = argv if argv is not None else sys.argv[1:]
-    with ipc.worker_process(args, "detokenizer", ipc.DETOKENIZER_SOCKET, ipc.HTTP_SOCKET) as (config, inbox, outbox):
+    with ipc.worker_process(args, "detokenizer", ipc.DETOKENIZER_SOCKET, ipc.http_socket(0)) as (config, inbox, outbox):
+        outboxes = [outbox, *(ipc.push_socket(outbox.context, ipc.address(config["ipc_dir"], ipc.http_socket(i)))
+                              for i in range(1, config.get("api_servers", 1)))]
         try:
             startup = process_phases("detokenizer", main_at, config.get("spawned_at"))
             with startup.phase("tokenizer"):
                 tokenizer = Tokenizer.from_dir(config["tokenizer_dir"]) if config.get("tokenizer_dir") else None
-            return run(inbox, outbox, ipc.ParentWatch(config["parent_pid"]), tokenizer, startup)
+            return run(inbox, outboxes, ipc.ParentWatch(config["parent_pid"]), tokenizer, startup)
         except Exception as exc:
             log.exception("the detokenizer failed")
-            outbox.send(ipc.pack([ipc.FATAL, f"the detokenizer failed: {type(exc).__name__}: {exc}"]))
+            for target in outboxes:
+                target.send(ipc.pack([ipc.FATAL, f"the detokenizer failed: {type(exc).__name__}: {exc}"]))
             return 1
+        finally:
+            for extra in outboxes[1:]:
+                extra.close()
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ Routes: ``/v1/chat/completions`` and ``/v1/completions`` (openai_routes), ``/v1/
 (responses_api), ``/generate``,
 ``/tokenize`` and ``/detokenize`` (native_routes), and here ``/v1/models`` and
 ``/v1/models/{id}``, ``/health`` (200 while the engine is up; its JSON has the start-up report, see
-``kiln.runtime.startup``), ``/health_generate`` (generates one
-token end to end), ``/metrics`` (Prometheus text), and FastAPI's ``/openapi.json`` and ``/docs``.
+``kiln.runtime.startup``), ``/health_generate`` (generates one token end to end), ``/metrics``
+(Prometheus text; with several API servers, all of theirs summed: see metrics.py), and FastAPI's
+``/openapi.json`` and ``/docs``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .gate import ASGIApp, Gate
 from .lora_routes import add_lora_routes
 from .native_routes import add_native_routes
 from .openai_routes import add_openai_routes
+from .peers import METRICS
 from .responses_api import add_responses_route
 from .tokenizer_manager import RequestStream
 
@@ -41,7 +43,8 @@ def build_app(ctx: ServerContext, api_key: str | None, max_body_bytes: int,
     add_openai_routes(app, ctx)
     add_native_routes(app, ctx)
     add_responses_route(app, ctx)
-    add_lora_routes(app, ctx.manager, ctx.adapters, ctx.model_name)
+    add_lora_routes(app, ctx.manager, ctx.adapters, ctx.model_name, ctx.peers)
+    ctx.peers.answer(METRICS, ctx.metrics.snapshot)
     manager = ctx.manager
 
     @app.get("/health")
@@ -82,7 +85,8 @@ def build_app(ctx: ServerContext, api_key: str | None, max_body_bytes: int,
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        others = await ctx.peers.ask_all(METRICS)
+        return PlainTextResponse(ctx.metrics.render(others), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     endpoints = frozenset(route.path for route in app.routes if hasattr(route, "path"))
     return Gate(app, state=ctx.state, metrics=ctx.metrics, endpoints=endpoints, api_key=api_key,

@@ -2,7 +2,8 @@
 
     HTTP process --PUSH--> scheduler<i>.sock --PULL-- scheduler process i (one per replica, ``--dp``)
     schedulers   --PUSH--> detokenizer.sock --PULL-- detokenizer process
-    detokenizer  --PUSH--> http.sock --PULL-- HTTP process
+    detokenizer  --PUSH--> http<j>.sock --PULL-- HTTP process j (one per API server, ``--api-server-count``)
+    HTTP process --PUSH--> http<j>.sock           (the API servers ask one another: ``peers.py``)
 
 Each receiver binds its socket in a private temporary directory (``ipc://``, never TCP); the
 scheduler and detokenizer processes open theirs through ``worker_process``. A message
@@ -11,19 +12,28 @@ plain data (no pickle, no ext types), so nothing a request sends can execute cod
 
 Messages:
     ADD [rid, prompt_ids, params, options]  HTTP -> the routed replica's scheduler; params is ``SamplingParams``
-                                       as a dict, options an ``AddOptions`` as a map of the fields set
+                                       as a dict, options an ``AddOptions`` as a map of the fields set (the
+                                       adapter, the bootstrap room, the sending API server: its origin)
     LORA_LOAD [name, path]             HTTP -> every scheduler: serve the PEFT adapter at path as name
     LORA_UNLOAD [name]                 HTTP -> every scheduler: forget it (its requests in flight finish)
     ABORT [rid]                        HTTP -> scheduler
     SHUTDOWN []                        HTTP -> scheduler, HTTP -> detokenizer
-    NEW [rid, prompt_tail, params]     scheduler -> detokenizer, before any event of rid
+    NEW [rid, prompt_tail, params, origin]
+                                       scheduler -> detokenizer, before any event of rid
     EVENTS [[event...]]                scheduler -> detokenizer (``event_to_wire``)
-    OUTPUTS [[output...]]              detokenizer -> HTTP (``detokenizer_process`` builds them)
-    REJECT [rid, message(, status)]    the scheduler refused a request (bad input: 400; or the status given); forwarded
-    STATS [{name: number}, replica]    EngineCore.stats() of one replica; forwarded
-    READY {model facts}                a scheduler loaded the model (facts name its replica); forwarded once the
-                                       detokenizer is ready too
-    FATAL [message]                    a process cannot go on; forwarded, then the sender exits
+    OUTPUTS [[output...]]              detokenizer -> the requests' API server (``detokenizer_process`` builds them)
+    REJECT [rid, message, status, origin]
+                                       the scheduler refused a request: bad input when status is None (a 400),
+                                       else that HTTP status (a disaggregation peer gone); forwarded to the
+                                       request's API server (its ADD's origin)
+    STATS [{name: number}, replica]    EngineCore.stats() of one replica; forwarded to every API server
+    READY {model facts}                a scheduler loaded the model (facts name its replica); forwarded to API
+                                       server 0 (the launcher) once the detokenizer is ready too; an API server
+                                       started later says READY {"api_server": j} to API server 0 once it listens,
+                                       and API server 0 then READY {"startup": report} to each (its /health report)
+    FATAL [message]                    a process cannot go on; forwarded to every API server, then the sender exits
+    ASK [token, asker, question, ...]  API server -> the others (``peers.py``: metrics, LoRA adapters)
+    ANSWER [token, answer]             back to the asker
 """
 
 from __future__ import annotations
@@ -44,12 +54,12 @@ import zmq
 from kiln.runtime.outputs import SampleEvent
 
 DETOKENIZER_SOCKET = "detokenizer.sock"
-HTTP_SOCKET = "http.sock"
 
 ADD, ABORT, SHUTDOWN = "add", "abort", "shutdown"
 LORA_LOAD, LORA_UNLOAD = "lora_load", "lora_unload"
 NEW, EVENTS, OUTPUTS, REJECT = "new", "events", "outputs", "reject"
 STATS, READY, FATAL = "stats", "ready", "fatal"
+ASK, ANSWER = "ask", "answer"
 
 # Children wake at least this often when idle, to notice that their parent is gone.
 IDLE_POLL_MS = 500
@@ -60,13 +70,14 @@ LINGER_MS = 1000
 @dataclass(frozen=True)
 class AddOptions:
     """An ADD's optional parts. On the wire a map of the fields set, by name, so that a feature adds
-    its field here without moving another's; a name left out reads as None."""
+    its field here without moving another's; a name left out reads as its default."""
 
     lora: str | None = None                   # the LoRA adapter's name (None: the base model)
     bootstrap: dict[str, Any] | None = None   # a disaggregated request's room and prefill address
+    origin: int = 0                           # the sending API server (``--api-server-count``): its outputs go there
 
     def to_wire(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
 
     @classmethod
     def from_wire(cls, wire: dict[str, Any]) -> "AddOptions":
@@ -75,6 +86,10 @@ class AddOptions:
 
 def scheduler_socket(replica: int) -> str:
     return f"scheduler{replica}.sock"
+
+
+def http_socket(api_server: int) -> str:
+    return f"http{api_server}.sock"
 
 
 def address(ipc_dir: str | os.PathLike[str], name: str) -> str:

@@ -9,7 +9,8 @@
 With ``dp`` > 1 there are that many scheduler processes (data-parallel replicas, each its own
 engine core and KV cache), one inbox each, and the tokenizer manager's cache-aware router
 (``router.py``) picks one for each prompt; they share the detokenizer. A replica that exits ends
-the server like any child.
+the server like any child. With ``api_server_count`` > 1 this process is API server 0 of that many
+HTTP processes on the port, each with its own tokenizer manager (``api_servers.py``).
 
 Start-up: compile the model if needed (``ensure_artifact``), bind the port (a busy port fails at
 once, before the model loads), start both children (``children.start_processes``: ``kiln serve``
@@ -28,12 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import signal
 import socket
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Awaitable, Callable
 
 import uvicorn
 import zmq
@@ -45,12 +47,15 @@ from kiln.runtime.worker.nccl_env import keep_multicast_off
 from kiln.runtime.text.tokenizer import Tokenizer
 
 from . import ipc
+from .api_servers import ApiServers
 from .children import (CHILD_POLL_S, Children, StartedProcesses, artifact_tokenizer_dir, scheduler_name,
                        start_processes)
 from .context import ServerContext
 from .gate import ServerState
 from .http import build_app
+from .in_flight import SamplesInFlight
 from .metrics import ServerMetrics
+from .peers import Peers
 from .router import CacheAwareRouter, RouterOptions
 from .lora_routes import ServerAdapters
 from .tokenizer_manager import Admission, ModelInfo, TokenizerManager
@@ -86,6 +91,7 @@ class ServeConfig:
     # Prefill/decode disaggregation (server/disaggregation.py): "null" (off), "prefill" or "decode".
     disaggregation_mode: str = "null"
     bootstrap_port: int = 8998   # the prefill side's KV handoff port
+    api_server_count: int = 1    # HTTP processes sharing the port (--api-server-count)
 
     def scheduler_name(self, replica: int) -> str:
         return scheduler_name(replica, self.dp)
@@ -93,7 +99,16 @@ class ServeConfig:
     def start_processes(self, artifact: str) -> StartedProcesses | None:
         """Binds the port and starts the children (None when the port is busy; the reason logged)."""
         return start_processes(artifact, self.host, self.port, self.dp, self.engine, self.lora_modules,
-                               self.log_level, self.disaggregation_mode, self.bootstrap_port)
+                               self.log_level, self.disaggregation_mode, self.bootstrap_port, self.api_server_count)
+
+    def to_json(self) -> dict[str, Any]:
+        """Everything but the API key (which must not show in a command line), as JSON data."""
+        return {**asdict(self), "api_key": None}
+
+    @staticmethod
+    def from_json(data: dict[str, Any], api_key: str | None) -> "ServeConfig":
+        return ServeConfig(**{**data, "api_key": api_key, "router": RouterOptions(**data["router"]),
+                              "admission": Admission(**data["admission"])})
 
 
 class StartupError(RuntimeError):
@@ -104,11 +119,13 @@ class KilnServer(uvicorn.Server):
     """uvicorn with kiln's signal handling: drain on SIGTERM, stop at once on SIGINT."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState, manager: TokenizerManager,
-                 drain_timeout: float) -> None:
+                 drain_timeout: float, forward_signal: Callable[[int], None] | None = None) -> None:
+        """``forward_signal``: passes a SIGTERM or SIGINT on (to the other API servers)."""
         super().__init__(config)
         self.state = state
         self.manager = manager
         self.drain_timeout = drain_timeout
+        self.forward_signal = forward_signal
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
@@ -127,6 +144,8 @@ class KilnServer(uvicorn.Server):
         # Replaces uvicorn's handler, which re-raises the signal once serving ends and so would kill
         # this process before it stops its children. Signal handlers run between bytecodes of the
         # loop's thread: hand the work to the loop.
+        if self.forward_signal is not None:
+            self.forward_signal(sig)
         if sig == signal.SIGTERM and not self.state.draining:
             self._loop.call_soon_threadsafe(self._begin_drain)
         else:
@@ -177,6 +196,8 @@ def serve(artifact: str, config: ServeConfig, startup: StartupTimer | None = Non
     try:
         if config.dp < 1:
             raise ValueError(f"dp must be at least 1, got {config.dp}")
+        if config.api_server_count < 1:
+            raise ValueError(f"api_server_count must be at least 1, got {config.api_server_count}")
         if config.disaggregation_mode != "null":
             check_disaggregation(artifact, config)
         config.router.validate()
@@ -190,8 +211,10 @@ def serve(artifact: str, config: ServeConfig, startup: StartupTimer | None = Non
     started = started or config.start_processes(artifact)
     if started is None:
         return 1
-    with started.listener:
+    try:
         return asyncio.run(_serve(started, artifact, config, startup or StartupTimer("http")))
+    finally:
+        started.close_listeners()
 
 
 async def _serve(started: StartedProcesses, artifact: str, config: ServeConfig, startup: StartupTimer) -> int:
@@ -199,10 +222,11 @@ async def _serve(started: StartedProcesses, artifact: str, config: ServeConfig, 
     context = zmq.Context()
     receiver = zmq.asyncio.Context.shadow(context.underlying).socket(zmq.PULL)
     receiver.setsockopt(zmq.LINGER, 0)
-    receiver.bind(ipc.address(ipc_dir, ipc.HTTP_SOCKET))
+    receiver.bind(ipc.address(ipc_dir, ipc.http_socket(0)))
     senders = [ipc.push_socket(context, ipc.address(ipc_dir, ipc.scheduler_socket(i))) for i in range(config.dp)]
     # Each child is told to stop directly: a dead scheduler could not pass the word on.
     stoppers = [*senders, ipc.push_socket(context, ipc.address(ipc_dir, ipc.DETOKENIZER_SOCKET))]
+    api_servers = ApiServers(context, ipc_dir, config.api_server_count)
     loop = asyncio.get_running_loop()
     # Until uvicorn installs its handlers, SIGTERM cancels start-up (and the cleanup below runs).
     loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
@@ -214,19 +238,31 @@ async def _serve(started: StartedProcesses, artifact: str, config: ServeConfig, 
         except StartupError as exc:
             log.error("%s", exc)
             return 1
-        loop.remove_signal_handler(signal.SIGTERM)
-        return await _run_http(config, facts, await tokenizer, startup, started.listener, receiver, senders,
-                               children)
+
+        async def start_api_servers(should_stop: Callable[[], bool]) -> bool:
+            child_config = {"ipc_dir": ipc_dir, "parent_pid": os.getpid(), "log_level": config.log_level,
+                            "api_servers": config.api_server_count, "serve": config.to_json(), "facts": facts}
+            api_servers.start(started.listeners[1:], child_config, config.api_key)
+            return await api_servers.wait_ready(should_stop)
+
+        watches = [lambda on_exit: children.watch(lambda name, code: on_exit(
+                       f"the {name} process exited unexpectedly (code {code})")), api_servers.watch]
+        return await run_http(config, facts, await tokenizer, started.listeners[0], receiver, senders,
+                              ProcessTies(watches, start_api_servers, forward_signal=api_servers.signal),
+                              api_servers.peers, api_servers.samples_in_flight(), startup)
     except asyncio.CancelledError:
         log.info("stopped during start-up")
         return 128 + signal.SIGTERM
     finally:
         tokenizer.cancel()
         loop.remove_signal_handler(signal.SIGTERM)
+        # The API servers first: their requests in flight need the scheduler and detokenizer.
+        api_servers.stop(config.drain_timeout + GRACEFUL_CLOSE_S + CHILD_STOP_TIMEOUT_S, CHILD_STOP_TIMEOUT_S)
         for stopper in stoppers:
             stopper.send(ipc.pack([ipc.SHUTDOWN]))
         children.stop(CHILD_STOP_TIMEOUT_S if children.exited() is None else CHILD_STOP_AFTER_FAILURE_S)
         receiver.close()
+        api_servers.close()
         for stopper in stoppers:
             stopper.close(linger=0)  # the children are gone: a SHUTDOWN still queued (a dead child's) has no reader
         context.term()
@@ -255,14 +291,31 @@ async def _wait_ready(receiver: zmq.asyncio.Socket, children: Children, replicas
     return [facts[replica] for replica in range(replicas)]
 
 
-async def _run_http(config: ServeConfig, replica_facts: list[dict[str, Any]], tokenizer: Tokenizer | None,
-                    startup: StartupTimer, listener: socket.socket, receiver: zmq.asyncio.Socket,
-                    senders: list[zmq.Socket], children: Children) -> int:
+@dataclass(frozen=True)
+class ProcessTies:
+    """How one HTTP process (API server) is tied to the server's other processes."""
+
+    # Each returns once a process this one needs is gone, calling back with what happened.
+    watches: list[Callable[[Callable[[str], None]], Awaitable[None]]]
+    # Before it listens: starts what serves beside it (given "should it stop?"); False: it stops.
+    start: Callable[[Callable[[], bool]], Awaitable[bool]] | None = None
+    listening: Callable[[], None] | None = None  # once it listens
+    forward_signal: Callable[[int], None] | None = None  # a SIGTERM or SIGINT it got, passed on
+
+
+async def run_http(config: ServeConfig, replica_facts: list[dict[str, Any]], tokenizer: Tokenizer | None,
+                   listener: socket.socket, receiver: zmq.asyncio.Socket, senders: list[zmq.Socket],
+                   ties: ProcessTies, peers: Peers, samples_in_flight: SamplesInFlight | None = None,
+                   startup: StartupTimer | None = None) -> int:
+    """Serves HTTP on ``listener`` until stopped, as API server ``peers.me`` (0 also serves gRPC);
+    returns the exit code. Every API server process runs this, the launcher and those it started;
+    ``startup``: the launcher's start-up phases (the server's start-up report is made once it listens,
+    and sent to the other API servers)."""
     facts = replica_facts[0]  # the replicas serve one artifact
     models_ready_at = time.time()
     info = ModelInfo(config.served_model_name, facts["vocab_size"], facts["max_seq_len"], int(time.time()),
                      sum(f["max_running"] for f in replica_facts))
-    metrics = ServerMetrics(config.dp)
+    metrics = ServerMetrics(config.dp, peers.me)
     metrics.replica_stats.update((f["replica"], f["stats"]) for f in replica_facts)
     state = ServerState()
     server: KilnServer | None = None
@@ -271,33 +324,47 @@ async def _run_http(config: ServeConfig, replica_facts: list[dict[str, Any]], to
         log.error("%s", message)
         server.stop(1, message)
 
-    def child_exited(name: str, code: int) -> None:
-        message = f"the {name} process exited unexpectedly (code {code})"
+    def process_gone(message: str) -> None:
         manager.failure = message
         fatal(message)
 
     manager = TokenizerManager(tokenizer, info, senders, metrics, on_fatal=fatal,
-                               router=CacheAwareRouter(config.dp, metrics, config.router), admission=config.admission)
+                               router=CacheAwareRouter(config.dp, metrics, config.router), admission=config.admission,
+                               api_server=peers.me, samples_in_flight=samples_in_flight)
     layout = LoraLayout.from_json(facts["lora"]) if facts.get("lora") else None
     ctx = ServerContext(manager, state, metrics, config.max_n, resolve_parser(config.tool_call_parser, tokenizer),
-                        ServerAdapters(layout, dict(config.lora_modules)))
+                        ServerAdapters(layout, dict(config.lora_modules)), peers)
     app = build_app(ctx, config.api_key, config.max_body_bytes)
     server = KilnServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                        access_log=False, lifespan="off", timeout_graceful_shutdown=GRACEFUL_CLOSE_S),
-                        state, manager, config.drain_timeout)
+                        state, manager, config.drain_timeout, ties.forward_signal)
 
     def listening() -> None:
-        startup.since("http_ready", models_ready_at)
-        phases = [Phase.from_wire(item) for f in replica_facts for item in f.get("startup", [])]
-        metrics.startup = StartupReport(process_started_at(), time.time(), (*startup.phases, *phases))
-        log.info("start-up: %s", metrics.startup.summary())
+        if startup is not None:
+            startup.since("http_ready", models_ready_at)
+            phases = [Phase.from_wire(item) for f in replica_facts for item in f.get("startup", [])]
+            metrics.startup = StartupReport(process_started_at(), time.time(), (*startup.phases, *phases))
+            log.info("start-up: %s", metrics.startup.summary())
+            for other in range(1, peers.count):  # the server's report, served by every API server
+                peers.tell(other, [ipc.READY, {"startup": metrics.startup.to_wire()}])
+        if ties.listening is not None:
+            ties.listening()
+
+    def from_peers(message: list[Any]) -> bool:
+        if message[0] == ipc.READY and "startup" in message[1]:  # API server 0's start-up report
+            metrics.startup = StartupReport.from_wire(message[1]["startup"])
+            return True
+        return peers.handle(message)
 
     server.on_listening = listening
-    tasks = [asyncio.ensure_future(manager.receive_loop(receiver)), asyncio.ensure_future(children.watch(child_exited))]
+    tasks = [asyncio.ensure_future(manager.receive_loop(receiver, from_peers)),
+             *(asyncio.ensure_future(watch(process_gone)) for watch in ties.watches)]
     tasks[0].add_done_callback(lambda t: t.cancelled() or fatal(f"the output receiver failed: {t.exception()!r}"))
     grpc_server = None
     try:
-        if config.grpc_port is not None:
+        if ties.start is not None and not await ties.start(lambda: server.should_exit):
+            return max(server.exit_code, 1)
+        if config.grpc_port is not None and peers.me == 0:
             from .grpc.servicer import start_grpc_server
 
             try:
@@ -307,7 +374,10 @@ async def _run_http(config: ServeConfig, replica_facts: list[dict[str, Any]], to
                 log.error("%s", error)
                 return 1
             log.info("gRPC on %s:%d", config.host, config.grpc_port)
-        log.info("model ready; serving it as %r", config.served_model_name)
+        if peers.me == 0:
+            log.info("model ready; serving it as %r", config.served_model_name)
+        # uvicorn's signal handlers take over from start-up's (which would still see the signals).
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
         await server.serve(sockets=[listener])
     finally:
         if grpc_server is not None:
@@ -315,4 +385,3 @@ async def _run_http(config: ServeConfig, replica_facts: list[dict[str, Any]], to
         for task in tasks:
             task.cancel()
     return server.exit_code
-

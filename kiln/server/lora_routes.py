@@ -4,9 +4,11 @@ adapters a request may name as its ``model`` (``ServerAdapters``).
 
 The HTTP process checks an adapter itself (``load_adapter`` against the artifact's LoRA layout), so
 a bad one is a 400 naming what is wrong before any scheduler sees it; then every replica's
-scheduler loads it (``LORA_LOAD``, sent on the same socket as the requests, so a request sent after
-the answer finds it loaded). Unloading an unknown name is a 404; requests in flight with an unloaded
-adapter finish (``runtime.lora.registry``).
+scheduler loads it (``LORA_LOAD``; a scheduler takes the loads among the messages waiting for it
+before their requests, so a request sent after the answer finds it loaded, also through another API
+server). With several API servers (``--api-server-count``) the one asked tells the others, and
+answers once every one of them lists the adapter. Unloading an unknown name is a 404; requests in
+flight with an unloaded adapter finish (``runtime.lora.registry``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from kiln.lora_layout import LoraLayout
 
 from . import ipc
 from .errors import APIError, invalid
+from .peers import Peers
 from .tokenizer_manager import TokenizerManager
 
 
@@ -62,7 +65,11 @@ class ServerAdapters:
                         code="model_not_found")
 
 
-def add_lora_routes(app: FastAPI, manager: TokenizerManager, adapters: ServerAdapters, base: str) -> None:
+def add_lora_routes(app: FastAPI, manager: TokenizerManager, adapters: ServerAdapters, base: str,
+                    peers: Peers) -> None:
+    peers.answer(ipc.LORA_LOAD, adapters.paths.__setitem__)
+    peers.answer(ipc.LORA_UNLOAD, lambda name: adapters.paths.pop(name, None))
+
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoraRequest) -> JSONResponse:
         if not body.lora_name or body.lora_name == base:
@@ -70,6 +77,7 @@ def add_lora_routes(app: FastAPI, manager: TokenizerManager, adapters: ServerAda
         adapters.check(body.lora_name, body.lora_path)
         adapters.paths[body.lora_name] = body.lora_path
         manager.broadcast([ipc.LORA_LOAD, body.lora_name, body.lora_path])
+        await peers.ask_all(ipc.LORA_LOAD, body.lora_name, body.lora_path)
         return JSONResponse({"status": "ok", "message": f"Success: LoRA adapter '{body.lora_name}' added successfully."})
 
     @app.post("/v1/unload_lora_adapter")
@@ -78,4 +86,5 @@ def add_lora_routes(app: FastAPI, manager: TokenizerManager, adapters: ServerAda
             raise adapters.unknown(body.lora_name, base)
         del adapters.paths[body.lora_name]
         manager.broadcast([ipc.LORA_UNLOAD, body.lora_name])
+        await peers.ask_all(ipc.LORA_UNLOAD, body.lora_name)
         return JSONResponse({"status": "ok", "message": f"Success: LoRA adapter '{body.lora_name}' removed successfully."})

@@ -10,13 +10,19 @@ own with a ``replica`` label, and the router's series follow: requests routed to
 requests in flight on each, and its prefix hit rate. The start-up phases' seconds end it
 (``kiln_startup_seconds{phase, process}``, ``kiln.runtime.startup``). Everything runs on the event loop's thread,
 so no locks. A few dozen lines here spare the server a dependency.
+
+With several API servers (``kiln serve --api-server-count N``) each HTTP process counts its own
+requests; a scrape of any one of them answers for the server: it asks the others for their series
+(``snapshot``, over ``peers.py``) and renders the sums (counters, histograms, in-flight gauges),
+followed by ``kiln_api_server_requests_total{api_server}``, the HTTP requests each one served.
+The engine series are the schedulers' (every API server receives their stats), not summed.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from kiln.runtime.outputs import EXPERT_TOKENS
 from kiln.runtime.startup import StartupReport
@@ -113,6 +119,15 @@ class Counter:
             lines.append(f"{self.name}{_labels(zip(self.label_names, key))} {_number(value)}")
         return lines
 
+    def state(self) -> list[list[Any]]:
+        """The values as plain data (msgpack), for ``absorb`` in another process."""
+        return [[list(key), value] for key, value in self.values.items()]
+
+    def absorb(self, state: list[list[Any]]) -> None:
+        """Adds another process's ``state`` of this series to this one."""
+        for key, value in state:
+            self.values[tuple(key)] = self.values.get(tuple(key), 0) + value
+
 
 class Gauge(Counter):
     def set(self, value: float, **labels: str) -> None:
@@ -145,10 +160,21 @@ class Histogram:
         lines += [f"{self.name}_sum {_number(self.sum)}", f"{self.name}_count {self.count}"]
         return lines
 
+    def state(self) -> list[Any]:
+        return [self.counts, self.sum, self.count]
+
+    def absorb(self, state: list[Any]) -> None:
+        counts, total, count = state
+        self.counts = [mine + theirs for mine, theirs in zip(self.counts, counts)]
+        self.sum += total
+        self.count += count
+
 
 class ServerMetrics:
-    def __init__(self, replicas: int = 1) -> None:
+    def __init__(self, replicas: int = 1, api_server: int = 0) -> None:
+        """``api_server``: the index of the HTTP process counting these (``--api-server-count``)."""
         self.replicas = replicas
+        self.api_server = api_server
         self.requests = Counter("kiln_requests_total", "HTTP requests by endpoint and status", ("endpoint", "status"))
         self.prompt_tokens = Counter("kiln_prompt_tokens_total", "Prompt tokens of finished requests")
         self.generation_tokens = Counter("kiln_generation_tokens_total", "Tokens generated")
@@ -171,7 +197,35 @@ class ServerMetrics:
     def engine_stats(self) -> Mapping[str, float]:
         return combine_stats(self.replica_stats.values())
 
-    def render(self) -> str:
+    def _own_series(self) -> tuple[Counter | Histogram, ...]:
+        """What this HTTP process counts itself (the rest are the schedulers' stats)."""
+        return (self.requests, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
+                self.queue_rejections, self.replica_requests, self.replica_in_flight, self.router_prompt_tokens,
+                self.router_hit_tokens)
+
+    def snapshot(self) -> dict[str, Any]:
+        """This process's own series as plain data, for another API server's ``render``."""
+        return {"api_server": self.api_server, "series": {m.name: m.state() for m in self._own_series()}}
+
+    def render(self, others: Sequence[Mapping[str, Any]] = ()) -> str:
+        """The exposition text; ``others``: the other API servers' ``snapshot``s, added to this one's."""
+        if not others:
+            return self._render()
+        merged = ServerMetrics(self.replicas, self.api_server)
+        merged.replica_stats = self.replica_stats
+        merged.startup = self.startup  # the server's report (API server 0 made it and told the others)
+        snapshots = sorted([self.snapshot(), *others], key=lambda s: s["api_server"])
+        for snapshot in snapshots:
+            for metric in merged._own_series():
+                metric.absorb(snapshot["series"][metric.name])
+        per_server = Counter("kiln_api_server_requests_total", "HTTP requests each API server process answered "
+                             "(--api-server-count)", ("api_server",))
+        for snapshot in snapshots:
+            per_server.inc(sum(value for _, value in snapshot["series"][self.requests.name]),
+                           api_server=str(snapshot["api_server"]))
+        return merged._render() + "\n".join(per_server.render()) + "\n"
+
+    def _render(self) -> str:
         lines: list[str] = []
         for metric in (self.requests, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
                        self.queue_rejections):

@@ -62,6 +62,7 @@ class SchedulerLoop:
         self.parent = parent
         self._stats_dirty = True
         self._stats_sent_at = 0.0
+        self._origins: dict[str, int] = {}  # rid -> the API server that sent it (ipc.AddOptions.origin)
 
     def run(self) -> None:
         while self.parent.alive():
@@ -69,7 +70,10 @@ class SchedulerLoop:
             wait_ms = 0 if self.core.has_work() else self._idle_wait_ms()
             if self.decode is not None and self.decode.has_work():
                 wait_ms = min(wait_ms, HANDOFF_POLL_MS)  # requests waiting for their pages: look again soon
-            for message in ipc.recv_ready(self.inbox, wait_ms):
+            messages = ipc.recv_ready(self.inbox, wait_ms)
+            # Loads first: an API server answers a load once it is sent, and a request another API
+            # server sends after that answer may arrive beside it on another pipe.
+            for message in sorted(messages, key=lambda m: m[0] != ipc.LORA_LOAD):
                 if not self._handle(message):
                     return
             if self.decode is not None:
@@ -107,6 +111,8 @@ class SchedulerLoop:
     def _route(self, rid: str, prompt_ids: list[int], params: dict[str, Any], wire_options: dict[str, Any]) -> None:
         """An ADD: to the core, or through the disaggregation side when the request names a bootstrap room."""
         options = ipc.AddOptions.from_wire(wire_options)
+        # Kept until the request's NEW or REJECT is sent (the disaggregation side may hold it a while).
+        self._origins[rid] = options.origin
         bootstrap = options.bootstrap
         if bootstrap is None or (self.prefill is None and self.decode is None):
             self._add(rid, prompt_ids, params, options.lora)
@@ -118,8 +124,9 @@ class SchedulerLoop:
         else:
             self.decode.add(rid, prompt_ids, params, bootstrap["room"], bootstrap["host"], bootstrap["port"])
 
-    def _reject(self, rid: str, message: str, status: int) -> None:
-        self._send([ipc.REJECT, rid, message, status])
+    def _reject(self, rid: str, message: str, status: int | None = None) -> None:
+        """``status`` None: bad input (the HTTP side's 400 naming the parameter)."""
+        self._send([ipc.REJECT, rid, message, status, self._origins.pop(rid, 0)])
 
     def _lora(self, change, *args: str) -> None:
         """A LoRA load or unload the HTTP process checked already; a failure here (the directory
@@ -134,10 +141,11 @@ class SchedulerLoop:
             sampling = SamplingParams(**params)
             self.core.add_request(rid, prompt_ids, sampling, lora=lora)
         except (ValueError, TypeError, LookupError) as exc:  # the HTTP side validates too; this is the last word
-            self._send([ipc.REJECT, rid, str(exc)])
+            self._reject(rid, str(exc))
             return
-        # The detokenizer needs only the prompt's tail (context for the first tokens' text).
-        self._send([ipc.NEW, rid, prompt_ids[-PROMPT_CONTEXT_TOKENS:], asdict(sampling)])
+        # The detokenizer needs only the prompt's tail (context for the first tokens' text), and the
+        # API server the request came from (where its outputs go).
+        self._send([ipc.NEW, rid, prompt_ids[-PROMPT_CONTEXT_TOKENS:], asdict(sampling), self._origins.pop(rid, 0)])
 
     def _idle_wait_ms(self) -> int:
         if not self._stats_dirty:

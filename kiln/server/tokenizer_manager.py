@@ -11,7 +11,11 @@ finished (the client went away, an error) aborts what is left, so the scheduler 
 With a queue limit (``kiln serve --max-queued-requests N``, SGLang's name), a submission that would
 leave more than N samples queued -- in flight beyond what the engines run at once, the replicas'
 ``max_running`` together -- is refused with 503 and ``Retry-After`` before anything is sent: the
-count is this process's own, exact at once, where the schedulers' published queue lengths lag.
+count is the API servers' own (``SamplesInFlight``, shared by all of them), exact at once, where the
+schedulers' published queue lengths lag.
+
+With several API servers (``--api-server-count``) each HTTP process has its own tokenizer manager;
+each ADD names its ``api_server`` (``AddOptions.origin``), so its outputs come back to this one.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from kiln.runtime.text.tokenizer import Tokenizer
 
 from . import ipc
 from .errors import APIError, from_value_error, invalid
+from .in_flight import SamplesInFlight
 from .metrics import ServerMetrics
 from .token_text import TokenBytes
 from .router import CacheAwareRouter
@@ -162,13 +167,16 @@ class RequestStream:
 
 class TokenizerManager:
     def __init__(self, tokenizer: Tokenizer | None, info: ModelInfo, senders: list[zmq.Socket], metrics: ServerMetrics,
-                 on_fatal: Callable[[str], None], router: CacheAwareRouter, admission: Admission = Admission()) -> None:
-        """``senders``: one socket per replica's scheduler, in replica order; ``router`` chooses among them."""
+                 on_fatal: Callable[[str], None], router: CacheAwareRouter, admission: Admission = Admission(),
+                 api_server: int = 0, samples_in_flight: SamplesInFlight | None = None) -> None:
+        """``senders``: one socket per replica's scheduler, in replica order; ``router`` chooses among them.
+        ``api_server``: this HTTP process's index; ``samples_in_flight``: the server's count (default: its own)."""
         self.tokenizer = tokenizer
         self.info = info
         self.metrics = metrics
         self.admission = admission
-        self._samples_in_flight = 0
+        self.api_server = api_server
+        self._samples_in_flight = samples_in_flight or SamplesInFlight()
         self._senders = senders
         self._router = router
         self._on_fatal = on_fatal
@@ -253,23 +261,21 @@ class TokenizerManager:
         self._admit(len(prompts) * params.n)
         stream = RequestStream(self, len(prompts) * params.n, max_tokens_param)
         wire_params = asdict(params)
-        options = ipc.AddOptions(lora=lora, bootstrap=bootstrap).to_wire()
+        options = ipc.AddOptions(lora=lora, bootstrap=bootstrap, origin=self.api_server).to_wire()
         now = time.monotonic()
         for index, prompt_ids in enumerate(prompts):
             rid = uuid.uuid4().hex
             replica = self._router.route(prompt_ids)
             self._live[rid] = _Live(stream, index, params.n, now, replica)
-            self._samples_in_flight += params.n
             stream.rids.append(rid)
             self._send(replica, [ipc.ADD, rid, prompt_ids, wire_params, options])
         return stream
 
     def _admit(self, samples: int) -> None:
+        """Counts the submission's samples in flight, or refuses it when the queue is full."""
         limit = self.admission.max_queued_requests
-        if limit is None:
-            return
-        queued = self._samples_in_flight + samples - self.info.max_running
-        if queued > limit:
+        ceiling = None if limit is None else self.info.max_running + limit
+        if not self._samples_in_flight.reserve(samples, ceiling):
             self.metrics.queue_rejections.inc()
             raise APIError(503, f"the request queue is full ({limit} requests may wait beyond the "
                                 f"{self.info.max_running} running; --max-queued-requests); retry after "
@@ -294,7 +300,7 @@ class TokenizerManager:
         """Ends a request's bookkeeping here (its replica's load with it); None if it had ended."""
         live = self._live.pop(rid, None)
         if live is not None:
-            self._samples_in_flight -= live.samples
+            self._samples_in_flight.release(live.samples)
             self._router.finished(live.replica)
         return live
 
@@ -321,9 +327,10 @@ class TokenizerManager:
             live = self._forget(message[1])
             if live is not None:
                 renames = {"max_new_tokens": live.stream.max_tokens_param}
-                # A status after the message: a refusal that is no bad input (a disaggregation peer gone).
-                live.stream.put(APIError(message[3], message[2]) if len(message) > 3
-                                else from_value_error(ValueError(message[2]), renames))
+                # A status: a refusal that is no bad input (a disaggregation peer gone).
+                status = message[3]
+                live.stream.put(from_value_error(ValueError(message[2]), renames) if status is None
+                                else APIError(status, message[2]))
         elif kind == ipc.FATAL:
             self.failure = message[1]
             self.fail_all(500, message[1])
@@ -371,6 +378,10 @@ class TokenizerManager:
             self.metrics.itl.observe(now - last)
         live.last_token_at[index] = now
 
-    async def receive_loop(self, socket: zmq.asyncio.Socket) -> None:
+    async def receive_loop(self, socket: zmq.asyncio.Socket, other: Callable[[list[Any]], bool] | None = None) -> None:
+        """Dispatches what arrives on ``socket``; ``other`` takes a message first (the API servers' questions
+        to one another) and says whether it was one of its own."""
         while True:
-            self.dispatch(ipc.unpack(await socket.recv()))
+            message = ipc.unpack(await socket.recv())
+            if other is None or not other(message):
+                self.dispatch(message)

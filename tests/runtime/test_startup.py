@@ -11,6 +11,7 @@ import time
 import pytest
 
 from kiln.runtime.startup import Phase, StartupReport, StartupTimer, process_phases, process_started_at
+from kiln.server import ipc
 
 
 def test_a_phase_is_timed_logged_and_kept_in_order(caplog):
@@ -71,3 +72,5 @@ def test_the_report_lays_phases_out_from_the_servers_start():
     assert lines[1] == "# TYPE kiln_startup_seconds gauge"
     assert 'kiln_startup_seconds{phase="weights_load",process="scheduler"} 0.3' in lines
     assert lines[-1] == 'kiln_startup_seconds{phase="ready",process="http"} 2.0'
+    # Sent to the other API servers (--api-server-count) as plain data, read back the same.
+    assert StartupReport.from_wire(ipc.unpack(ipc.pack(["ready", report.to_wire()]))[1]) == report

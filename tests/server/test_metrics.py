@@ -44,3 +44,27 @@ def test_expert_tokens_render_by_layer_and_expert_and_replicas_sum():
                          'kiln_moe_expert_tokens_total{layer="3",expert="1"} 2',
                          'kiln_moe_expert_tokens_total{layer="10",expert="0"} 5']
     assert "kiln_moe_expert_tokens_total" not in ServerMetrics().render()  # a dense model has none
+
+
+def test_other_api_servers_series_add_to_this_ones_through_msgpack():
+    from kiln.server import ipc
+
+    mine, theirs = ServerMetrics(api_server=0), ServerMetrics(api_server=1)
+    for metrics, requests, ttft in ((mine, 3, 0.003), (theirs, 2, 0.5)):
+        metrics.replica_stats[0] = REPLICA_0  # the scheduler's stats reach every API server alike
+        metrics.requests.inc(requests, endpoint="/v1/completions", status="200")
+        metrics.generation_tokens.inc(10 * requests)
+        metrics.ttft.observe(ttft)
+    theirs.requests.inc(endpoint="/metrics", status="200")
+    snapshot = ipc.unpack(ipc.pack(["answer", theirs.snapshot()]))[1]  # as it crosses processes
+    lines = mine.render([snapshot]).splitlines()
+    assert 'kiln_requests_total{endpoint="/v1/completions",status="200"} 5' in lines
+    assert 'kiln_requests_total{endpoint="/metrics",status="200"} 1' in lines
+    assert "kiln_generation_tokens_total 50" in lines
+    assert "kiln_time_to_first_token_seconds_count 2" in lines
+    assert 'kiln_time_to_first_token_seconds_bucket{le="0.005"} 1' in lines
+    assert 'kiln_time_to_first_token_seconds_bucket{le="0.5"} 2' in lines
+    assert "kiln_num_requests_running 2" in lines  # not summed: one scheduler
+    assert lines[-2:] == ['kiln_api_server_requests_total{api_server="0"} 3',
+                          'kiln_api_server_requests_total{api_server="1"} 3']
+    assert "kiln_api_server_requests_total" not in mine.render()  # alone, as before
