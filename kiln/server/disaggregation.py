@@ -44,6 +44,8 @@ ROOM_TIMEOUT_S = 60.0
 # and, on the decode side, for the next handoff. A peer that dies closes its connection, which fails
 # the link at once; a room that never arrives fails its request after ROOM_TIMEOUT_S.
 LINK_TIMEOUT = timedelta(days=3650)
+# A prefill server that does not accept the link in this time fails the requests waiting on it (503 with why).
+CONNECT_TIMEOUT = timedelta(seconds=ROOM_TIMEOUT_S)
 UNAVAILABLE = 503
 
 
@@ -53,7 +55,8 @@ class PrefillSide:
         self.core = core
         self.rooms: dict[str, tuple[int, list[int]]] = {}  # rid -> (room, prompt ids)
         self.outgoing: queue.Queue[Handoff] = queue.Queue()
-        self.port = bootstrap_port
+        # Listening now, at start-up: a taken port fails the server's start, naming it (KVLinkError).
+        self.store = KVLink.listen("0.0.0.0", bootstrap_port, LINK_TIMEOUT)
         self.link_failed = False  # then nothing more is exported: no decode server reads it
         threading.Thread(target=self._send_loop, name="kiln-kv-sender", daemon=True).start()
 
@@ -70,8 +73,8 @@ class PrefillSide:
                     self.outgoing.put(export_prompt(self.core, room, prompt_ids))
 
     def _send_loop(self) -> None:
-        link = KVLink.prefill("0.0.0.0", self.port, timeout=LINK_TIMEOUT, device=self.core.runner.pool.device)
-        log.info("the decode server connected to the bootstrap port %d", self.port)
+        link = KVLink.prefill(self.store, timeout=LINK_TIMEOUT, device=self.core.runner.pool.device)
+        log.info("the decode server connected to the bootstrap port %d", self.store.port)
         while True:
             handoff = self.outgoing.get()
             try:
@@ -136,7 +139,8 @@ class DecodeSide:
 
     def _receive_loop(self, host: str, port: int) -> None:
         try:
-            link = KVLink.decode(host, port, timeout=LINK_TIMEOUT, device=self.core.runner.pool.device)
+            link = KVLink.decode(host, port, timeout=LINK_TIMEOUT, device=self.core.runner.pool.device,
+                                 connect_timeout=CONNECT_TIMEOUT)
             while True:
                 self.incoming.put(link.receive())
         except (KVLinkError, RuntimeError) as exc:

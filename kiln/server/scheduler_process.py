@@ -40,6 +40,7 @@ from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.startup import process_phases
 from kiln.runtime.text.detokenizer import PROMPT_CONTEXT_TOKENS
 from kiln.server import ipc
+from kiln.runtime.disagg.kv_link import KVLinkError
 from kiln.server.disaggregation import DecodeSide, PrefillSide
 
 log = logging.getLogger("kiln.server.scheduler")
@@ -182,10 +183,17 @@ def main(argv: list[str] | None = None) -> int:
             outbox.send(ipc.pack([ipc.FATAL, f"loading {config['artifact']} failed: {exc}"]))
             log.error("loading the model failed: %s", exc)
             return 1
+        try:
+            loop = SchedulerLoop(core, inbox, outbox, ipc.ParentWatch(config["parent_pid"]), replica,
+                                 config.get("disaggregation", "null"), config.get("bootstrap_port", 0))
+        except KVLinkError as exc:  # the prefill side's bootstrap port is taken
+            outbox.send(ipc.pack([ipc.FATAL, f"--disaggregation-bootstrap-port: {exc}"]))
+            log.error("%s", exc)
+            core.close()
+            return 1
         outbox.send(ipc.pack([ipc.READY, {**model_facts(core), "replica": replica, "startup": startup.to_wire()}]))
         try:
-            SchedulerLoop(core, inbox, outbox, ipc.ParentWatch(config["parent_pid"]), replica,
-                          config.get("disaggregation", "null"), config.get("bootstrap_port", 0)).run()
+            loop.run()
         except Exception as exc:
             log.exception("a step failed")
             outbox.send(ipc.pack([ipc.FATAL, f"the scheduler failed: {type(exc).__name__}: {exc}"]))

@@ -25,6 +25,11 @@ def test_mixed_and_disaggregated_layouts_answer_the_same_workload(smollm2_dir, t
     results = json.loads(out.read_text())
     assert set(results) == {"mixed", "disaggregated"}
     for summary in results.values():
-        assert summary["completed"] == 6 and summary["failed"] == 0, summary["errors"]
+        assert summary["completed"] == 6 and summary["failed"] == 0, (summary["errors"], server_logs(tmp_path))
         assert summary["ttft_ms"]["p50"] > 0 and summary["tpot_ms"]["p50"] > 0
     assert "TTFT p50" in done.stdout and "disaggregated" in done.stdout
+
+
+def server_logs(logs: Path) -> str:
+    """The servers' and the router's log tails (bench/disagg.py writes them beside ``--out``)."""
+    return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-2000:]}" for log in sorted(logs.glob("*.log")))

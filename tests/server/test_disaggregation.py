@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -196,3 +197,17 @@ def test_unsupported_layouts_are_refused_by_name(artifact, sharded, args, messag
     done = subprocess.run([sys.executable, "-m", "kiln", *(a.format(**paths) for a in args)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and f"kiln: error: {message}" in done.stderr
+
+
+def test_a_prefill_server_whose_bootstrap_port_is_taken_fails_its_start_naming_the_port(artifact, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        prefill = ServerProcess(artifact, tmp_path / "prefill.log", "--disaggregation-mode", "prefill",
+                                "--disaggregation-bootstrap-port", str(port), api_key=None)
+        try:
+            with pytest.raises(RuntimeError, match=f"--disaggregation-bootstrap-port: cannot listen .*:{port}"):
+                prefill.wait_healthy()
+        finally:
+            prefill.stop()

@@ -1,7 +1,7 @@
 """The wire between a prefill engine and a decode engine: a two-rank process group of its own.
 
 The prefill side hosts a ``torch.distributed.TCPStore`` on its bootstrap port (SGLang's
-``--disaggregation-bootstrap-port``) and is rank 0; the decode side connects to it and is rank 1. The
+``--disaggregation-bootstrap-port``; ``listen``, at start-up) and is rank 0; the decode side connects to it and is rank 1. The
 groups are built directly on that store, not the default group, so an engine whose own ranks already
 use torch.distributed can hold a link too:
 
@@ -61,20 +61,33 @@ class KVLink:
             keep_multicast_off()  # before the communicator exists
             self.device_group = dist.ProcessGroupNCCL(dist.PrefixStore("kiln/kv_nccl", store), rank, 2)
 
+    @staticmethod
+    def listen(host: str, port: int, timeout: timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
+        """The prefill side's store, listening on ``port`` (0: a free one) before any decode side comes, so
+        a port that is taken fails at once, naming it, rather than leaving every handoff unsent."""
+        try:
+            return dist.TCPStore(host, port, 2, True, timeout=timeout, wait_for_workers=False)
+        except RuntimeError as exc:
+            raise KVLinkError(f"cannot listen for the decode side on {host}:{port}: {exc}") from exc
+
     @classmethod
-    def prefill(cls, host: str, port: int, timeout: timedelta = DEFAULT_TIMEOUT,
+    def prefill(cls, store: dist.TCPStore, timeout: timedelta = DEFAULT_TIMEOUT,
                 device: torch.device = torch.device("cpu")) -> "KVLink":
-        """The prefill side: hosts the store on ``port`` (0: a free one, see ``port``) and waits for the
-        decode side. ``device``: where the KV it sends lives (its pool's)."""
-        store = dist.TCPStore(host, port, 2, True, timeout=timeout, wait_for_workers=False)
+        """The prefill side: waits on ``store`` (``listen``'s) for the decode side to connect. ``device``:
+        where the KV it sends lives (its pool's)."""
         return cls(dist.ProcessGroupGloo(store, PREFILL_RANK, 2, timeout), store, PREFILL_RANK, device)
 
     @classmethod
     def decode(cls, host: str, port: int, timeout: timedelta = DEFAULT_TIMEOUT,
-               device: torch.device = torch.device("cpu")) -> "KVLink":
-        """The decode side: joins the prefill side's store at ``host:port``. ``device``: where the KV it
-        receives should live (its pool's)."""
-        store = dist.TCPStore(host, port, 2, False, timeout=timeout)
+               device: torch.device = torch.device("cpu"), connect_timeout: timedelta | None = None) -> "KVLink":
+        """The decode side: joins the prefill side's store at ``host:port``, giving up after
+        ``connect_timeout`` (``timeout`` when None) with a ``KVLinkError`` naming the address. ``device``:
+        where the KV it receives should live (its pool's)."""
+        try:
+            store = dist.TCPStore(host, port, 2, False, timeout=connect_timeout or timeout)
+        except RuntimeError as exc:
+            raise KVLinkError(f"cannot reach the prefill side's bootstrap port {host}:{port}: {exc}") from exc
+        store.set_timeout(timeout)
         return cls(dist.ProcessGroupGloo(store, DECODE_RANK, 2, timeout), store, DECODE_RANK, device)
 
     @property

@@ -12,6 +12,8 @@ prefill engine on one and the decode engine on the other, the pages going over t
 from __future__ import annotations
 
 import multiprocessing
+import socket
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -56,7 +58,7 @@ def run(core: EngineCore, prompts: dict[int, list[int]]) -> dict[int, list[int]]
 def prefill_side(artifact: str, port: int, batches: list[dict[int, list[int]]], report, device: str = "cpu") -> None:
     """The prefill process: hands every batch over, then reports its prefix-cache hits per batch."""
     core = EngineCore(artifact, EngineOptions(**{**ENGINE, "device": device}))
-    link = KVLink.prefill("127.0.0.1", port, device=core.runner.pool.device)
+    link = KVLink.prefill(KVLink.listen("127.0.0.1", port), device=core.runner.pool.device)
     hits = []
     for batch in batches:
         before = core.stats()["cache_hit_tokens"]
@@ -111,7 +113,7 @@ def check_prefill_then_decode(artifact: Path, prefill_device: str, decode_device
 
 
 def sleeping_prefill(port: int) -> None:
-    KVLink.prefill("127.0.0.1", port)
+    KVLink.prefill(KVLink.listen("127.0.0.1", port))
     multiprocessing.Event().wait()  # never sends; killed by the test
 
 
@@ -142,8 +144,25 @@ def test_a_dead_decode_side_fails_the_prefill_sides_send():
     port = free_port()
     decode = context.Process(target=sleeping_decode, args=(port,), daemon=True)
     decode.start()
-    link = KVLink.prefill("127.0.0.1", port, timeout=timedelta(seconds=30))
+    link = KVLink.prefill(KVLink.listen("127.0.0.1", port), timeout=timedelta(seconds=30))
     decode.kill()
     decode.join()
     with pytest.raises(KVLinkError, match="the KV handoff to the decode side failed"):
         link.send(Handoff(0, list(range(8)), torch.zeros(2, 2, 8, 2, 16)))
+
+
+def test_a_taken_bootstrap_port_fails_at_once_naming_it():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(KVLinkError, match=f"cannot listen for the decode side on 127.0.0.1:{port}"):
+            KVLink.listen("127.0.0.1", port)
+
+
+def test_a_decode_side_with_no_prefill_side_gives_up_after_its_connect_timeout():
+    port = free_port()
+    started = time.monotonic()
+    with pytest.raises(KVLinkError, match=f"cannot reach the prefill side's bootstrap port 127.0.0.1:{port}"):
+        KVLink.decode("127.0.0.1", port, connect_timeout=timedelta(seconds=2))
+    assert time.monotonic() - started < 30
