@@ -2,8 +2,6 @@
 labels of a real Qwen2-MoE graph (layer 0 dense, so its one sparse layer is layer 1), the counting
 op's kernel against its reference (padding rows count nothing), and dense models left alone."""
 
-import textwrap
-
 import torch
 
 from kiln.compiler.passes.base import PassContext
@@ -14,9 +12,7 @@ from kiln.kernels import get_impl
 from kiln.kernels.moe import ref_count_experts
 from tests.compiler.passes.test_shard_ep import _qwen2_moe_graph
 
-
-def dedent(text: str) -> str:
-    return textwrap.dedent(text).lstrip("\n")
+from .ir_text import dedent
 
 
 HEAD = """

@@ -1,7 +1,5 @@
 """Before/Expected IR tests of expose_hidden_states, and the exposed values against HF's hidden states."""
 
-import textwrap
-
 import pytest
 import torch
 
@@ -9,15 +7,12 @@ from kiln.compiler.compile import compile_model
 from kiln.compiler.options import CompileOptions
 from kiln.compiler.passes.base import PassContext
 from kiln.compiler.passes.expose_hidden_states import default_aux_layers, expose_hidden_states
-from kiln.ir import parse_graph, print_graph, verify
 from kiln.runtime.artifact import load_artifact
 from kiln.runtime.worker.model_runner import ModelRunner
 from tests.support.hf_models import load_hf, make_hf_model
 from tests.support.stepping import pages_for, step_lists
 
-
-def dedent(text: str) -> str:
-    return textwrap.dedent(text).lstrip("\n")
+from .ir_text import dedent, run_pass
 
 
 # Two layers: the residual stream is %e, %a0, %m0, %a1, %m1 (two adds a layer).
@@ -40,11 +35,7 @@ BEFORE = dedent("""
 
 
 def run(ctx: PassContext) -> str:
-    graph = parse_graph(BEFORE)
-    verify(graph)
-    after = expose_hidden_states(graph, ctx)
-    verify(after)
-    return print_graph(after)
+    return run_pass(expose_hidden_states, BEFORE, ctx)
 
 
 def test_exposes_normed_final_states_and_layer_inputs():

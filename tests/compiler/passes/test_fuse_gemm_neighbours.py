@@ -5,7 +5,7 @@ from kiln.compiler.passes.fuse_linear_residual import fuse_linear_residual
 from kiln.compiler.passes.fuse_norm_linear import fuse_norm_linear
 from kiln.compiler.passes.fuse_silu_mul_linear import fuse_silu_mul_linear
 
-from .test_fusions import dedent, run
+from .ir_text import dedent, run_pass
 
 LAYER_BEFORE = dedent("""
     graph g {
@@ -53,15 +53,15 @@ AFTER_RESIDUAL = dedent("""
 
 
 def test_fuse_linear_residual_takes_the_gemm_side_of_either_operand():
-    assert run(fuse_linear_residual, LAYER_BEFORE) == AFTER_RESIDUAL
+    assert run_pass(fuse_linear_residual, LAYER_BEFORE) == AFTER_RESIDUAL
 
 
 def test_fuse_linear_residual_keeps_gemm_outputs_read_elsewhere_and_biased_gemms():
     read_twice = LAYER_BEFORE.replace("return %r2", "return %r2, %d")
-    assert "linear_residual(%m" not in run(fuse_linear_residual, read_twice)
+    assert "linear_residual(%m" not in run_pass(fuse_linear_residual, read_twice)
     biased = LAYER_BEFORE.replace("param @wd: f32[8, 6]", "param @wd: f32[8, 6]\n  param @bd: f32[8]") \
         .replace("linear(%m, @wd)", "linear(%m, @wd, @bd)")
-    assert "linear_residual(%m" not in run(fuse_linear_residual, biased)
+    assert "linear_residual(%m" not in run_pass(fuse_linear_residual, biased)
 
 
 AFTER_SILU_MUL = dedent("""
@@ -85,20 +85,20 @@ AFTER_SILU_MUL = dedent("""
 
 
 def test_fuse_silu_mul_linear_folds_split_and_activation_into_the_down_gemm():
-    assert run(fuse_silu_mul_linear, AFTER_RESIDUAL) == AFTER_SILU_MUL
+    assert run_pass(fuse_silu_mul_linear, AFTER_RESIDUAL) == AFTER_SILU_MUL
 
 
 def test_fuse_silu_mul_linear_keeps_halves_or_activations_read_elsewhere():
     for value in ("%g", "%u", "%m"):
         read_elsewhere = AFTER_RESIDUAL.replace("return %r2", f"return %r2, {value}")
-        assert run(fuse_silu_mul_linear, read_elsewhere) == read_elsewhere
+        assert run_pass(fuse_silu_mul_linear, read_elsewhere) == read_elsewhere
     # Only the residual GEMM takes it (a down projection without the add keeps its silu_mul).
     no_residual = LAYER_BEFORE.replace("%r2 = add(%d, %r1) : f32[T, 8]\n  ", "").replace("return %r2", "return %d")
-    assert run(fuse_silu_mul_linear, no_residual) == no_residual
+    assert run_pass(fuse_silu_mul_linear, no_residual) == no_residual
 
 
 def test_fuse_norm_linear_after_residuals_and_activation():
-    assert run(fuse_norm_linear, AFTER_SILU_MUL) == dedent("""
+    assert run_pass(fuse_norm_linear, AFTER_SILU_MUL) == dedent("""
         graph g {
           input %h: f32[T, 8]
           param @ln1: f32[8]
@@ -118,14 +118,14 @@ def test_fuse_norm_linear_after_residuals_and_activation():
 
 def test_fuse_norm_linear_keeps_norms_with_several_readers_or_non_gemm_readers():
     shared = AFTER_RESIDUAL.replace("return %r2", "return %r2, %n1")
-    assert "%n1 = rmsnorm(%h, @ln1)" in run(fuse_norm_linear, shared)
+    assert "%n1 = rmsnorm(%h, @ln1)" in run_pass(fuse_norm_linear, shared)
     not_gemm_input = AFTER_RESIDUAL.replace("%qkv = linear(%n1, @wqkv) : f32[T, 16]",
                                             "%qkv = linear(%h, @wqkv) : f32[T, 16]\n  %z = add(%n1, %h) : f32[T, 8]") \
         .replace("return %r2", "return %r2, %z")
-    assert "%n1 = rmsnorm(%h, @ln1)" in run(fuse_norm_linear, not_gemm_input)
+    assert "%n1 = rmsnorm(%h, @ln1)" in run_pass(fuse_norm_linear, not_gemm_input)
 
 
 def test_fuse_norm_linear_keeps_a_bias():
     biased = AFTER_RESIDUAL.replace("param @wqkv: f32[16, 8]", "param @wqkv: f32[16, 8]\n  param @bqkv: f32[16]") \
         .replace("linear(%n1, @wqkv)", "linear(%n1, @wqkv, @bqkv)")
-    assert "%qkv = rmsnorm_linear(%h, @ln1, @wqkv, @bqkv) {eps=1e-05} : f32[T, 16]" in run(fuse_norm_linear, biased)
+    assert "%qkv = rmsnorm_linear(%h, @ln1, @wqkv, @bqkv) {eps=1e-05} : f32[T, 16]" in run_pass(fuse_norm_linear, biased)

@@ -3,7 +3,7 @@
 from kiln.compiler.passes.fuse_rope_attention import fuse_rope_attention
 
 from .test_fuse_rope_kv_store import ATTENTION, HEADER
-from .test_fusions import dedent, run as run_pass
+from .ir_text import dedent, run_pass
 
 STORE = ("      %qr, %kc2, %vc2 = rope_kv_store(%q, %k, %v, %positions, @cos_sin, %kc, %vc, %slots) {eps=0.0} "
          ": f32[T, 4, 8], f32[NS, 2, 8], f32[NS, 2, 8]\n")

@@ -2,9 +2,9 @@
 
 import textwrap
 
-from kiln.compiler.passes.base import PassContext
 from kiln.compiler.passes.fuse_rope_kv_store import fuse_rope_kv_store
-from kiln.ir import parse_graph, print_graph, verify
+
+from .ir_text import run_pass
 
 HEADER = """
     graph g {
@@ -26,13 +26,8 @@ ATTENTION = """      %a = paged_attention(%qr, %kc2, %vc2, %q_start, %q_len, %kv
     }
 """
 
-
 def run(text: str) -> str:
-    graph = parse_graph(textwrap.dedent(text))
-    verify(graph)
-    after = fuse_rope_kv_store(graph, PassContext())
-    verify(after)
-    return print_graph(after)
+    return run_pass(fuse_rope_kv_store, text)
 
 
 def test_rope_and_store_fuse():

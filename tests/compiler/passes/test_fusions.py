@@ -1,26 +1,13 @@
 """Before/Expected IR tests of the fusion passes and dead-code elimination."""
 
-import textwrap
-
 from kiln.compiler.passes.base import PassContext
 from kiln.compiler.passes.dce import eliminate_dead_code
 from kiln.compiler.passes.fuse_add_rmsnorm import fuse_add_rmsnorm
 from kiln.compiler.passes.fuse_linears import fuse_linears, joined_name
 from kiln.compiler.passes.fuse_silu_mul import fuse_silu_mul
 from kiln.compiler.recipes import Concat
-from kiln.ir import parse_graph, print_graph, verify
 
-
-def run(pass_fn, before: str, ctx: PassContext | None = None) -> str:
-    graph = parse_graph(before)
-    verify(graph)
-    after = pass_fn(graph, ctx or PassContext())
-    verify(after)
-    return print_graph(after)
-
-
-def dedent(text: str) -> str:
-    return textwrap.dedent(text).lstrip("\n")
+from .ir_text import dedent, run_pass
 
 
 QKV_BEFORE = dedent("""
@@ -43,7 +30,7 @@ QKV_BEFORE = dedent("""
 
 def test_fuse_linears_qkv():
     ctx = PassContext()
-    assert run(fuse_linears, QKV_BEFORE, ctx) == dedent("""
+    assert run_pass(fuse_linears, QKV_BEFORE, ctx) == dedent("""
         graph g {
           input %x: f32[T, 8]
           param @a.q_proj.weight: f32[8, 8]
@@ -67,7 +54,7 @@ def test_fuse_linears_qkv():
 def test_fuse_linears_joins_only_siblings_with_private_weights_and_matching_biases():
     # v reads q, not x: q and k fuse without it.
     not_siblings = QKV_BEFORE.replace("%v = linear(%x,", "%v = linear(%q,")
-    assert run(fuse_linears, not_siblings).splitlines()[8:12] == [
+    assert run_pass(fuse_linears, not_siblings).splitlines()[8:12] == [
         "  param @a.q_k_proj.weight: f32[12, 8]",
         "  param @a.q_k_proj.bias: f32[12]",
         "  %q_k = linear(%x, @a.q_k_proj.weight, @a.q_k_proj.bias) : f32[T, 12]",
@@ -76,12 +63,12 @@ def test_fuse_linears_joins_only_siblings_with_private_weights_and_matching_bias
     # k's weight is read by another linear too (a tied weight): it stays.
     shared_weight = QKV_BEFORE.replace("return %q, %s",
                                        "%w = linear(%x, @a.k_proj.weight) : f32[T, 4]\n  return %q, %w")
-    assert "%q, %v = split(%q_v) {sizes=[8, 4]}" in run(fuse_linears, shared_weight)
+    assert "%q, %v = split(%q_v) {sizes=[8, 4]}" in run_pass(fuse_linears, shared_weight)
     # v without a bias does not join q and k with theirs.
     no_bias = QKV_BEFORE.replace("linear(%x, @a.v_proj.weight, @a.v_proj.bias)", "linear(%x, @a.v_proj.weight)")
-    assert "%q, %k = split(%q_k) {sizes=[8, 4]}" in run(fuse_linears, no_bias)
+    assert "%q, %k = split(%q_k) {sizes=[8, 4]}" in run_pass(fuse_linears, no_bias)
     alone = QKV_BEFORE.replace("%k = linear(%x,", "%k = linear(%q,").replace("%v = linear(%x,", "%v = linear(%q,")
-    assert run(fuse_linears, alone).count("split") == 1
+    assert run_pass(fuse_linears, alone).count("split") == 1
 
 
 def test_fuse_linears_joins_quantized_weights_with_their_scales():
@@ -102,7 +89,7 @@ def test_fuse_linears_joins_quantized_weights_with_their_scales():
         }
     """)
     ctx = PassContext()
-    after = run(fuse_linears, before, ctx)
+    after = run_pass(fuse_linears, before, ctx)
     assert after.splitlines()[7:11] == [
         "  param @m.gate_up: i8[12, 8] format=int8_channel(@m.gate_up_scale)",
         "  param @m.gate_up_scale: f32[12]",
@@ -137,7 +124,7 @@ GATE_UP_BEFORE = dedent("""
 
 
 def test_fuse_linears_gate_up_then_silu_mul():
-    fused = run(fuse_linears, GATE_UP_BEFORE)
+    fused = run_pass(fuse_linears, GATE_UP_BEFORE)
     assert fused == dedent("""
         graph g {
           input %x: f32[T, 8]
@@ -151,7 +138,7 @@ def test_fuse_linears_gate_up_then_silu_mul():
           return %m
         }
     """)
-    assert run(fuse_silu_mul, fused) == dedent("""
+    assert run_pass(fuse_silu_mul, fused) == dedent("""
         graph g {
           input %x: f32[T, 8]
           param @m.gate_proj.weight: f32[6, 8]
@@ -167,7 +154,7 @@ def test_fuse_linears_gate_up_then_silu_mul():
 
 def test_silu_mul_keeps_silu_read_elsewhere():
     before = GATE_UP_BEFORE.replace("return %m", "return %m, %a")
-    assert run(fuse_silu_mul, before) == before
+    assert run_pass(fuse_silu_mul, before) == before
 
 
 def test_fuse_add_rmsnorm_keeps_sum_for_later_readers():
@@ -182,7 +169,7 @@ def test_fuse_add_rmsnorm_keeps_sum_for_later_readers():
           return %z
         }
     """)
-    assert run(fuse_add_rmsnorm, before) == dedent("""
+    assert run_pass(fuse_add_rmsnorm, before) == dedent("""
         graph g {
           input %h: f32[T, 8]
           input %o: f32[T, 8]
@@ -209,7 +196,7 @@ def test_dce_drops_unread_nodes_and_params_but_keeps_effects():
           return %y
         }
     """)
-    assert run(eliminate_dead_code, before) == dedent("""
+    assert run_pass(eliminate_dead_code, before) == dedent("""
         graph g {
           input %x: f32[T, 2, 4]
           input %kc: f32[NS, 2, 4]
@@ -235,7 +222,7 @@ def test_dce_keeps_the_scales_of_a_live_quantized_weight():
           return %y
         }
     """)
-    assert run(eliminate_dead_code, before) == dedent("""
+    assert run_pass(eliminate_dead_code, before) == dedent("""
         graph g {
           input %x: f32[T, 8]
           param @w.scale: f32[4]
@@ -251,7 +238,7 @@ def test_fuse_linears_joins_shards_of_one_placement_only():
                .replace("@a.q_proj.bias: f32[8]", "@a.q_proj.bias: f32[8] placement=column(0)")
                .replace("@a.k_proj.weight: f32[4, 8]", "@a.k_proj.weight: f32[4, 8] placement=column(0)")
                .replace("@a.k_proj.bias: f32[4]", "@a.k_proj.bias: f32[4] placement=column(0)"))
-    text = run(fuse_linears, sharded)
+    text = run_pass(fuse_linears, sharded)
     assert "param @a.q_k_proj.weight: f32[12, 8] placement=column(0)" in text
     assert "param @a.q_k_proj.bias: f32[12] placement=column(0)" in text
     assert "%v = linear(%x, @a.v_proj.weight, @a.v_proj.bias)" in text  # replicated: not joined to the shards

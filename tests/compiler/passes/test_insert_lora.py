@@ -7,7 +7,7 @@ from kiln.compiler.passes.insert_lora import insert_lora
 from kiln.compiler.recipes import Concat
 from kiln.lora_layout import LoraLayout, LoraSlice
 
-from .test_fusions import dedent, run
+from .ir_text import dedent, run_pass
 
 BEFORE = dedent("""
     graph g {
@@ -54,25 +54,25 @@ def _ctx(*targets: str) -> PassContext:
 
 def test_hooks_every_targeted_gemm_and_each_slice_of_a_fused_one():
     ctx = _ctx("q_proj", "k_proj", "o_proj")
-    assert run(insert_lora, BEFORE, ctx) == EXPECTED
+    assert run_pass(insert_lora, BEFORE, ctx) == EXPECTED
     assert [h.slices for h in ctx.lora.hooks] == [
         (LoraSlice("l.q_proj", 8, 8), LoraSlice("l.k_proj", 8, 4)), (LoraSlice("l.o_proj", 8, 8),)]
 
 
 def test_a_fused_gemm_with_one_targeted_member_gets_a_hook_on_all_its_slices():
     ctx = _ctx("k_proj")
-    after = run(insert_lora, BEFORE, ctx)
+    after = run_pass(insert_lora, BEFORE, ctx)
     assert "lora(%q_k.base" in after and "%h.base" not in after
     assert [h.a_input for h in ctx.lora.hooks] == ["lora_a.l.q_k_proj"]
 
 
 def test_without_lora_the_graph_is_unchanged():
-    assert run(insert_lora, BEFORE, PassContext()) == BEFORE
+    assert run_pass(insert_lora, BEFORE, PassContext()) == BEFORE
 
 
 def test_no_targets_matched_leaves_the_graph_and_records_no_hooks():
     ctx = _ctx("down_proj")
-    assert run(insert_lora, BEFORE, ctx) == BEFORE
+    assert run_pass(insert_lora, BEFORE, ctx) == BEFORE
     assert ctx.lora.hooks == ()
 
 
@@ -133,4 +133,4 @@ PROLOGUE_EXPECTED = dedent("""
 def test_hooks_read_the_norm_or_activation_input_so_those_still_join_their_gemms():
     fused = Concat("l.gate_up_proj.weight", ("l.gate_proj.weight", "l.up_proj.weight"))
     ctx = PassContext(recipes=[fused], lora=LoraLayout(3, 4, ("gate_proj", "up_proj", "down_proj"), ()))
-    assert run(insert_lora, PROLOGUE_BEFORE, ctx) == PROLOGUE_EXPECTED
+    assert run_pass(insert_lora, PROLOGUE_BEFORE, ctx) == PROLOGUE_EXPECTED

@@ -6,7 +6,7 @@ from kiln.compiler.passes.base import PassContext
 from kiln.compiler.passes.patterns import Match, Replacement, Rule, op, rewrite, rewrite_siblings, var
 from kiln.ir import parse_graph, print_graph, verify
 
-from .test_fusions import dedent
+from .ir_text import dedent
 
 BEFORE = dedent("""
     graph g {

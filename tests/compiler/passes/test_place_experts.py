@@ -2,8 +2,6 @@
 two copies), its recipes (the model's stacks reordered by slot, the copy table), the copy each row
 picks, its refusals, and the balancing that makes a placement from measured loads."""
 
-import textwrap
-
 import pytest
 import torch
 
@@ -16,9 +14,7 @@ from kiln.ir import parse_graph, print_graph, verify
 from kiln.kernels.moe import ref_place_experts
 from tests.compiler.passes.test_count_expert_load import BODY, HEAD
 
-
-def dedent(text: str) -> str:
-    return textwrap.dedent(text).lstrip("\n")
+from .ir_text import dedent
 
 
 EXPERTS = """

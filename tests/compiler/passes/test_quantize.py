@@ -10,7 +10,7 @@ from kiln.compiler.recipes import Quantize
 from kiln.ir import WeightFormat
 from kiln.ir.weights import SCHEMES
 
-from .test_fusions import dedent, run
+from .ir_text import dedent, run_pass
 
 # A fused layer with a tied lm_head: the embedding's table is also the last GEMM's weight.
 BEFORE = dedent("""
@@ -60,7 +60,7 @@ EXPECTED_W8A8 = dedent("""
 
 def test_w8a8_quantizes_every_gemm_but_the_lm_head():
     ctx = PassContext(quantization=get_method("w8a8_int8"))
-    assert run(quantize, BEFORE, ctx) == EXPECTED_W8A8
+    assert run_pass(quantize, BEFORE, ctx) == EXPECTED_W8A8
     assert ctx.recipes == [Quantize(f"{n}.q", n, WeightFormat(SCHEMES["int8_channel"], (f"{n}.q.scale",)))
                            for n in ("wqkv", "wo", "wgu", "wd")]
 
@@ -68,17 +68,17 @@ def test_w8a8_quantizes_every_gemm_but_the_lm_head():
 def test_a_weight_two_gemms_read_is_quantized_once():
     shared = BEFORE.replace("%r2 = silu_mul", "%again = linear(%q, @wo) : f32[T, 32]\n  %r2 = silu_mul")
     ctx = PassContext(quantization=get_method("w8a16_int8"))
-    after = run(quantize, shared, ctx)
+    after = run_pass(quantize, shared, ctx)
     assert "%again = linear(%q, @wo.q) : f32[T, 32]" in after and after.count("param @wo.q:") == 1
     assert [r.output for r in ctx.recipes].count("wo.q") == 1
 
 
 def test_weight_only_methods_set_no_act_quant_and_mxfp4_packs_two_values_a_byte():
-    after = run(quantize, BEFORE, PassContext(quantization=get_method("mxfp4")))
+    after = run_pass(quantize, BEFORE, PassContext(quantization=get_method("mxfp4")))
     assert "  param @wo.q: u8[32, 32] format=mxfp4(@wo.q.scale)" in after
     assert "  param @wo.q.scale: u8[32, 2]" in after
     assert "  %r1 = linear_residual(%q, @wo.q, %h) : f32[T, 32]" in after
-    fp8 = run(quantize, BEFORE, PassContext(quantization=get_method("fp8")))
+    fp8 = run_pass(quantize, BEFORE, PassContext(quantization=get_method("fp8")))
     assert '%r1 = linear_residual(%q, @wo.q, %h) {act_quant="fp8_per_token"}' in fp8
     assert "param @wo.q: f8e4m3[32, 64] format=fp8_channel(@wo.q.scale)" in fp8
 
@@ -88,17 +88,17 @@ def test_an_untied_lm_head_stays_plain_and_rows_mxfp4_cannot_hold_too():
     untied = BEFORE.replace("param @ln1: f32[32]", "param @ln1: f32[32]\n  param @head: f32[40, 32]").replace(
         "%logits = linear(%r2, @emb) : f32[T, 40]",
         "%lm = rmsnorm_linear(%r2, @ln1, @head) {eps=1e-05} : f32[T, 40]\n  %logits = cast(%lm) {dtype=\"f32\"} : f32[T, 40]")
-    after = run(quantize, untied, PassContext(quantization=get_method("fp8")))
+    after = run_pass(quantize, untied, PassContext(quantization=get_method("fp8")))
     assert "%lm = rmsnorm_linear(%r2, @ln1, @head) {eps=1e-05} : f32[T, 40]" in after
     # 48 in-features are no whole number of MX blocks of 32: @wd stays plain, the rest is quantized.
     odd = BEFORE.replace("@wd: f32[32, 64]", "@wd: f32[32, 48]").replace("@wgu: f32[128, 32]", "@wgu: f32[96, 32]") \
         .replace("%gu = linear(%r1, @wgu) : f32[T, 128]", "%gu = linear(%r1, @wgu) : f32[T, 96]")
-    after = run(quantize, odd, PassContext(quantization=get_method("mxfp4")))
+    after = run_pass(quantize, odd, PassContext(quantization=get_method("mxfp4")))
     assert "%r2 = silu_mul_linear_residual(%gu, @wd, %r1) : f32[T, 32]" in after
     assert "@wo.q" in after
 
 
 def test_no_method_leaves_the_graph_and_unknown_ones_list_the_supported():
-    assert run(quantize, BEFORE) == BEFORE
+    assert run_pass(quantize, BEFORE) == BEFORE
     with pytest.raises(ValueError, match="unknown quantization 'int4'; supported: fp8, w8a8_int8, w8a16_int8, mxfp4"):
         CompileOptions(quantization="int4").validate()

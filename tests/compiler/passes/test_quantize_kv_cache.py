@@ -8,7 +8,8 @@ import pytest
 
 from kiln.compiler.passes.base import PassContext
 from kiln.compiler.passes.quantize_kv_cache import quantize_kv_cache
-from kiln.ir import parse_graph, print_graph, verify
+
+from .ir_text import run_pass
 
 HEADER = """
     graph g {{
@@ -35,7 +36,6 @@ BODY = """      %kc0s, %vc0s = kv_store(%kc0, %vc0, %k, %v, %slots){s0} : {dtype
     }}
 """
 
-
 def graph_text(dtype: str, scales: list[tuple[float, float]] | None) -> str:
     """The graph with its pool in ``dtype`` and, given ``scales``, each layer's on its ops (attributes
     print in name order: k_scale first, v_scale last)."""
@@ -47,11 +47,7 @@ def graph_text(dtype: str, scales: list[tuple[float, float]] | None) -> str:
 
 
 def run(text: str, **ctx) -> str:
-    graph = parse_graph(text)
-    verify(graph)
-    after = quantize_kv_cache(graph, PassContext(**ctx))
-    verify(after)
-    return print_graph(after)
+    return run_pass(quantize_kv_cache, text, PassContext(**ctx))
 
 
 def test_the_pool_becomes_fp8_with_unit_scales():

@@ -3,8 +3,6 @@ experts), its recipes for each rank, its refusals, and the whole pipeline over a
 graph at ep=2 alone and inside tp=2 (Qwen2-MoE: a dense layer, a shared expert), and ep=2 inside
 tp=4, where each expert's width is split too."""
 
-import textwrap
-
 import pytest
 import torch
 
@@ -12,22 +10,16 @@ from kiln.compiler.passes.base import PassContext
 from kiln.compiler.passes.shard_ep import shard_ep
 from kiln.compiler.pipeline import run_pipeline
 from kiln.compiler.recipes import Constant, Slice, apply_recipes, for_rank
-from kiln.ir import parse_graph, print_graph, verify
+from kiln.ir import parse_graph, print_graph
 from kiln.models import BuildOptions, family_for
 from kiln.tensors import parse_float_dtype
 from tests.models.test_moe import hf_config
 
-
-def dedent(text: str) -> str:
-    return textwrap.dedent(text).lstrip("\n")
+from .ir_text import dedent, run_pass
 
 
 def run(before: str, ctx: PassContext) -> str:
-    graph = parse_graph(before)
-    verify(graph)
-    after = shard_ep(graph, ctx)
-    verify(after)
-    return print_graph(after)
+    return run_pass(shard_ep, before, ctx)
 
 
 BEFORE = dedent("""

@@ -2,27 +2,19 @@
 bias, GQA, tied embeddings), its recipes for each rank, the KV heads replicated when tp exceeds
 them, a row-parallel bias added once, its refusals, and the fusions still fusing the sharded graph."""
 
-import textwrap
-
 import pytest
 
 from kiln.compiler.passes.base import PassContext
 from kiln.compiler.passes.shard_tp import shard_tp
 from kiln.compiler.pipeline import run_pipeline
 from kiln.compiler.recipes import Constant, Shard, Slice, Zeros, for_rank
-from kiln.ir import parse_graph, print_graph, verify
+from kiln.ir import parse_graph, print_graph
 
-
-def dedent(text: str) -> str:
-    return textwrap.dedent(text).lstrip("\n")
+from .ir_text import dedent, run_pass
 
 
 def run(before: str, tp: int, ctx: PassContext | None = None) -> str:
-    graph = parse_graph(before)
-    verify(graph)
-    after = shard_tp(graph, ctx or PassContext(tp=tp))
-    verify(after)
-    return print_graph(after)
+    return run_pass(shard_tp, before, ctx or PassContext(tp=tp))
 
 
 BEFORE = dedent("""

@@ -3,27 +3,19 @@ layer, its KV caches and the weights it reads (the tied embedding in both), the 
 residual stream on and the last receives it and returns the logits (which the runtime sends to stage 0); with tensor parallelism
 the stage's collectives run in the ``tp`` group; the refusals; and the whole pipeline compiling a stage."""
 
-import textwrap
-
 import pytest
 
 from kiln.compiler.passes.base import PassContext
 from kiln.compiler.passes.shard_tp import shard_tp
 from kiln.compiler.passes.split_pipeline import split_pipeline, stage_layers
 from kiln.compiler.pipeline import run_pipeline
-from kiln.ir import parse_graph, print_graph, verify
+from kiln.ir import parse_graph, print_graph
 
-
-def dedent(text: str) -> str:
-    return textwrap.dedent(text).lstrip("\n")
+from .ir_text import dedent, run_pass
 
 
 def run(before: str, pp: int, stage: int) -> str:
-    graph = parse_graph(before)
-    verify(graph)
-    after = split_pipeline(graph, PassContext(pp=pp, stage=stage))
-    verify(after)
-    return print_graph(after)
+    return run_pass(split_pipeline, before, PassContext(pp=pp, stage=stage))
 
 
 BEFORE = dedent("""

@@ -1,15 +1,11 @@
 """Before/Expected IR tests of tree_attention, and the fused attention keeping the mask."""
 
-import textwrap
-
 from kiln.compiler.passes.base import PassContext
 from kiln.compiler.passes.fuse_rope_attention import fuse_rope_attention
 from kiln.compiler.passes.tree_attention import tree_attention
-from kiln.ir import parse_graph, print_graph, verify
+from kiln.ir import parse_graph, print_graph
 
-
-def dedent(text: str) -> str:
-    return textwrap.dedent(text).lstrip("\n")
+from .ir_text import dedent, run_pass
 
 
 GRAPH = """
@@ -39,11 +35,7 @@ def graph_text(mask_input: str = "", mask: str = "") -> str:
 
 
 def run(text: str) -> str:
-    graph = parse_graph(text)
-    verify(graph)
-    after = tree_attention(graph, PassContext())
-    verify(after)
-    return print_graph(after)
+    return run_pass(tree_attention, text)
 
 
 def test_attention_reads_the_tree_mask_input():
