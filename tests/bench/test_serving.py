@@ -90,11 +90,8 @@ def test_server_figures_are_the_difference_of_two_scrapes():
 @pytest.fixture(scope="module")
 def tiny_server(smollm2_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_serve")
-    process = ServerProcess(tiny_artifact(smollm2_dir, root), root / "serve.log")
-    try:
-        yield process.wait_healthy()
-    finally:
-        process.stop()
+    with ServerProcess(tiny_artifact(smollm2_dir, root), root / "serve.log") as process:
+        yield process
 
 
 def bench(server: ServerProcess, out: Path, *extra: str) -> dict:

@@ -22,12 +22,9 @@ def smollm2_artifact(smollm2_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def server(smollm2_artifact, tmp_path_factory):
     """The shared server: API key required, a 64 KiB body limit and at most 4 samples a request."""
-    process = ServerProcess(smollm2_artifact, tmp_path_factory.mktemp("serve") / "serve.log",
-                            "--max-body-bytes", "65536", "--max-n", "4")
-    try:
-        yield process.wait_healthy()
-    finally:
-        process.stop()
+    with ServerProcess(smollm2_artifact, tmp_path_factory.mktemp("serve") / "serve.log",
+                            "--max-body-bytes", "65536", "--max-n", "4") as process:
+        yield process
 
 
 @pytest.fixture(scope="session")

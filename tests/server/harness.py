@@ -69,6 +69,17 @@ class ServerProcess:
             time.sleep(0.3)
         raise TimeoutError(f"kiln serve did not become healthy in {timeout} s:\n{self.log()[-4000:]}")
 
+    def __enter__(self) -> "ServerProcess":
+        """The server once healthy (stopped if it never gets there); stopped on the way out."""
+        try:
+            return self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -147,11 +158,16 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
+def metrics(server: ServerProcess) -> dict[str, float]:
+    """Every sample of the server's /metrics by its name (labels included, as printed)."""
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=30).text
+    return {name: float(value) for name, value in re.findall(r"^(\S+) (\S+)$", text, re.M)}
+
+
 def metric(server: ServerProcess, name: str) -> float:
-    text = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=10).text
-    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    assert match, f"{name} not in /metrics"
-    return float(match.group(1))
+    samples = metrics(server)
+    assert name in samples, f"{name} not in /metrics"
+    return samples[name]
 
 
 def wait_metric(server: ServerProcess, name: str, predicate, timeout: float = 30.0) -> float:

@@ -22,11 +22,8 @@ OUTPUT_TOKENS = 6
 def tiny_server(smollm2_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("admission")
     artifact = tiny_artifact(smollm2_dir, root, max_seq_len=2048, max_batch_size=RUNNING)
-    process = ServerProcess(artifact, root / "serve.log", "--max-queued-requests", str(QUEUED))
-    try:
-        yield process.wait_healthy()
-    finally:
-        process.stop()
+    with ServerProcess(artifact, root / "serve.log", "--max-queued-requests", str(QUEUED)) as process:
+        yield process
 
 
 async def _stream(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None, int]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +24,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.harness import API_KEY, MODEL, ServerProcess, started_by, tiny_artifact, wait_gone, wait_metric
+from tests.server.harness import API_KEY, MODEL, ServerProcess, metrics, started_by, tiny_artifact, wait_gone, wait_metric
 
 RUNNING, QUEUED = 8, 56
 OUTPUT_TOKENS = 6
@@ -45,21 +44,13 @@ def tiny(smollm2_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory):
-    process = ServerProcess(tiny[0], tmp_path_factory.mktemp("api_servers_serve") / "serve.log",
-                            "--api-server-count", "2", "--max-queued-requests", str(QUEUED), "--drain-timeout", "60")
-    try:
-        yield process.wait_healthy()
-    finally:
-        process.stop()
-
-
-def metrics_of(server: ServerProcess) -> dict[str, float]:
-    text = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=30).text
-    return {name: float(value) for name, value in re.findall(r"^(\S+) (\S+)$", text, re.M)}
+    with ServerProcess(tiny[0], tmp_path_factory.mktemp("api_servers_serve") / "serve.log",
+                            "--api-server-count", "2", "--max-queued-requests", str(QUEUED), "--drain-timeout", "60") as process:
+        yield process
 
 
 def served_by_each(server: ServerProcess) -> list[float]:
-    seen = metrics_of(server)
+    seen = metrics(server)
     return [seen.get(f'kiln_api_server_requests_total{{api_server="{i}"}}', 0) for i in range(2)]
 
 
@@ -96,7 +87,7 @@ def test_64_concurrent_requests_spread_over_both_api_servers_none_lost(server):
     after = served_by_each(server)
     # Each scrape counts itself once, after its answer: 2 or more are completions.
     assert all(now - then >= 2 for now, then in zip(after, before)), (before, after)
-    seen = metrics_of(server)
+    seen = metrics(server)
     assert seen['kiln_requests_total{endpoint="/v1/completions",status="200"}'] >= 64  # summed over both
     assert seen["kiln_generation_tokens_total"] >= 64 * OUTPUT_TOKENS
     assert seen["kiln_queue_rejections_total"] == 0
@@ -146,7 +137,7 @@ def test_the_queue_limit_is_the_servers_and_closed_streams_are_aborted(server):
     refused = asyncio.run(fill_then_ask())
     assert {response.status_code for response in refused} == {503}
     assert all(r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"] == "1" for r in refused)
-    assert metrics_of(server)["kiln_queue_rejections_total"] == CONNECTIONS
+    assert metrics(server)["kiln_queue_rejections_total"] == CONNECTIONS
     for name in ("kiln_num_requests_running", "kiln_num_requests_waiting", "kiln_kv_pages_held"):
         assert wait_metric(server, name, lambda v: v == 0, timeout=60) == 0, name
     again = fresh_requests(server, "POST", "/v1/completions", 4,

@@ -16,11 +16,8 @@ from tests.server.harness import MODEL, ServerProcess
 
 @pytest.fixture(scope="module")
 def big_server(smollm2_artifact, tmp_path_factory):
-    process = ServerProcess(smollm2_artifact, tmp_path_factory.mktemp("big") / "serve.log")  # default body limit
-    try:
-        yield process.wait_healthy()
-    finally:
-        process.stop()
+    with ServerProcess(smollm2_artifact, tmp_path_factory.mktemp("big") / "serve.log") as process:  # default body limit
+        yield process
 
 
 def test_too_many_messages_is_a_400_naming_messages(big_server):

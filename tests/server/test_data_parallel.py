@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
-from tests.server.harness import API_KEY, MODEL, ServerProcess, started_by, wait_gone
+from tests.server.harness import API_KEY, MODEL, ServerProcess, metrics, started_by, wait_gone
 
 PASSAGES = [
     "The river Loire rises in the Massif Central and flows north and then west for more than a thousand "
@@ -35,16 +33,8 @@ QUESTIONS = ["Question: What is this text about? Answer:", "Question: Name one d
 
 @pytest.fixture(scope="module")
 def dp_server(smollm2_artifact, tmp_path_factory):
-    process = ServerProcess(smollm2_artifact, tmp_path_factory.mktemp("dp") / "serve.log", "--dp", "2")
-    try:
-        yield process.wait_healthy()
-    finally:
-        process.stop()
-
-
-def metrics_of(server: ServerProcess) -> dict[str, float]:
-    text = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=10).text
-    return {name: float(value) for name, value in re.findall(r"^(\S+) (\S+)$", text, re.M)}
+    with ServerProcess(smollm2_artifact, tmp_path_factory.mktemp("dp") / "serve.log", "--dp", "2") as process:
+        yield process
 
 
 def complete(client: openai.OpenAI, prompt: str) -> str:
@@ -59,7 +49,7 @@ def test_each_prefix_group_goes_to_one_replica_and_answers_as_one_replica_does(d
     answers = [complete(dp_client, prompt) for prompt in prompts]
     assert answers == [complete(client, prompt) for prompt in prompts]
 
-    seen = metrics_of(dp_server)
+    seen = metrics(dp_server)
     print({k: v for k, v in seen.items() if "replica" in k or "router" in k})
     assert seen['kiln_dp_requests_total{replica="0"}'] == 3 and seen['kiln_dp_requests_total{replica="1"}'] == 3
     assert seen['kiln_dp_requests_in_flight{replica="0"}'] == 0

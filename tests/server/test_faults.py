@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.harness import MODEL, ServerProcess, metric, started_by, wait_gone, wait_metric
+from tests.server.harness import MODEL, ServerProcess, started_by, wait_gone, wait_metric
 
 # Any JSON, lone surrogates and non-finite numbers included (what a hostile client can send).
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True, allow_infinity=True),

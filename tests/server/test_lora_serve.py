@@ -34,11 +34,8 @@ def server(smollm2_dir, adapters, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora_serve")
     artifact = compile_model(str(smollm2_dir), str(tmp / "smollm2-lora.kiln"), dtype="fp32", backend="torch",
                              max_seq_len=512, max_loras=2, max_lora_rank=8)
-    process = ServerProcess(artifact, tmp / "serve.log", "--lora-modules", f"tuned={adapters['tuned']}")
-    try:
-        yield process.wait_healthy()
-    finally:
-        process.stop()
+    with ServerProcess(artifact, tmp / "serve.log", "--lora-modules", f"tuned={adapters['tuned']}") as process:
+        yield process
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,9 @@ PROMPT = "Count from 1 to 40, separated by commas: 1, 2, 3, 4, 5, 6, 7, 8,"
 
 @pytest.fixture(scope="module")
 def spec_server(smollm2_artifact, tmp_path_factory):
-    process = ServerProcess(smollm2_artifact, tmp_path_factory.mktemp("spec") / "serve.log",
-                            "--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "4")
-    try:
-        yield process.wait_healthy()
-    finally:
-        process.stop()
+    with ServerProcess(smollm2_artifact, tmp_path_factory.mktemp("spec") / "serve.log",
+                            "--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "4") as process:
+        yield process
 
 
 def test_greedy_completion_matches_and_usage_reports_acceptance(spec_server, client):

@@ -36,11 +36,8 @@ def pb(tmp_path_factory):
 @pytest.fixture(scope="module")
 def grpc_server(smollm2_artifact, tmp_path_factory):
     port = free_port()
-    process = ServerProcess(smollm2_artifact, tmp_path_factory.mktemp("grpc") / "serve.log", "--grpc-port", str(port))
-    try:
-        yield process.wait_healthy(), port
-    finally:
-        process.stop()
+    with ServerProcess(smollm2_artifact, tmp_path_factory.mktemp("grpc") / "serve.log", "--grpc-port", str(port)) as process:
+        yield process, port
 
 
 @pytest.fixture(scope="module")
