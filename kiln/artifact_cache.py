@@ -12,10 +12,12 @@ import json
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from kiln import __version__
 from kiln.artifact_format import FORMAT_VERSION, MANIFEST
 from kiln.paths import kiln_home
+from kiln.runtime.spec.config import verify_tokens
 
 
 def is_artifact(path: str | Path) -> bool:
@@ -31,11 +33,19 @@ def ensure_artifact(model: str | Path, options) -> Path:
     return _compiled(model, load_source(model), options, {})
 
 
-def ensure_model_artifacts(model: str | Path, options, algorithm: str | None,
-                           draft_path: str | None) -> tuple[Path, str | None]:
-    """(the artifact to serve, the draft path the engine options take): for an EAGLE algorithm with a
-    draft head, both compiled (``ensure_speculative_artifacts``) and the draft's artifact given;
-    otherwise the model's artifact and ``draft_path`` as it was (the engine refuses what cannot work)."""
+def ensure_model_artifacts(model: str | Path, options, speculative: dict[str, Any]) -> tuple[Path, str | None]:
+    """(the artifact to serve, the draft path the engine options take) under the ``speculative_*``
+    keywords given: for an EAGLE algorithm with a draft head, both compiled
+    (``ensure_speculative_artifacts``) and the draft's artifact given; otherwise the model's artifact
+    and the draft path as it was (the engine refuses what cannot work). With speculation, a model
+    compiled here returns logits for every token a full batch verifies, unless ``options`` set it."""
+    algorithm, draft_path = speculative.get("speculative_algorithm"), speculative.get("speculative_draft_model_path")
+    if algorithm is not None and options.max_logit_rows is None:
+        # Every running request may verify in one step, its drafts and its last token each wanting a row
+        # of logits: with the default (one row a sequence) a step verifies for a few requests only and
+        # leaves the rest without drafts, and the step misses the verify graphs.
+        rows = options.max_batch_size * verify_tokens(speculative)
+        options = replace(options, max_logit_rows=min(rows, options.max_batch_tokens))
     if algorithm in ("eagle", "eagle3") and draft_path is not None:
         target, draft = ensure_speculative_artifacts(model, draft_path, algorithm, options)
         return target, str(draft)

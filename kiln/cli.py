@@ -319,8 +319,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         if is_artifact(args.model) and args.speculative_draft_model_path is None:
             artifact, draft = Path(args.model), None
         else:
-            artifact, draft = ensure_model_artifacts(args.model, compile_options_from(args),
-                                                     args.speculative_algorithm, args.speculative_draft_model_path)
+            artifact, draft = ensure_model_artifacts(args.model, compile_options_from(args), speculative)
     if draft is not None:
         speculative["speculative_draft_model_path"] = draft
     if args.nnodes > 1 and args.dp > 1:

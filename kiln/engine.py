@@ -66,8 +66,10 @@ class Engine:
                                          max_loras=(1 if lora_modules else 0) if max_loras is None else max_loras,
                                          max_lora_rank=max_lora_rank)
         # With an EAGLE head, the target returns the features the head reads and the head is compiled too.
-        self.artifact_path, speculative_draft_model_path = ensure_model_artifacts(
-            model, compile_options, speculative_algorithm, speculative_draft_model_path)
+        self.artifact_path, speculative_draft_model_path = ensure_model_artifacts(model, compile_options, dict(
+            speculative_algorithm=speculative_algorithm, speculative_num_draft_tokens=speculative_num_draft_tokens,
+            speculative_num_steps=speculative_num_steps, speculative_eagle_topk=speculative_eagle_topk,
+            speculative_draft_model_path=speculative_draft_model_path))
         self.core = EngineCore(str(self.artifact_path), EngineOptions(
             device=device, kv_cache_tokens=kv_cache_tokens, mem_fraction=mem_fraction,
             schedule_policy=schedule_policy, enable_prefix_cache=enable_prefix_cache, world_size=world_size,

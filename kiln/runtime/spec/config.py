@@ -74,6 +74,17 @@ class SpecConfig:
         return SpecConfig(algorithm, num_draft, low, high, given.get("speculative_draft_model_path"), steps, topk)
 
 
+def verify_tokens(keywords: dict[str, Any]) -> int:
+    """Tokens (and logits rows) one request brings to a verify step under the speculative ``keywords``
+    (``EngineOptions`` names, unset ones absent or None), checked as ``SpecConfig`` checks them; 1 when
+    no algorithm this engine runs is named (the engine refuses an unknown one when it starts)."""
+    algorithm = keywords.get("speculative_algorithm")
+    if algorithm not in KNOWN_ALGORITHMS:
+        return 1
+    given = {name: keywords[name] for name in _ALGORITHM_OPTIONS if keywords.get(name) is not None}
+    return (_eagle_shape(given)[2] if algorithm in DRAFT_HEADS else _ngram_draft_length(given)) + 1
+
+
 def _ngram_draft_length(given: dict[str, Any]) -> int:
     # n-gram drafts are a chain looked up in the request's own tokens: no model, no tree, no steps.
     for name, why in (("speculative_draft_model_path", "n-gram drafts need no draft model"),

@@ -5,8 +5,12 @@ decoding. A random llama3 (f32): its greedy text falls into loops, so the n-gram
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from kiln.artifact_cache import ensure_model_artifacts
+from kiln.artifact_format import MANIFEST
 from kiln.compiler.compile import compile_model
 from kiln.compiler.options import CompileOptions
 from kiln.runtime.engine_core import EngineCore
@@ -50,3 +54,25 @@ def test_uniform_verify_steps_run_as_decode_graphs_and_match_plain_decoding(arti
     stats = core.stats()
     assert verify_steps and stats["spec_accepted_drafts"] > 0
     assert stats["kv_pages_held"] == 0
+
+
+def test_a_model_compiled_for_speculation_verifies_every_request_of_a_full_batch_in_one_graph(tmp_path, monkeypatch):
+    """Compiled on first use with speculation on, the target returns a logits row for each token a
+    full batch verifies (4 sequences x 4 tokens), so a step of 4 decoding requests verifies drafts for
+    all of them as one graph; an artifact of one row a sequence would leave 3 of them without drafts."""
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
+    source = make_hf_model("llama3", tmp_path / "src")
+    options = CompileOptions(dtype="fp32", page_size=4, max_batch_tokens=32, max_batch_size=4, max_seq_len=64)
+    speculative = dict(speculative_algorithm="ngram", speculative_num_draft_tokens=3)
+    artifact, _ = ensure_model_artifacts(source, options, speculative)
+    assert json.loads((artifact / MANIFEST).read_text())["runtime"]["symbol_bounds"]["N"] == 16
+    core = EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=512, decode_buckets=(1, 2, 4),
+                                                   prefill_graphs=True, **speculative))
+    batches = []
+    real_run = core.runner.verify_graphs.run
+    monkeypatch.setattr(core.runner.verify_graphs, "run", lambda lists, tokens_from=None:
+                        batches.append(len(lists.q_len)) or real_run(lists, tokens_from))
+    lengths = [20, 13, 24, 9]
+    assert run(core, lengths) == run(EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=512)),
+                                     lengths)
+    assert 4 in batches
