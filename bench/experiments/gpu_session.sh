@@ -9,11 +9,41 @@
 # bench/experiments/step_breakdown.py --kernel-config/--skip-pass), gemv-sweep (bench/experiments/gemv_sweep.py: the decode GEMV against cuBLAS at
 # Llama-3-8B shapes under tiling variants), gemv-policy (Llama-3-8B step under each one-row GEMV weight bound),
 # prefill (bench/experiments/prefill_breakdown.py: host and GPU time of a prefill, graphs and eager), decode (bench/decode.py; extra arguments in $DECODE_ARGS, e.g. "--batches 1 --kernel-config NAME=VALUE").
+# The open issues' figures, each stage its GPU tests first (a failing test does not stop the stage's benchmark):
+#   lora (#23, ~4 min), spec (#24, ~3 min), quant (#27, ~6 min), moe (#22, ~4 min), startup and serving (#29,
+#   ~2 and ~6 min; need $TOKENIZER_DIR), structured (#29). Each step has its own time limit.
 set -uo pipefail
 out="${OUT:-out}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv > "$out/gpu.txt"
+# Issue 29's served-vs-offline rows for one shape: the offline engine at 64 and 256 running (the first
+# run also writes the artifact), then one server and the load generator at 1, 64 and 256 concurrent
+# and 1024 with a queue limit (refused requests are 503s, none lost).
+serving_figures() {
+  local shape=$1 art=/tmp/$1.kiln port=30000
+  timeout 300 python3 bench/offline.py --shape "$shape" --tokenizer-dir "${TOKENIZER_DIR:-.bench-tokenizer}" \
+    --save-artifact "$art" --workload random --num-requests 512 --input-len 256 --output-len 128 --max-running 64 \
+    --out "$out/offline_${shape}_64.json" | tail -1
+  timeout 200 python3 bench/offline.py --model "$art" --workload random --num-requests 512 --input-len 256 \
+    --output-len 128 --max-running 256 --out "$out/offline_${shape}_256.json" | tail -1
+  python3 -m kiln serve "$art" --port $port --mem-fraction 0.5 --served-model-name m --max-queued-requests 512 \
+    > "$out/serve_$shape.log" 2>&1 &
+  local server=$!
+  python3 -c "import time, httpx
+for _ in range(1200):
+    try:
+        if httpx.get('http://127.0.0.1:$port/health', timeout=2).status_code == 200: break
+    except httpx.TransportError: pass
+    time.sleep(0.5)"
+  for c in 1 64 256 1024; do
+    local n=$(( c == 1 ? 16 : (c == 1024 ? 1024 : 512) ))
+    timeout 300 python3 bench/serving.py --base-url http://127.0.0.1:$port --model m --num-prompts $n \
+      --input-len 256 --output-len 128 --ignore-eos --max-concurrency $c --workers 4 \
+      --out "$out/served_${shape}_$c.json" 2>&1 | tail -12
+  done
+  kill $server; wait $server
+}
 for stage in "$@"; do
   echo "== $stage $(date +%T)"
   case "$stage" in
@@ -55,6 +85,29 @@ for stage in "$@"; do
                   tail -4 "$out/structured_profile.log" ;;
     decode) python3 bench/decode.py --shapes smollm2-135m llama3-8b --batches 1 8 64 --static-batches 1 \
               --out "$out/decode.json" ${DECODE_ARGS:-} 2>&1 | tee "$out/decode.log" | grep -v "^{" ;;
+    lora) python3 -m pytest tests/e2e/test_gpu_lora.py -m gpu -q -p no:cacheprovider 2>&1 | tail -3 | tee "$out/lora.log"
+          timeout 420 python3 bench/lora_decode.py --shape llama3-8b --batches 1 64 --out "$out/lora.json" 2>&1 \
+            | grep -v Warning | tee -a "$out/lora.log"
+          timeout 240 python3 bench/experiments/lora_profile.py --layers 8 2>&1 | tail -40 >> "$out/lora.log" ;;
+    spec) python3 -m pytest tests/e2e/test_gpu_speculative.py -m gpu -q -p no:cacheprovider 2>&1 | tail -3 | tee "$out/spec.log"
+          timeout 420 python3 bench/spec_decode.py --shape llama3-8b --batch 1 --draft-tokens 4 8 --new-tokens 256 \
+            --drafters oracle ngram --out "$out/spec.json" 2>&1 | grep -v Warning | tee -a "$out/spec.log" ;;
+    quant) python3 -m pytest tests/e2e/test_gpu_quantized.py -m gpu -q -p no:cacheprovider 2>&1 | tail -3 | tee "$out/quant.log"
+           timeout 540 python3 bench/decode.py --shapes llama3-8b --batches 1 64 --static-batches \
+             --quantization none fp8 mxfp4 w8a8_int8 --out "$out/quant.json" 2>&1 | grep -v "^{" | tee -a "$out/quant.log" ;;
+    moe) python3 -m pytest tests/e2e/test_gpu_moe.py -m gpu -q -p no:cacheprovider 2>&1 | tail -3 | tee "$out/moe.log"
+         timeout 420 python3 bench/moe_decode.py --shapes qwen3-30b-a3b mixtral-8x7b --batches 1 64 \
+           --out "$out/moe.json" 2>&1 | grep -v Warning | tee -a "$out/moe.log" ;;
+    startup) python3 -m pytest tests/e2e/test_gpu_kernel_cache.py -m gpu -q -p no:cacheprovider 2>&1 | tail -3 \
+               | tee "$out/startup.log"
+             for shape in smollm2-135m llama3-8b; do
+               [ -d "/tmp/$shape.kiln" ] || timeout 300 python3 bench/offline.py --shape "$shape" --tokenizer-dir \
+                 "${TOKENIZER_DIR:-.bench-tokenizer}" --save-artifact "/tmp/$shape.kiln" --workload random \
+                 --num-requests 8 --input-len 256 --output-len 2 > /dev/null 2>&1
+               timeout 300 python3 bench/startup.py --artifact "/tmp/$shape.kiln" --runs 3 --fresh-triton-cache \
+                 --out "$out/startup_$shape.json" 2>&1 | tail -8 | tee -a "$out/startup.log"
+             done ;;
+    serving) for shape in smollm2-135m llama3-8b; do serving_figures "$shape"; done 2>&1 | tee "$out/serving.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
