@@ -60,6 +60,10 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens in one step (default 2048)")
     p.add_argument("--max-batch-size", type=int, default=256, help="sequences in one step (default 256)")
     p.add_argument("--max-seq-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-logit-rows", type=int, default=None,
+                   help="rows of logits one step returns (default: --max-batch-size; with speculative decoding, "
+                        "--max-batch-size x the tokens a request verifies, which a model compiled by kiln serve "
+                        "gets by itself)")
     p.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens (default 16)")
     p.add_argument("--quantization", default=None, type=_quantization, metavar="SCHEME",
                    help="quantize the GEMMs' weights: fp8, w8a8_int8, w8a16_int8 or mxfp4 (default: none)")
@@ -177,7 +181,8 @@ def compile_options_from(args: argparse.Namespace):
     lora_modules = getattr(args, "lora_modules", None)
     max_loras = args.max_loras if args.max_loras is not None else (1 if lora_modules else 0)
     return CompileOptions(dtype=args.dtype, backend=backend, max_batch_tokens=args.max_batch_tokens,
-                          max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, page_size=args.page_size,
+                          max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+                          max_logit_rows=args.max_logit_rows, page_size=args.page_size,
                           quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, tp=tp, pp=pp,
                           ep=args.ep, expert_placement=_expert_placement(args),
                           max_loras=max_loras, max_lora_rank=args.max_lora_rank,

@@ -61,6 +61,15 @@ def test_compile_takes_a_quantization(tmp_path):
     assert "unknown quantization 'q4_k'; supported: fp8, w8a8_int8, w8a16_int8, mxfp4" in unknown.stderr
 
 
+def test_compile_takes_max_logit_rows_for_speculation(tmp_path):
+    source = make_hf_model("llama3", tmp_path / "src")
+    out = tmp_path / "m.kiln"
+    result = kiln("compile", str(source), "-o", str(out), "--backend", "torch", "--max-batch-size", "8",
+                  "--max-logit-rows", "40")
+    assert result.returncode == 0, result.stderr
+    assert json.loads((out / "manifest.json").read_text())["runtime"]["symbol_bounds"]["N"] == 40
+
+
 def test_compile_takes_a_tp(tmp_path):
     source = make_hf_model("llama3", tmp_path / "src")
     out = tmp_path / "m.kiln"

@@ -8,8 +8,11 @@ artifact's bounds once, when the engine core starts, and is what the step loop r
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger("kiln.spec")
 
 # Algorithms named by the option; the ones this engine runs.
 KNOWN_ALGORITHMS = ("ngram", "eagle", "eagle3")
@@ -71,6 +74,10 @@ class SpecConfig:
             if num_draft + 1 > room:
                 raise ValueError(f"speculative_num_draft_tokens {num_draft}: a verify step of one request brings "
                                  f"{num_draft + 1} tokens, and the artifact's steps hold at most {room}")
+            if bounds["N"] < bounds["B"] * (num_draft + 1):
+                log.warning("the artifact returns %d rows of logits a step: a step verifies drafts for about %d of "
+                            "its %d sequences (compile it with --max-logit-rows %d for all of them)", bounds["N"],
+                            bounds["N"] // (num_draft + 1), bounds["B"], bounds["B"] * (num_draft + 1))
         return SpecConfig(algorithm, num_draft, low, high, given.get("speculative_draft_model_path"), steps, topk)
 
 

@@ -70,3 +70,15 @@ def test_cli_flags_become_the_keywords():
                         "speculative_ngram_max_match_window_size": 5}
     assert SpecConfig.from_options(EngineOptions(**keywords), BOUNDS).num_draft_tokens == 6
     assert speculative_keywords(parser.parse_args([])) == {}
+
+
+def test_an_artifact_with_too_few_logits_rows_for_a_full_batch_verify_is_named_at_start(caplog):
+    with caplog.at_level("WARNING", logger="kiln.spec"):
+        SpecConfig.from_options(EngineOptions(speculative_algorithm="ngram", speculative_num_draft_tokens=3),
+                                {"T": 64, "B": 4, "N": 8})
+    assert "verifies drafts for about 2 of its 4 sequences (compile it with --max-logit-rows 16" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kiln.spec"):
+        SpecConfig.from_options(EngineOptions(speculative_algorithm="ngram", speculative_num_draft_tokens=3),
+                                {"T": 64, "B": 4, "N": 16})
+    assert caplog.text == ""
