@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import random_model  # noqa: E402
 
 from kiln.artifact_format import weights_file  # noqa: E402
-from kiln.cli import add_tuning_options, tuning_options  # noqa: E402
+from kiln.cli_compile import add_tuning_options, tuning_options  # noqa: E402
 from kiln.compiler.compile import compile_model  # noqa: E402
 from kiln.compiler.options import CompileOptions  # noqa: E402
 from kiln.compiler.quantization import METHODS  # noqa: E402

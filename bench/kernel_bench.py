@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from kiln.cli import add_tuning_options, tuning_options
+from kiln.cli_compile import add_tuning_options, tuning_options
 from kiln.kernels.config import DEFAULTS, KernelConfig
 
 # Llama-3-8B: hidden 4096, 32 query heads, 8 KV heads of 128, MLP 14336, rope theta 500000.

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.cli import add_tuning_options, tuning_options
+from kiln.cli_compile import add_tuning_options, tuning_options
 from kiln.compiler.compile import compile_model
 from kiln.compiler.options import CompileOptions
 from kiln.compiler.sources.hf import TOKENIZER_FILES, MemoryTensors, ModelSource

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import copy_bandwidth, rates, run_core, run_hf  # noqa: E402
 
-from kiln.cli import add_tuning_options, tuning_options  # noqa: E402
+from kiln.cli_compile import add_tuning_options, tuning_options  # noqa: E402
 from kiln.compiler.compile import compile_model  # noqa: E402
 from kiln.compiler.options import CompileOptions  # noqa: E402
 from kiln.compiler.sources.hf import MemoryTensors, ModelSource  # noqa: E402

@@ -26,7 +26,7 @@ def add_parsers(commands) -> None:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    from kiln.cli import add_compile_options
+    from kiln.cli_compile import add_compile_options
     from kiln.cli_speculative import add_speculative_arguments
 
     add_compile_options(p)
@@ -45,7 +45,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def _engine(args: argparse.Namespace):
-    from kiln.cli import compile_options_from
+    from kiln.cli_compile import compile_options_from
     from kiln.cli_speculative import speculative_keywords
     from kiln.engine import Engine
 

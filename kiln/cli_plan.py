@@ -10,7 +10,7 @@ import sys
 
 
 def add_parser(commands) -> None:
-    from kiln.cli import _quantization as quantization_name
+    from kiln.cli_compile import quantization_name
     from kiln.planner.hardware import GPUS
 
     p = commands.add_parser("plan", help="choose tp/pp/ep for a model on N GPUs and explain the choice",

@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from models import add_model_arguments  # noqa: E402
 
-from kiln.cli import tuning_options  # noqa: E402
+from kiln.cli_compile import tuning_options  # noqa: E402
 from kiln.kernels import KernelConfig  # noqa: E402
 
 
