@@ -16,6 +16,10 @@ previous step's token and hidden state. Rows catching up read the target's featu
 continuing a draft their own hidden state (EAGLE-3: ``target_features`` and ``draft_hidden``, the
 other zeroed). The drafts' slots are reserved before the chain writes them.
 
+With decode graphs on (a GPU), the draft steps after the catch-up, of one token a sequence in a
+chain and ``topk`` in a tree, replay graphs of the target's decode buckets (``DecodeGraphs`` with the
+hidden states as extra inputs, ``graphs``); the catch-up, of any length, runs eagerly.
+
 ``propose_trees`` (top-k > 1, ``spec/tree.py``): after the same catch-up, each later draft step
 runs the ``topk`` best nodes so far of each request side by side in its reserved slots past the
 root (step ``s``'s at context indices ``root + (s - 1) * topk ..``, all at the position of depth
@@ -31,10 +35,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from kiln.step_schema import TREE_MASK
+from kiln.tensors import torch_dtype
 
 from ..artifact import load_artifact
 from ..scheduler.batch import StepLists
 from ..scheduler.request import Request
+from ..worker.decode_graphs import DecodeGraphs
 from ..worker.model_runner import ModelRunner
 from ..worker.worker import LocalWorker
 from .tree import Candidates, DraftTree, mask_bits
@@ -83,6 +89,10 @@ class EagleDrafter:
             if not isinstance(core.worker, LocalWorker):
                 raise ValueError("speculative_eagle_topk > 1 runs on one rank (world_size=1) for now: a verify step "
                                  "moves the accepted path's KV in rank 0's pool")
+        # The draft steps after the catch-up (one token a sequence in a chain, top-k nodes in a tree) run
+        # as graphs of the target's decode buckets when the target has them; the catch-up stays eager.
+        buckets = core.runner.decode_graphs.buckets if core.runner.decode_graphs is not None else []
+        self.graphs = self._draft_graphs(buckets, topk, bounds["P"], torch_dtype(artifact.runtime["dtype"]))
 
     # ---- the target's features ----------------------------------------------------------------
 
@@ -205,9 +215,25 @@ class EagleDrafter:
                      "draft_hidden": zeros_hidden if from_target else hidden}
         else:
             feeds = {"draft_hidden": hidden}
-        out = self.runner.forward_eager(lists, feeds).outputs
+        if not from_target and self.graphs is not None and self.graphs.fits(lists):
+            out = self.graphs.run(lists, extra_feeds=feeds).outputs
+        else:
+            out = self.runner.forward_eager(lists, feeds).outputs
         return {"logits": out["logits"], "draft_tokens": out["draft_tokens"],
                 "hidden_states": out["hidden_states"].clone()}
+
+    def _draft_graphs(self, buckets: list[int], k: int, page_table_width: int,
+                      dtype: torch.dtype) -> DecodeGraphs | None:
+        """Graphs of the draft steps of ``k`` tokens a sequence (a chain's one, a tree's top-k nodes), the
+        hidden-state inputs beside the step's."""
+        fitting = [b for b in buckets if k * b <= self._max_rows]
+        if not fitting:
+            return None
+        extra = {"draft_hidden": (dtype, self.hidden_size)}
+        if self.eagle3:
+            extra["target_features"] = (dtype, self.feature_size)
+        return DecodeGraphs(self.runner.executor, self.runner.kv_views, fitting, page_table_width,
+                            tokens_per_sequence=k, extra_inputs=extra)
 
     def _top(self, logits: torch.Tensor, topk: int) -> tuple[list[list[float]], list[list[int]]]:
         """Each row's ``topk`` likeliest draft tokens (in the target's vocabulary) and their draft probabilities."""

@@ -26,6 +26,9 @@ Events order the rest: a turn's transfer waits for the last replay that read its
 it writes the ids, for the last replay, whose argmax writes them); each replay waits for its
 transfer. The host reads step N's tokens before it stages step N+2, which reuses N's pinned buffers.
 
+Inputs outside the step schema (``extra_inputs``: an EAGLE head's hidden states) get a device buffer
+per turn, which ``run`` copies the step's rows into on the compute stream.
+
 On a CPU (no graphs) the same padded path runs eagerly; tests use it to check the padding.
 """
 
@@ -47,9 +50,12 @@ _LAYOUT_FIELDS = ("q_start", "q_len", "logits_index")
 
 class DecodeGraphs:
     def __init__(self, executor: Executor, kv_views: dict[str, torch.Tensor], buckets: list[int],
-                 page_table_width: int, tokens_per_sequence: int = 1, startup: StartupTimer | None = None) -> None:
+                 page_table_width: int, tokens_per_sequence: int = 1, startup: StartupTimer | None = None,
+                 extra_inputs: dict[str, tuple[torch.dtype, int]] | None = None) -> None:
         """``startup`` gets the capture's two phases: ``kernel_warmup`` (the runs before each capture,
-        where Triton compiles or loads its kernels) and ``graph_capture``."""
+        where Triton compiles or loads its kernels) and ``graph_capture``. ``extra_inputs``: graph
+        inputs beyond the step schema's, a row of ``(dtype, width)`` per token (a draft head's hidden
+        states), given to ``run`` on the device each step."""
         self.executor = executor
         self.kv_views = kv_views
         self.buckets = sorted(set(buckets))
@@ -84,6 +90,8 @@ class DecodeGraphs:
         self._devices = [torch.zeros(size, dtype=torch.int32, device=device) for _ in range(2)]
         self._mirrors = [torch.zeros(rows, dtype=torch.int32, pin_memory=on_gpu) for _ in range(2)]
         self._tokens = [torch.zeros(rows, dtype=torch.int32, device=device) for _ in range(2)] if k > 1 else None
+        self._extras = [{name: torch.zeros(rows, width, dtype=dtype, device=device)
+                         for name, (dtype, width) in (extra_inputs or {}).items()} for _ in range(2)]
         fixed = StepLists(q_start=list(range(0, rows, k)), q_len=[k] * self.max_batch, logits_index=list(range(rows)))
         for host in self._hosts:
             self.layout.write_vectors(host, fixed, self._sizes(self.max_batch), list(_LAYOUT_FIELDS))
@@ -106,11 +114,13 @@ class DecodeGraphs:
         return n <= self.max_batch and len(lists.token_ids) == k * n and len(lists.logits_index) == k * n and \
             min(lists.q_len) == max(lists.q_len) == k and max(map(len, lists.page_table)) <= self.width
 
-    def run(self, lists: StepLists, tokens_from: torch.Tensor | None = None) -> StepResult:
+    def run(self, lists: StepLists, tokens_from: torch.Tensor | None = None,
+            extra_feeds: dict[str, torch.Tensor] | None = None) -> StepResult:
         """The outputs (logits ``[n, V]``, ...) and greedy tokens ``[n]`` of the step's ``n`` rows (views
         valid until the next step). ``tokens_from`` (on the device; one token a sequence only)
         replaces the step's input token ids: an overlapped step reads the previous step's output
-        there, without a round trip through the host."""
+        there, without a round trip through the host. ``extra_feeds``: a ``[n, width]`` tensor for
+        each of the ``extra_inputs``, on the device."""
         n = len(lists.token_ids)
         bucket = next(b for b in self.buckets if b >= len(lists.q_len))
         turn = self._turn
@@ -121,6 +131,9 @@ class DecodeGraphs:
         self._stage(lists, bucket, turn, ids_on_device=tokens_from is not None)
         if tokens_from is not None and not ids_in_place:
             self._devices[turn][:n].copy_(tokens_from)
+        for name, buffer in self._extras[turn].items():
+            # On the compute stream: after the last replay that read this turn's buffer, before this one.
+            buffer[:n].copy_(extra_feeds[name])
         if bucket not in self._graphs:
             outputs = {name: value[:n] for name, value in self.executor.run(self._inputs(bucket, turn),
                                                                              self.kv_views).items()}
@@ -187,6 +200,7 @@ class DecodeGraphs:
 
     def _inputs(self, bucket: int, turn: int) -> StepInputs:
         views = self.layout.views(self._devices[turn], self._sizes(bucket))
+        views.update({name: buffer[:self.k * bucket] for name, buffer in self._extras[turn].items()})
         # max_kv_len stays at the table's reach: the graph must serve any context up to it.
         return StepInputs(views, max_q_len=self.k, max_kv_len=self.width * self.executor.page_size)
 

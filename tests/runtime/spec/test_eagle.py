@@ -44,7 +44,11 @@ def models(smollm2_dir, tmp_path_factory):
 
 
 def run(artifact, requests: list[tuple[str, SamplingParams]], **spec) -> tuple[list, dict]:
-    core = EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=4096, **spec))
+    return drain(EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=4096, **spec)), requests)
+
+
+def drain(core: EngineCore, requests: list[tuple[str, SamplingParams]]) -> tuple[list, dict]:
+    """Each (request, sample)'s tokens and finish reason, and the core's stats, once all are done."""
     out: dict = {}
     for i, (prompt, params) in enumerate(requests):
         core.add_request(str(i), core.tokenizer.encode(prompt), params)
@@ -102,6 +106,45 @@ def test_greedy_is_identical_to_non_speculative(models, version, shape):
     single_plain, _ = run(models[2], requests[1:2])
     assert speculative(models, version, requests[1:2], shape)[0] == single_plain
     assert stats["kv_pages_held"] == 0
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize("version", ["eagle", "eagle3"])
+def test_draft_steps_replay_graphs_of_the_decode_buckets(models, version, shape, monkeypatch):
+    """With decode buckets (CUDA graphs on a GPU, the same padded layout run eagerly here), the draft
+    steps after the catch-up go through the draft head's graphs, hidden states as extra inputs: the
+    outputs stay those of plain decoding, and the drafts those of eager draft steps (as many accepted)."""
+    # Not the JSON-schema request: its grammar compiles on another thread, so the steps it joins vary
+    # from run to run, and with them the drafts (not the outputs).
+    requests = [r for i, r in enumerate(batch_of_eight(stop_string(models[2]))) if i in (0, 1, 3, 4)]
+    plain, _ = run(models[2], requests)
+    _, built, _ = models
+    target, draft = built[version]
+
+    def core() -> EngineCore:
+        return EngineCore(str(target), EngineOptions(
+            device="cpu", kv_cache_tokens=4096, decode_buckets=(1, 2, 4, 8), speculative_algorithm=version,
+            speculative_draft_model_path=str(draft), **SHAPES[shape]))
+
+    with_graphs, eager = core(), core()
+    graphs = with_graphs.speculator.eagle.graphs
+    assert graphs is not None and graphs.k == (3 if shape == "tree" else 1)
+    replays = []
+    real_run = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda lists, tokens_from=None, extra_feeds=None:
+                        replays.append(len(lists.q_len)) or real_run(lists, tokens_from, extra_feeds))
+    monkeypatch.setattr(eager.speculator.eagle, "graphs", None)
+    drafts = {id(with_graphs): [], id(eager): []}
+    for engine in (with_graphs, eager):
+        drafter = engine.speculator.eagle
+        name = "propose_trees" if shape == "tree" else "propose"
+        made = getattr(drafter, name)
+        monkeypatch.setattr(drafter, name, lambda *args, made=made, out=drafts[id(engine)]:
+                            out.append(made(*args)) or out[-1])
+    spec, stats = drain(with_graphs, requests)
+    assert spec == plain and drain(eager, requests) == (plain, stats)
+    assert replays and stats["spec_drafted_tokens"] > 0 and stats["kv_pages_held"] == 0
+    assert drafts[id(with_graphs)] == drafts[id(eager)]
 
 
 def test_refusals_name_what_cannot_work(models):
