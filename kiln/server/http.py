@@ -28,7 +28,7 @@ from .native_routes import add_native_routes
 from .openai_routes import add_openai_routes
 from .peers import METRICS
 from .responses_api import add_responses_route
-from .tokenizer_manager import RequestStream
+from .request_stream import RequestStream
 
 # /health_generate fails when one token takes longer than this (the engine is stuck or overloaded).
 HEALTH_GENERATE_TIMEOUT_S = 30.0

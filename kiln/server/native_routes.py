@@ -22,7 +22,7 @@ from .openai_routes import CLIENT_CLOSED
 from .protocol import DetokenizeRequest, GenerateRequest, TokenizeRequest, template_messages
 from .responses import SSE_DONE, Accumulator, Sample, spec_usage, sse
 from .streaming import ClientDisconnected, EventStream, until_disconnect
-from .tokenizer_manager import RequestStream, TokenLogprob, Usage
+from .request_stream import RequestStream, TokenLogprob, Usage
 
 
 def add_native_routes(app: FastAPI, ctx: ServerContext) -> None:

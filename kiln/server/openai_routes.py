@@ -21,7 +21,7 @@ from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import (SSE_DONE, Accumulator, ChunkFrames, chat_logprobs, chat_response, completion_logprobs,
                         completion_response, finish_reason, sse)
 from .streaming import ClientDisconnected, EventStream, until_disconnect
-from .tokenizer_manager import RequestStream
+from .request_stream import RequestStream
 from .tools.streaming import tool_chat_events
 
 CLIENT_CLOSED = 499

@@ -14,7 +14,7 @@ from typing import Any
 
 from kiln import __version__
 
-from .tokenizer_manager import PromptEcho, SampleOutput, TokenLogprob, Usage
+from .request_stream import PromptEcho, SampleOutput, TokenLogprob, Usage
 
 # OpenAI's system_fingerprint names the backend configuration that answered; clients compare it
 # to tell whether answers may differ for reasons other than sampling.

@@ -26,7 +26,7 @@ from .context import ServerContext
 from .errors import APIError, invalid
 from .openai_routes import CLIENT_CLOSED, collect_unless_disconnected
 from .streaming import EventStream
-from .tokenizer_manager import RequestStream, Usage
+from .request_stream import RequestStream, Usage
 
 UNSERVED = ("tools", "previous_response_id", "reasoning")
 

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Awaitable, TypeVar
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
-from .tokenizer_manager import RequestStream
+from .request_stream import RequestStream
 
 T = TypeVar("T")
 

@@ -37,6 +37,7 @@ from . import ipc
 from .errors import APIError, from_value_error, invalid
 from .in_flight import SamplesInFlight
 from .metrics import ServerMetrics
+from .request_stream import PromptEcho, RequestStream, SampleOutput, TokenLogprob
 from .token_text import TokenBytes
 from .router import CacheAwareRouter
 
@@ -67,45 +68,6 @@ class Admission:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    token_bytes: bytes
-    logprob: float
-    top: tuple[tuple[int, bytes, float], ...] = ()
-
-
-@dataclass(frozen=True)
-class SampleOutput:
-    """One delta of one sample: ``index`` of the ``n`` samples of prompt ``prompt_index``."""
-
-    prompt_index: int
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob]
-    finish_reason: str | None
-    prompt_logprobs: list[float] = field(default_factory=list)  # on a sample's first delta, when asked
-    matched_stop: int | str | None = None  # on a "stop" delta: the stop token id, string or regex that ended it
-
-
-@dataclass(frozen=True)
-class PromptEcho:
-    """A prompt as ``echo`` returns it: its text and each token's bytes."""
-
-    text: str
-    token_bytes: list[bytes]
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    spec_verify_ct: int = 0        # speculative decoding: the samples' verify steps (see runtime.outputs.Usage)
-    spec_verify_tokens: int = 0
-
-
 @dataclass
 class _Live:
     """A request in flight (one prompt, its n samples)."""
@@ -120,49 +82,6 @@ class _Live:
 
     def __post_init__(self) -> None:
         self.open_samples = self.samples
-
-
-class RequestStream:
-    """The outputs of one submission, in arrival order; ``usage`` is complete once it ends."""
-
-    def __init__(self, manager: "TokenizerManager", samples: int, max_tokens_param: str) -> None:
-        self.manager = manager
-        self.rids: list[str] = []
-        self.max_tokens_param = max_tokens_param
-        self.usage = Usage()
-        self._queue: asyncio.Queue[SampleOutput | APIError] = asyncio.Queue()
-        self._pending = samples
-        self._prompts_counted: set[int] = set()
-
-    def put(self, item: SampleOutput | APIError) -> None:
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> SampleOutput:
-        if self._pending == 0:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, APIError):
-            self._pending = 0
-            raise item
-        self.usage.completion_tokens += len(item.token_ids)
-        if item.finish_reason is not None:
-            self._pending -= 1
-        return item
-
-    def note_prompt(self, prompt_index: int, index: int, prompt_tokens: int, cached_tokens: int) -> None:
-        # All samples of a prompt share it. Sample 0 leads: the others reuse the prompt KV it cached,
-        # so its cache hit is the request's (as the in-process Engine reports it).
-        if index == 0 and prompt_index not in self._prompts_counted:
-            self._prompts_counted.add(prompt_index)
-            self.usage.prompt_tokens += prompt_tokens
-            self.usage.cached_tokens += cached_tokens
-
-    def close(self) -> None:
-        """Ends the stream's requests: those still running are aborted (idempotent)."""
-        self.manager.release(self)
 
 
 class TokenizerManager:

@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from ..errors import invalid
-from ..tokenizer_manager import Usage
+from ..request_stream import Usage
 from . import kiln_pb2 as pb
 
 # SamplingParams fields that are proto3 ``optional`` (unset: the HTTP default applies).

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator
 
 from ..errors import APIError
 from ..responses import SSE_DONE, chat_logprobs, chunk, finish_reason, sse
-from ..tokenizer_manager import RequestStream
+from ..request_stream import RequestStream
 from .request import ToolRequest, tool_call_body
 
 Delta = dict[str, Any]
