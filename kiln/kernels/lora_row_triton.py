@@ -2,11 +2,10 @@
 
 One row would leave most of the GPU idle while a program walks all of K, so the shrink is a program
 per block of h's columns and split of K (about one per SM), each split writing its partial sums to
-a plane of its own that the expand adds. Under the RMSNorm prologue every split needs the row's
-norm: it reads the row in wide blocks first (a few round trips). The expand is a program per run of
-up to ``N_STEPS`` blocks of output columns, loading every plane of the row at once; the programs of
-the first run write the summed h. The row and its slot are the grouping's first tile: slot -1 (no
-adapter) returns at once.
+a plane of its own that the block's last split adds into h. Under the RMSNorm prologue every split
+needs the row's norm: it reads the row in wide blocks first (a few round trips). The expand is a
+program per run of up to ``N_STEPS`` blocks of output columns. The row and its slot are the
+grouping's first tile: slot -1 (no adapter) returns at once.
 """
 
 from __future__ import annotations
@@ -16,17 +15,18 @@ import triton
 import triton.language as tl
 
 from .config import KernelConfig
-from .lora_triton import _column_block, _gemm_input, column_runs, planes_for, rank_block, slice_ends, split_k
-from .triton_support import await_previous_kernel, pdl_launch, pow2, sm_count
+from .lora_triton import (_column_block, _gemm_input, _last_split, _sum_planes, column_runs, planes_for, rank_block,
+                          slice_ends, split_k)
+from .triton_support import await_previous_kernel, pdl_launch, pow2, semaphore_counters, sm_count
 
 K_BLOCK = 128      # in-features a shrink step reads
 NORM_BLOCK = 2048  # in-features a shrink reads per step of the RMSNorm prologue's sum of squares
 
 
 @triton.jit
-def _shrink_row(x_ptr, a_ptr, out_ptr, rows_ptr, tiles_ptr, norm_ptr, eps, K, NR, K_PER_SPLIT, x_stride,
-                a_slot_stride, out_split_stride, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                PROLOGUE: tl.constexpr, PDL: tl.constexpr):
+def _shrink_row(x_ptr, a_ptr, h_ptr, part_ptr, counter_ptr, rows_ptr, tiles_ptr, norm_ptr, eps, K, NR, K_PER_SPLIT,
+                x_stride, a_slot_stride, part_split_stride, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                NORM_BLOCK: tl.constexpr, PROLOGUE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
     # Every program waits first, before any early return, so that this kernel's end still implies
     # the previous kernel's (the next PDL kernel relies on it); PDL overlaps the launch itself.
     await_previous_kernel(PDL)
@@ -55,13 +55,18 @@ def _shrink_row(x_ptr, a_ptr, out_ptr, rows_ptr, tiles_ptr, norm_ptr, eps, K, NR
         x = _gemm_input(x_row + offs_k, k_ok, norm_ptr + offs_k, k_ok, K, rstd, PROLOGUE).to(tl.float32)
         a = tl.load(a_base + offs_r[:, None] * K + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
-    tl.store(out_ptr + split.to(tl.int64) * out_split_stride + row * NR + offs_r, acc, mask=r_ok)
+    if SPLIT:
+        tl.store(part_ptr + split.to(tl.int64) * part_split_stride + row * NR + offs_r, acc, mask=r_ok)
+        if _last_split(counter_ptr + r_block, tl.num_programs(1)):
+            acc = _sum_planes(part_ptr, row * NR + offs_r, r_ok, tl.num_programs(1), part_split_stride)
+            tl.store(h_ptr + row * NR + offs_r, acc, mask=r_ok)
+    else:
+        tl.store(h_ptr + row * NR + offs_r, acc, mask=r_ok)
 
 
 @triton.jit
-def _expand_row(y_ptr, h_ptr, part_ptr, b_ptr, rows_ptr, tiles_ptr, N, R, END0, END1, SPLITS, part_split_stride,
-                b_slot_stride, N_PER_PROGRAM, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
-                SLICES: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+def _expand_row(y_ptr, h_ptr, b_ptr, rows_ptr, tiles_ptr, N, R, END0, END1, b_slot_stride, N_PER_PROGRAM,
+                BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SLICES: tl.constexpr, PDL: tl.constexpr):
     await_previous_kernel(PDL)  # (first, as in _shrink_row)
     n_program = tl.program_id(0)
     slot = tl.load(tiles_ptr)
@@ -70,7 +75,7 @@ def _expand_row(y_ptr, h_ptr, part_ptr, b_ptr, rows_ptr, tiles_ptr, N, R, END0, 
     row = tl.load(rows_ptr).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < R
-    h_row = row * SLICES * R
+    h_row = h_ptr + row * SLICES * R
     b_base = b_ptr + slot.to(tl.int64) * b_slot_stride
     n_first = n_program * N_PER_PROGRAM
     n_end = tl.minimum(n_first + N_PER_PROGRAM, N)
@@ -78,15 +83,7 @@ def _expand_row(y_ptr, h_ptr, part_ptr, b_ptr, rows_ptr, tiles_ptr, N, R, END0, 
         offs_n, n_ok, piece = _column_block(n0, n_end, END0, END1, BLOCK_N)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for i in tl.static_range(SLICES):
-            if SPLIT:  # the shrink's planes, all loaded at once: one round trip, not one per split
-                offs_s = tl.arange(0, BLOCK_S)
-                planes = tl.load(part_ptr + offs_s[:, None] * part_split_stride + h_row + i * R + offs_r[None, :],
-                                 mask=(offs_s < SPLITS)[:, None] & r_ok[None, :], other=0.0)
-                h = tl.sum(planes, axis=0)
-                if n_program == 0 and n0 == n_first:  # h is the op's output too: one program writes it
-                    tl.store(h_ptr + h_row + i * R + offs_r, h, mask=r_ok)
-            else:
-                h = tl.load(h_ptr + h_row + i * R + offs_r, mask=r_ok, other=0.0)
+            h = tl.load(h_row + i * R + offs_r, mask=r_ok, other=0.0)
             w = tl.load(b_base + offs_n[:, None] * R + offs_r[None, :],
                         mask=(n_ok & (piece == i))[:, None] & r_ok[None, :], other=0.0)
             acc += tl.sum(w.to(tl.float32) * h[None, :], axis=1)
@@ -105,13 +102,15 @@ def launch_row(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: t
     r_blocks = triton.cdiv(nr, block_r)
     splits, per_split = split_k(k, K_BLOCK, r_blocks, sms)
     planes = planes_for(h, splits)
+    counters = semaphore_counters(h.device, r_blocks) if splits > 1 else planes
     _shrink_row[(r_blocks, splits)](
-        x, lora_a, planes, rows, tiles, norm, eps, k, nr, per_split, x.stride(0), lora_a.stride(0), h.numel(),
-        BLOCK_R=block_r, BLOCK_K=K_BLOCK, NORM_BLOCK=min(pow2(k), NORM_BLOCK), PROLOGUE=prologue, **pdl)
+        x, lora_a, h, planes, counters, rows, tiles, norm, eps, k, nr, per_split, x.stride(0), lora_a.stride(0),
+        h.numel(), BLOCK_R=block_r, BLOCK_K=K_BLOCK, NORM_BLOCK=min(pow2(k), NORM_BLOCK), PROLOGUE=prologue,
+        SPLIT=splits > 1, **pdl)
     block_r2 = pow2(r, 16)
     block_n = max(64, min(256, 4096 // block_r2))
     per_program = column_runs(n, block_n, 2 * sms)
     ends = slice_ends(slices, n)
     _expand_row[(triton.cdiv(n, per_program),)](
-        y, h, planes, lora_b, rows, tiles, n, r, ends[0], ends[1], splits, h.numel(), lora_b.stride(0), per_program,
-        BLOCK_N=block_n, BLOCK_R=block_r2, BLOCK_S=pow2(splits), SLICES=len(slices), SPLIT=splits > 1, **pdl)
+        y, h, lora_b, rows, tiles, n, r, ends[0], ends[1], lora_b.stride(0), per_program, BLOCK_N=block_n,
+        BLOCK_R=block_r2, SLICES=len(slices), **pdl)

@@ -3,10 +3,10 @@
 Program axis 0 is a tile of ``lora_groups``: up to ``TILE_ROWS`` token rows of one adapter, so the
 products are ``tl.dot`` tiles and the adapter's A (in the shrink) and B (in the expand) are read once
 per tile, not once per row; tiles of slot -1 (past the step's tiles) return at once. The shrink
-splits K so that the tiles in use still fill the SMs. Under the RMSNorm prologue a tile's rows are
-scaled by 1/rms after the sum (one number a row), so the squares are summed in the same pass, per
-split, and the expand applies it. The expand walks runs of output columns (axis 1) and, in its first
-run, writes the summed h.
+splits K so that the tiles in use still fill the SMs; the last split of a tile's block of h adds the
+planes into h. Under the RMSNorm prologue a tile's rows are scaled by 1/rms after the sum (one number
+a row), so the squares are summed in the same pass, per split, and the merge applies it. The expand
+walks runs of output columns (axis 1).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from kiln.lora_layout import TILE_ROWS
 
 from .config import KernelConfig
 from .lora_groups import tile_count
-from .lora_triton import _column_block, _gemm_input, column_runs, planes_for, rank_block, slice_ends, split_k
-from .triton_support import await_previous_kernel, dot_in_f32, pdl_launch, pow2, sm_count
+from .lora_triton import (_column_block, _gemm_input, _last_split, _sum_planes, column_runs, planes_for, rank_block,
+                          slice_ends, split_k)
+from .triton_support import await_previous_kernel, dot_in_f32, pdl_launch, pow2, semaphore_counters, sm_count
 
 K_BLOCK = 64        # in-features a shrink step reads
 MIN_SPLIT_K = 256   # in-features of a shrink's split at least
@@ -35,11 +36,12 @@ def _tile_rows(rows_ptr, tile, TOKENS, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _shrink_tile(x_ptr, a_ptr, out_ptr, sq_ptr, rows_ptr, tiles_ptr, norm_ptr, eps, K, NR, TOKENS, K_PER_SPLIT,
-                 x_stride, a_slot_stride, out_split_stride, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PROLOGUE: tl.constexpr, DOT_F32: tl.constexpr,
-                 PDL: tl.constexpr):
-    """A tile (axis 0), a block of h's columns and a split of K (axis 1: r_block * splits + split)."""
+def _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, sq_ptr, counter_ptr, rows_ptr, tiles_ptr, norm_ptr, eps, K, NR,
+                 TOKENS, K_PER_SPLIT, x_stride, a_slot_stride, part_split_stride, BLOCK_M: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PROLOGUE: tl.constexpr,
+                 DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    """A tile (axis 0), a block of h's columns and a split of K (axis 1: r_block * splits + split);
+    the squares of split s of block r_block in row ``r_block * splits + s`` of ``sq``."""
     # Every program waits first, before any early return, so that this kernel's end still implies
     # the previous kernel's (the next PDL kernel relies on it); PDL overlaps the launch itself.
     await_previous_kernel(PDL)
@@ -75,33 +77,21 @@ def _shrink_tile(x_ptr, a_ptr, out_ptr, sq_ptr, rows_ptr, tiles_ptr, norm_ptr, e
         if DOT_F32:
             x, a = x.to(tl.float32), a.to(tl.float32)
         acc += tl.dot(x, a)
-    if PROLOGUE == 1 and not SPLIT:
-        acc *= tl.rsqrt(squares / K + eps)[:, None]
-    plane = out_ptr + split.to(tl.int64) * out_split_stride
-    tl.store(plane + rows[:, None] * NR + offs_r[None, :], acc, mask=m_ok[:, None] & r_ok[None, :])
-    if PROLOGUE == 1 and SPLIT:
-        tl.store(sq_ptr + split.to(tl.int64) * TOKENS + rows, squares, mask=m_ok & (r_block == 0))
-
-
-@triton.jit
-def _slice_h(h_ptr, part_ptr, rows, m_ok, col, R, NR, SPLITS, part_split_stride, rstd, WRITE,
-             BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr):
-    """One slice's h for a tile's rows (columns ``col .. col + R``): the sum of the shrink's planes
-    (times 1/rms), written to h by the programs with ``WRITE``; or h itself without splits."""
-    offs_r = tl.arange(0, BLOCK_R)
-    ptrs = rows[:, None] * NR + col + offs_r[None, :]
-    mask = m_ok[:, None] & (offs_r < R)[None, :]
+    offsets, mask = rows[:, None] * NR + offs_r[None, :], m_ok[:, None] & r_ok[None, :]
     if SPLIT:
-        h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        # Unrolled over the planes' power-of-two bound: a runtime loop here, inlined once per slice,
-        # made Triton 3.6's layout pass fail at three slices ("operand does not dominate this use").
-        for s in tl.static_range(BLOCK_S):
-            h += tl.load(part_ptr + s * part_split_stride + ptrs, mask=mask & (s < SPLITS), other=0.0)
-        h = h * rstd[:, None]
-        tl.store(h_ptr + ptrs, h, mask=mask & WRITE)
+        tl.store(part_ptr + split.to(tl.int64) * part_split_stride + offsets, acc, mask=mask)
+        if PROLOGUE == 1:
+            tl.store(sq_ptr + rs.to(tl.int64) * TOKENS + rows, squares, mask=m_ok)
+        if _last_split(counter_ptr + tile * tl.cdiv(NR, BLOCK_R) + r_block, splits):
+            acc = _sum_planes(part_ptr, offsets, mask, splits, part_split_stride)
+            if PROLOGUE == 1:
+                squares = _sum_planes(sq_ptr + (r_block * splits).to(tl.int64) * TOKENS, rows, m_ok, splits, TOKENS)
+                acc *= tl.rsqrt(squares / K + eps)[:, None]
+            tl.store(h_ptr + offsets, acc, mask=mask)
     else:
-        h = tl.load(h_ptr + ptrs, mask=mask, other=0.0)
-    return h
+        if PROLOGUE == 1:
+            acc *= tl.rsqrt(squares / K + eps)[:, None]
+        tl.store(h_ptr + offsets, acc, mask=mask)
 
 
 @triton.jit
@@ -114,10 +104,9 @@ def _slice_product(h, b_base, offs_n, n_mask, offs_r, r_ok, R, DOT_F32: tl.const
 
 
 @triton.jit
-def _expand_tile(y_ptr, h_ptr, part_ptr, sq_ptr, b_ptr, rows_ptr, tiles_ptr, N, R, END0, END1, SPLITS, TOKENS, K,
-                 eps, part_split_stride, b_slot_stride, N_PER_PROGRAM, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SLICES: tl.constexpr, SPLIT: tl.constexpr,
-                 SCALED: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+def _expand_tile(y_ptr, h_ptr, b_ptr, rows_ptr, tiles_ptr, N, R, END0, END1, TOKENS, b_slot_stride, N_PER_PROGRAM,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SLICES: tl.constexpr,
+                 DOT_F32: tl.constexpr, PDL: tl.constexpr):
     """A tile (axis 0) and a run of output columns (axis 1)."""
     await_previous_kernel(PDL)  # (first, as in _shrink_tile)
     tile, n_program = tl.program_id(0), tl.program_id(1)
@@ -125,25 +114,18 @@ def _expand_tile(y_ptr, h_ptr, part_ptr, sq_ptr, b_ptr, rows_ptr, tiles_ptr, N, 
     if slot < 0:
         return
     rows, m_ok = _tile_rows(rows_ptr, tile, TOKENS, BLOCK_M)
-    rstd = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
-    if SCALED:  # planes of an RMSNorm prologue's unscaled products: the splits' squares give 1/rms
-        offs_s = tl.arange(0, BLOCK_S)
-        squares = tl.load(sq_ptr + offs_s[:, None] * TOKENS + rows[None, :],
-                          mask=(offs_s < SPLITS)[:, None] & m_ok[None, :], other=0.0)
-        rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-    write, nr = n_program == 0, SLICES * R
-    h0 = _slice_h(h_ptr, part_ptr, rows, m_ok, 0, R, nr, SPLITS, part_split_stride, rstd, write, BLOCK_M, BLOCK_R,
-                  BLOCK_S, SPLIT)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < R
+    # Each slice's h, loaded once for the whole run of columns (unrolled by hand: a loop over the
+    # slices around the column walk made Triton 3.6's layout pass fail at three slices).
+    h_ptrs, h_mask = h_ptr + rows[:, None] * (SLICES * R) + offs_r[None, :], m_ok[:, None] & r_ok[None, :]
+    h0 = tl.load(h_ptrs, mask=h_mask, other=0.0)
     h1 = h0
     h2 = h0
     if SLICES > 1:
-        h1 = _slice_h(h_ptr, part_ptr, rows, m_ok, R, R, nr, SPLITS, part_split_stride, rstd, write, BLOCK_M,
-                      BLOCK_R, BLOCK_S, SPLIT)
+        h1 = tl.load(h_ptrs + R, mask=h_mask, other=0.0)
     if SLICES > 2:
-        h2 = _slice_h(h_ptr, part_ptr, rows, m_ok, 2 * R, R, nr, SPLITS, part_split_stride, rstd, write, BLOCK_M,
-                      BLOCK_R, BLOCK_S, SPLIT)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < R
+        h2 = tl.load(h_ptrs + 2 * R, mask=h_mask, other=0.0)
     b_base = b_ptr + slot.to(tl.int64) * b_slot_stride
     n_first = n_program * N_PER_PROGRAM
     n_end = tl.minimum(n_first + N_PER_PROGRAM, N)
@@ -174,15 +156,17 @@ def launch_tiles(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b:
     r_blocks = triton.cdiv(nr, block_r)
     splits, per_split = split_k(k, MIN_SPLIT_K, busy * r_blocks, sms)
     planes = planes_for(h, splits)
-    scaled = prologue == 1 and splits > 1
-    squares = torch.empty((splits, tokens), dtype=torch.float32, device=h.device) if scaled else h
+    split = splits > 1
+    # (read only with split K: the RMSNorm prologue's squares, and the merge's tickets)
+    squares = torch.empty((r_blocks * splits, tokens), dtype=torch.float32, device=h.device) \
+        if split and prologue == 1 else h
+    counters = semaphore_counters(h.device, grid_tiles * r_blocks) if split else h
     _shrink_tile[(grid_tiles, r_blocks * splits)](
-        x, lora_a, planes, squares, rows, tiles, norm, eps, k, nr, tokens, per_split, x.stride(0), lora_a.stride(0),
-        h.numel(), BLOCK_M=TILE_ROWS, BLOCK_R=block_r, BLOCK_K=K_BLOCK, SPLIT=splits > 1, PROLOGUE=prologue,
-        DOT_F32=dot_f32, **pdl)
+        x, lora_a, h, planes, squares, counters, rows, tiles, norm, eps, k, nr, tokens, per_split, x.stride(0),
+        lora_a.stride(0), h.numel(), BLOCK_M=TILE_ROWS, BLOCK_R=block_r, BLOCK_K=K_BLOCK, SPLIT=split,
+        PROLOGUE=prologue, DOT_F32=dot_f32, **pdl)
     per_program = column_runs(n, N_BLOCK, triton.cdiv(2 * sms, busy))
     ends = slice_ends(slices, n)
     _expand_tile[(grid_tiles, triton.cdiv(n, per_program))](
-        y, h, planes, squares, lora_b, rows, tiles, n, r, ends[0], ends[1], splits, tokens, k, eps, h.numel(),
-        lora_b.stride(0), per_program, BLOCK_M=TILE_ROWS, BLOCK_N=N_BLOCK, BLOCK_R=pow2(r, 16),
-        BLOCK_S=pow2(splits), SLICES=len(slices), SPLIT=splits > 1, SCALED=scaled, DOT_F32=dot_f32, **pdl)
+        y, h, lora_b, rows, tiles, n, r, ends[0], ends[1], tokens, lora_b.stride(0), per_program, BLOCK_M=TILE_ROWS,
+        BLOCK_N=N_BLOCK, BLOCK_R=pow2(r, 16), SLICES=len(slices), DOT_F32=dot_f32, **pdl)

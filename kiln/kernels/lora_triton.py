@@ -9,7 +9,11 @@ Two layouts of the same two steps:
   tiles and each adapter's A and B are read once per tile, not once per row or per sequence.
 
 Each K split writes its partial sums to a plane of its own (h itself without splits): no zeroed
-buffer to fill first, no atomic add; the expand adds the planes and writes h. The expand reads slice
+buffer to fill first, no atomic add of the sums. Then it takes a ticket from its unit's counter (the
+device's shared semaphore counters, ``triton_support.semaphore_counters``), and the program that
+draws the last one adds the unit's planes into h (the pattern of ``attention_split_merge``): every
+expand program reads h only, instead of every plane again (at Llama-3-8B's shape, batch 64, the
+expand programs re-read 4-6 times the bytes of B in planes). The expand reads slice
 ``i``'s rows of h (``i*R .. i*R + R``) for the columns of y in slice ``i`` (up to three slices: fused
 q/k/v); it adds in f32 and rounds once into y. Under the interpreter (and for f32) the products are
 f32, as ``dot_in_f32`` says. All launch with programmatic dependent launch (``KernelConfig.pdl``).
@@ -47,6 +51,29 @@ def _gemm_input(ptrs, mask, norm_ptrs, k_mask, up_offset, rstd, PROLOGUE: tl.con
 
 
 @triton.jit
+def _last_split(counter_ptr, SPLITS):
+    """Takes this program's ticket from its unit's counter: True for the program that draws the last
+    of the unit's ``SPLITS``, which puts the counter back to zero (no program of the launch touches it
+    after its ticket; the stream orders the reset before the next launch)."""
+    # The barrier orders this program's stores before the atomic, whose gpu-scope release publishes
+    # them; the tickets form one release sequence, so the last ticket acquires every split's stores
+    # (as in attention_decode._decode_kernel); the merge then loads from L2 (.cg).
+    tl.debug_barrier()
+    last = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
+    tl.store(counter_ptr, 0, mask=last)
+    return last
+
+
+@triton.jit
+def _sum_planes(part_ptr, offsets, mask, SPLITS, split_stride):
+    """The sum over ``SPLITS`` planes (``split_stride`` apart) of the elements at ``offsets``."""
+    total = tl.load(part_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in range(1, SPLITS):
+        total += tl.load(part_ptr + s * split_stride + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+    return total
+
+
+@triton.jit
 def _column_block(n0, n_end, END0, END1, BLOCK_N: tl.constexpr):
     """An expand step's output columns from ``n0`` (those before ``n_end``) and each one's slice:
     how many of the slice ends ``END0``, ``END1`` it is at or past."""
@@ -72,7 +99,7 @@ def split_k(k: int, step: int, programs: int, sms: int) -> tuple[int, int]:
 
 def planes_for(h: torch.Tensor, splits: int) -> torch.Tensor:
     """Where the shrink's splits write: h itself for one, else a plane each (never zeroed: each
-    split writes every element of its plane that the expand reads)."""
+    split writes every element of its plane that the merge reads)."""
     return h if splits == 1 else torch.empty((splits, *h.shape), dtype=h.dtype, device=h.device)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from kiln.kernels.lora import ref_lora, triton_lora
 from kiln.kernels.lora_groups import ref_lora_groups
+from kiln.kernels.triton_support import semaphore_counters
 
 
 def _per_sequence(y, x, lora_a, lora_b, slots, lengths, slices):
@@ -127,16 +128,17 @@ DECODE_CASES = [
     (17, [2] * 17, [40, 24, 24], 96, 16, 3),                        # every row on one adapter
     (5, [-1] * 5, [70], 50, 8, 2),                                  # no adapter at all: y unchanged
     (6, [0, -1, 0, 0, -1, 0], [40, 24], 700, 16, 1),                # one adapter's tile, K split in planes
-    (50, [i % 2 if i % 5 else -1 for i in range(50)], [33], 600, 8, 2),  # two tiles an adapter, K split
+    (50, [i % 2 if i % 5 else -1 for i in range(50)], [33], 600, 8, 2),  # two tiles an adapter
+    (20, [0] * 19 + [-1], [33, 33, 20], 600, 8, 1),                 # two tiles of one adapter, K split
 ]
 
 
 @pytest.mark.parametrize("prologue", ["none", "rmsnorm", "silu_mul"])
 @pytest.mark.parametrize("count,slots,slices,in_features,rank,num_slots", DECODE_CASES)
 def test_decode_kernels_match_ref(count, slots, slices, in_features, rank, num_slots, prologue, device, assert_matches):
-    """The decode layout (shrink split over K into planes the expand adds, the expand walking runs of
-    column blocks) at several batch sizes, ranks, slice counts and prologues; h holds each adapter
-    row's shrink result."""
+    """The decode layouts (shrink split over K into planes that each unit's last split adds into h,
+    the expand walking runs of column blocks) at several batch sizes, ranks, slice counts and
+    prologues; h holds each adapter row's shrink result."""
     y, x, a, b, rows, tiles = _inputs([1] * count, slots, slices, in_features, rank, num_slots, torch.float32,
                                       device)
     norm = None
@@ -150,6 +152,7 @@ def test_decode_kernels_match_ref(count, slots, slices, in_features, rank, num_s
     assert_matches(y, expected)
     adapter_rows = torch.tensor(slots) >= 0
     assert_matches(h[adapter_rows], expected_h[adapter_rows])
+    assert not semaphore_counters(h.device, 1).any(), "the last split of each unit puts its counter back to zero"
 
 
 def test_decode_split_rmsnorm_in_bf16(device, assert_matches):

@@ -26,7 +26,7 @@ HOPPER = GPUTarget("cuda", 90, 32)
 _POINTER_TYPES = {"y_ptr": "*bf16", "x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "norm_ptr": "*bf16",
                   "h_ptr": "*fp32", "part_ptr": "*fp32", "out_ptr": "*fp32", "sq_ptr": "*fp32",
                   "slot_ptr": "*i32", "q_start_ptr": "*i32", "q_len_ptr": "*i32", "rows_ptr": "*i32",
-                  "tiles_ptr": "*i32"}
+                  "tiles_ptr": "*i32", "counter_ptr": "*i32"}
 # The grouping's pointers are all int32 (its out_ptr too).
 _GROUPING_TYPES = {name: "*i32" for name in ("out_ptr", "ids_ptr", "sorted_ptr", "block_experts_ptr", "total_ptr")}
 
@@ -45,23 +45,20 @@ def _compile(kernel, constants: dict, pointers: dict | None = None) -> None:
 
 
 def compile_all() -> None:
-    """The step's grouping; the tile expand at one and three slices, with and without split planes;
-    the shrinks with each prologue; the one-row expand at one and three slices, split or not."""
+    """The step's grouping; the expands at one and three slices; the shrinks with each prologue, with
+    and without split K (whose last split merges the planes)."""
     _compile(lora_groups._token_slots, dict(BLOCK_T=128, BLOCK_B=64), _GROUPING_TYPES)
     _compile(moe_align._moe_align_kernel, dict(BLOCK_M=16, E_POW2=8, CHUNK=64), _GROUPING_TYPES)
     for slices in (1, 3):
-        for split in (False, True):
-            _compile(lora_tile_triton._expand_tile, dict(
-                BLOCK_M=16, BLOCK_N=128, BLOCK_R=16, BLOCK_S=8, SLICES=slices, SPLIT=split, SCALED=split,
-                DOT_F32=False, PDL=True))
-            _compile(lora_row_triton._expand_row, dict(BLOCK_N=256, BLOCK_R=16, BLOCK_S=32, SLICES=slices,
-                                                       SPLIT=split, PDL=True))
+        _compile(lora_tile_triton._expand_tile, dict(BLOCK_M=16, BLOCK_N=128, BLOCK_R=16, SLICES=slices,
+                                                     DOT_F32=False, PDL=True))
+        _compile(lora_row_triton._expand_row, dict(BLOCK_N=256, BLOCK_R=16, SLICES=slices, PDL=True))
     for prologue in (0, 1, 2):
         for split in (False, True):
             _compile(lora_tile_triton._shrink_tile, dict(BLOCK_M=16, BLOCK_R=16, BLOCK_K=64, SPLIT=split,
                                                          PROLOGUE=prologue, DOT_F32=False, PDL=True))
-        _compile(lora_row_triton._shrink_row, dict(BLOCK_R=16, BLOCK_K=128, NORM_BLOCK=2048, PROLOGUE=prologue,
-                                                   PDL=True))
+            _compile(lora_row_triton._shrink_row, dict(BLOCK_R=16, BLOCK_K=128, NORM_BLOCK=2048, PROLOGUE=prologue,
+                                                       SPLIT=split, PDL=True))
 
 
 def test_lora_kernels_compile_for_hopper(tmp_path):
