@@ -29,6 +29,8 @@ _POINTER_TYPES = {"y_ptr": "*bf16", "x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr":
                   "tiles_ptr": "*i32", "counter_ptr": "*i32"}
 # The grouping's pointers are all int32 (its out_ptr too).
 _GROUPING_TYPES = {name: "*i32" for name in ("out_ptr", "ids_ptr", "sorted_ptr", "block_experts_ptr", "total_ptr")}
+# An f32 artifact's activations and adapters (test_gpu_lora.py runs one): products on f32 operands (DOT_F32).
+_F32_TYPES = {name: "*fp32" for name in ("y_ptr", "x_ptr", "a_ptr", "b_ptr", "norm_ptr")}
 
 
 def _compile(kernel, constants: dict, pointers: dict | None = None) -> None:
@@ -46,7 +48,7 @@ def _compile(kernel, constants: dict, pointers: dict | None = None) -> None:
 
 def compile_all() -> None:
     """The step's grouping; the expands at one and three slices; the shrinks with each prologue, with
-    and without split K (whose last split merges the planes)."""
+    and without split K (whose last split merges the planes); the tile kernels in f32 too."""
     _compile(lora_groups._token_slots, dict(BLOCK_T=128, BLOCK_B=64), _GROUPING_TYPES)
     _compile(moe_align._moe_align_kernel, dict(BLOCK_M=16, E_POW2=8, CHUNK=64), _GROUPING_TYPES)
     for slices in (1, 3):
@@ -59,6 +61,10 @@ def compile_all() -> None:
                                                          PROLOGUE=prologue, DOT_F32=False, PDL=True))
             _compile(lora_row_triton._shrink_row, dict(BLOCK_R=16, BLOCK_K=128, NORM_BLOCK=2048, PROLOGUE=prologue,
                                                        SPLIT=split, PDL=True))
+    _compile(lora_tile_triton._shrink_tile, dict(BLOCK_M=16, BLOCK_R=64, BLOCK_K=64, SPLIT=True, PROLOGUE=1,
+                                                 DOT_F32=True, PDL=False), _F32_TYPES)
+    _compile(lora_tile_triton._expand_tile, dict(BLOCK_M=16, BLOCK_N=128, BLOCK_R=64, SLICES=3, DOT_F32=True,
+                                                 PDL=False), _F32_TYPES)
 
 
 def test_lora_kernels_compile_for_hopper(tmp_path):
