@@ -4,7 +4,7 @@ One row would leave most of the GPU idle while a program walks all of K, so the 
 per block of h's columns and split of K (about one per SM), each split writing its partial sums to
 a plane of its own that the block's last split adds into h. Under the RMSNorm prologue every split
 needs the row's norm: it reads the row in wide blocks first (a few round trips). The expand is a
-program per run of up to ``N_STEPS`` blocks of output columns. The row and its slot are the
+program per run of up to ``lora_expand_steps`` blocks of output columns. The row and its slot are the
 grouping's first tile: slot -1 (no adapter) returns at once.
 """
 
@@ -18,9 +18,6 @@ from .config import KernelConfig
 from .lora_triton import (_column_block, _gemm_input, _last_split, _sum_planes, column_runs, planes_for, rank_block,
                           slice_ends, split_k)
 from .triton_support import await_previous_kernel, pdl_launch, pow2, semaphore_counters, sm_count
-
-K_BLOCK = 128      # in-features a shrink step reads
-NORM_BLOCK = 2048  # in-features a shrink reads per step of the RMSNorm prologue's sum of squares
 
 
 @triton.jit
@@ -100,16 +97,16 @@ def launch_row(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: t
     sms, pdl = sm_count(x), pdl_launch(x, config.pdl)
     block_r = rank_block(nr)
     r_blocks = triton.cdiv(nr, block_r)
-    splits, per_split = split_k(k, K_BLOCK, r_blocks, sms)
+    splits, per_split = split_k(k, config.lora_row_block_k, r_blocks, sms, config)
     planes = planes_for(h, splits)
     counters = semaphore_counters(h.device, r_blocks) if splits > 1 else planes
     _shrink_row[(r_blocks, splits)](
         x, lora_a, h, planes, counters, rows, tiles, norm, eps, k, nr, per_split, x.stride(0), lora_a.stride(0),
-        h.numel(), BLOCK_R=block_r, BLOCK_K=K_BLOCK, NORM_BLOCK=min(pow2(k), NORM_BLOCK), PROLOGUE=prologue,
-        SPLIT=splits > 1, **pdl)
+        h.numel(), BLOCK_R=block_r, BLOCK_K=config.lora_row_block_k, NORM_BLOCK=min(pow2(k), config.lora_norm_block),
+        PROLOGUE=prologue, SPLIT=splits > 1, **pdl)
     block_r2 = pow2(r, 16)
     block_n = max(64, min(256, 4096 // block_r2))
-    per_program = column_runs(n, block_n, 2 * sms)
+    per_program = column_runs(n, block_n, 1, sms, config)
     ends = slice_ends(slices, n)
     _expand_row[(triton.cdiv(n, per_program),)](
         y, h, lora_b, rows, tiles, n, r, ends[0], ends[1], lora_b.stride(0), per_program, BLOCK_N=block_n,

@@ -23,10 +23,6 @@ from .lora_triton import (_column_block, _gemm_input, _last_split, _sum_planes, 
                           slice_ends, split_k)
 from .triton_support import await_previous_kernel, dot_in_f32, pdl_launch, pow2, semaphore_counters, sm_count
 
-K_BLOCK = 64        # in-features a shrink step reads
-MIN_SPLIT_K = 256   # in-features of a shrink's split at least
-N_BLOCK = 128       # output columns an expand step writes
-
 
 @triton.jit
 def _tile_rows(rows_ptr, tile, TOKENS, BLOCK_M: tl.constexpr):
@@ -154,7 +150,7 @@ def launch_tiles(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b:
     busy = max(min(slots, tokens), triton.cdiv(tokens, TILE_ROWS))
     block_r = rank_block(nr)
     r_blocks = triton.cdiv(nr, block_r)
-    splits, per_split = split_k(k, MIN_SPLIT_K, busy * r_blocks, sms)
+    splits, per_split = split_k(k, config.lora_min_split_k, busy * r_blocks, sms, config)
     planes = planes_for(h, splits)
     split = splits > 1
     # (read only with split K: the RMSNorm prologue's squares, and the merge's tickets)
@@ -163,10 +159,11 @@ def launch_tiles(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b:
     counters = semaphore_counters(h.device, grid_tiles * r_blocks) if split else h
     _shrink_tile[(grid_tiles, r_blocks * splits)](
         x, lora_a, h, planes, squares, counters, rows, tiles, norm, eps, k, nr, tokens, per_split, x.stride(0),
-        lora_a.stride(0), h.numel(), BLOCK_M=TILE_ROWS, BLOCK_R=block_r, BLOCK_K=K_BLOCK, SPLIT=split,
+        lora_a.stride(0), h.numel(), BLOCK_M=TILE_ROWS, BLOCK_R=block_r, BLOCK_K=config.lora_tile_block_k, SPLIT=split,
         PROLOGUE=prologue, DOT_F32=dot_f32, **pdl)
-    per_program = column_runs(n, N_BLOCK, triton.cdiv(2 * sms, busy))
+    block_n = config.lora_tile_block_n
+    per_program = column_runs(n, block_n, busy, sms, config)
     ends = slice_ends(slices, n)
     _expand_tile[(grid_tiles, triton.cdiv(n, per_program))](
         y, h, lora_b, rows, tiles, n, r, ends[0], ends[1], tokens, lora_b.stride(0), per_program, BLOCK_M=TILE_ROWS,
-        BLOCK_N=N_BLOCK, BLOCK_R=pow2(r, 16), SLICES=len(slices), DOT_F32=dot_f32, **pdl)
+        BLOCK_N=block_n, BLOCK_R=pow2(r, 16), SLICES=len(slices), DOT_F32=dot_f32, **pdl)

@@ -25,13 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .config import KernelConfig
 from .triton_support import pow2
 
 # What x is (the op's ``prologue``): the GEMM input itself, an RMSNorm's input (normalized and scaled
 # here, rounded as the unfused norm rounds), or the gate/up GEMM's output (silu(gate) * up made here).
 PROLOGUE_CODES = {"none": 0, "rmsnorm": 1, "silu_mul": 2}
-MAX_SPLITS = 64       # K splits of a shrink at most (the expand loads all their planes at once)
-N_STEPS = 4           # column blocks an expand program walks at most
 
 
 @triton.jit
@@ -88,11 +87,11 @@ def slice_ends(slices: tuple[int, ...], n: int) -> list[int]:
     return [sum(slices[:i + 1]) for i in range(len(slices) - 1)] + [n] * (3 - len(slices))
 
 
-def split_k(k: int, step: int, programs: int, sms: int) -> tuple[int, int]:
+def split_k(k: int, step: int, programs: int, sms: int, config: KernelConfig) -> tuple[int, int]:
     """(splits, in-features a split): K split so that ``programs`` programs a split about fill the
     SMs, each split a whole number of ``step`` blocks."""
     k_blocks = triton.cdiv(k, step)
-    splits = max(1, min(k_blocks, MAX_SPLITS, sms // max(programs, 1)))
+    splits = max(1, min(k_blocks, config.lora_max_splits, sms // max(programs, 1)))
     per_split = triton.cdiv(k_blocks, splits) * step
     return triton.cdiv(k, per_split), per_split
 
@@ -103,12 +102,14 @@ def planes_for(h: torch.Tensor, splits: int) -> torch.Tensor:
     return h if splits == 1 else torch.empty((splits, *h.shape), dtype=h.dtype, device=h.device)
 
 
-def column_runs(n: int, block_n: int, programs: int) -> int:
-    """Output columns an expand program walks: runs of at most ``N_STEPS`` blocks, fewer when that
-    leaves fewer than ``programs`` programs (programs without rows return at once, so the grid stays
-    a few programs a row or tile instead of one per block of columns)."""
+def column_runs(n: int, block_n: int, units: int, sms: int, config: KernelConfig) -> int:
+    """Output columns an expand program walks for ``units`` rows or tiles in use: runs of at most
+    ``lora_expand_steps`` blocks, fewer where that leaves fewer than ``lora_expand_programs_per_sm``
+    programs an SM (programs without rows return at once, so the grid stays a few programs a row or
+    tile instead of one per block of columns)."""
     n_blocks = triton.cdiv(n, block_n)
-    count = min(n_blocks, max(triton.cdiv(n_blocks, N_STEPS), programs))
+    wanted = triton.cdiv(config.lora_expand_programs_per_sm * sms, units)
+    count = min(n_blocks, max(triton.cdiv(n_blocks, config.lora_expand_steps), wanted))
     return triton.cdiv(n_blocks, count) * block_n
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kiln.kernels.config import KernelConfig
 from kiln.kernels.lora import ref_lora, triton_lora
 from kiln.kernels.lora_groups import ref_lora_groups
 from kiln.kernels.triton_support import semaphore_counters
@@ -164,4 +165,19 @@ def test_decode_split_rmsnorm_in_bf16(device, assert_matches):
     expected, _ = ref_lora(y, x, a, b, rows, tiles, [32, 32], norm, "rmsnorm", 1e-5)
     h = torch.empty(6, 16, dtype=torch.float32, device=device)
     triton_lora(y, x, a, b, rows, tiles, norm, out=h, slices=[32, 32], prologue="rmsnorm", eps=1e-5)
+    assert_matches(y, expected)
+
+
+@pytest.mark.parametrize("lengths,slots", [([1], [0]), ([1] * 21, [i % 3 - 1 for i in range(21)]), ([9, 14], [1, 0])])
+@pytest.mark.parametrize("settings", [dict(lora_max_splits=1, lora_expand_steps=1),
+                                      dict(lora_tile_block_k=16, lora_tile_block_n=32, lora_min_split_k=16,
+                                           lora_row_block_k=32, lora_norm_block=64, lora_expand_programs_per_sm=8)])
+def test_kernel_config_reshapes_the_launches_not_the_update(lengths, slots, settings, device, assert_matches):
+    """The LoRA knobs of KernelConfig (no split and one block a program; small blocks, many splits)."""
+    y, x, a, b, rows, tiles = _inputs(lengths, slots, [40, 24], 300, 8, 2, torch.float32, device)
+    norm = 1 + 0.1 * torch.randn(300, device=device)
+    expected, _ = ref_lora(y, x, a, b, rows, tiles, [40, 24], norm, "rmsnorm", 1e-5)
+    h = torch.empty(x.shape[0], a.shape[1], dtype=torch.float32, device=device)
+    triton_lora(y, x, a, b, rows, tiles, norm, out=h, slices=[40, 24], prologue="rmsnorm", eps=1e-5,
+                config=KernelConfig().with_settings(settings))
     assert_matches(y, expected)
