@@ -10,6 +10,10 @@ each run is timed with 1 new token and with 1 + N, and the difference is N decod
 overhead is the LoRA step time over the base step time, minus one.
 
     python bench/lora_decode.py --shape llama3-8b --batches 1 64 --out lora.json
+    python bench/lora_decode.py --shape llama3-8b --batches 64 --kernel-config lora_min_split_k=512
+
+``--kernel-config NAME=VALUE`` compiles both artifacts with a ``KernelConfig`` field changed (the
+LoRA kernels' tunables are its ``lora_*`` fields); the JSON records the changes.
 
 On a CPU (``--device cpu``, torch backend) it runs the same code on a small shape, for tests.
 """
@@ -29,6 +33,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import SHAPES, random_model  # noqa: E402
 
+from kiln.cli import add_tuning_options, tuning_options  # noqa: E402
 from kiln.compiler.compile import compile_model  # noqa: E402
 from kiln.compiler.options import CompileOptions  # noqa: E402
 from kiln.lora_layout import TARGET_MODULES  # noqa: E402
@@ -96,6 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    add_tuning_options(parser, skip_pass=False)  # --kernel-config, for both artifacts (e.g. lora_min_split_k=512)
     args = parser.parse_args(argv)
     on_gpu = args.device == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -104,8 +110,10 @@ def main(argv: list[str] | None = None) -> dict:
     batch = max(args.batches)
     seq_len = args.prompt_len + args.new_tokens + 8
     common = dict(dtype="bf16" if on_gpu else "fp32", backend="triton" if on_gpu else "torch",
-                  max_batch_tokens=max(512, batch * args.prompt_len), max_batch_size=batch, max_seq_len=seq_len)
+                  max_batch_tokens=max(512, batch * args.prompt_len), max_batch_size=batch, max_seq_len=seq_len,
+                  kernel_config=tuning_options(args)["kernel_config"])
     results = {"shape": args.shape, "layers": source.config["num_hidden_layers"], "rank": args.rank,
+               "kernel_config": common["kernel_config"].changes(),
                "adapters": args.adapters, "device": torch.cuda.get_device_name() if on_gpu else "cpu", "rows": []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

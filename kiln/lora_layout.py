@@ -23,6 +23,9 @@ from typing import Any
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The step field carrying each sequence's adapter slot (-1: the base model).
 SLOT_FIELD = "lora_slot"
+# Token rows of one adapter tile: the hooks' kernels multiply a tile's rows at once (tl.dot's least M),
+# so the step's rows are grouped by adapter in runs of this many (the ``lora_groups`` op).
+TILE_ROWS = 16
 
 
 @dataclass(frozen=True)

@@ -141,6 +141,26 @@ class KernelConfig:
     moe_gemv_block_k: int = 128
     """K per step of the per-pair MoE GEMV."""
 
+    # --- multi-LoRA hooks (lora_row_triton.py, lora_tile_triton.py); none tuned on a GPU yet ---
+    lora_row_block_k: int = 128
+    """In-features per loop step of the one-row shrink (a step of one token)."""
+    lora_norm_block: int = 2048
+    """In-features per loop step of the one-row shrink's RMSNorm pass (every K split reads the row)."""
+    lora_tile_block_k: int = 64
+    """In-features per loop step of the tile shrink (the K of its tl.dot)."""
+    lora_min_split_k: int = 256
+    """Fewest in-features per K split of the tile shrink: K is split until the tiles in use fill the
+    SMs, but a split shorter than this costs more in its plane than it saves."""
+    lora_max_splits: int = 64
+    """Most K splits of a LoRA shrink: the last split of a block of h adds every plane."""
+    lora_tile_block_n: int = 128
+    """Output columns per loop step of the tile expand."""
+    lora_expand_steps: int = 4
+    """Column blocks an expand program walks at most: programs of rows without an adapter return at
+    once, so runs keep the grid to a few programs a row or tile."""
+    lora_expand_programs_per_sm: int = 2
+    """Expand programs (over the rows or tiles in use) the column runs aim for per SM."""
+
     # --- the sampler's kernels (argmax.py, sample.py, bitmask.py) ---
     argmax_block: int = 2048
     """Elements per loop step of the row argmax: 16 f32 a thread at 4 warps, several vector loads in
@@ -223,6 +243,7 @@ _POWERS_OF_TWO = frozenset({
     "rmsnorm_elements_per_program", "rope_elements_per_program", "kv_store_block", "silu_mul_block", "argmax_block",
     "argmax_merge_block", "sample_block", "sample_merge_block", "bitmask_words_per_program", "moe_block_m", "moe_block_n",
     "moe_block_k", "moe_gemv_block_n", "moe_gemv_block_k",
+    "lora_row_block_k", "lora_norm_block", "lora_tile_block_k", "lora_tile_block_n",
 })
 _ZERO_ALLOWED = frozenset({"decode_preload_max_programs_per_sm", "gemv_max_weight_bytes",
                            "gemv_one_row_max_weight_bytes"})

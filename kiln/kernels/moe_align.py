@@ -84,14 +84,20 @@ def _moe_align_kernel(ids_ptr, sorted_ptr, block_experts_ptr, total_ptr, pairs, 
         placed += tl.sum(hit, axis=0)
 
 
-def triton_moe_align(ids: torch.Tensor, experts: int, block_m: int, expert_offset: int = 0,
-                     chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sorted pairs, expert per block, padded total as a one-element device tensor)."""
+def triton_moe_align(ids: torch.Tensor, experts: int, block_m: int, expert_offset: int = 0, chunk: int = 64,
+                     out: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted pairs, expert per block, padded total as a one-element device tensor). ``out``: the
+    sorted pairs' and the blocks' buffers (int32, contiguous), filled whole; they may be shorter than
+    the capacity bound when the caller knows a tighter one (every run padded holds a pair, so the
+    padded total is at most ``pairs * block_m`` too)."""
     flat = ids.reshape(-1)
-    capacity = aligned_capacity(flat.numel(), experts, block_m)
-    blocks = triton.cdiv(capacity, block_m)
-    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=ids.device)
-    block_experts = torch.empty(blocks, dtype=torch.int32, device=ids.device)
+    if out is None:
+        capacity = aligned_capacity(flat.numel(), experts, block_m)
+        out = (torch.empty(capacity, dtype=torch.int32, device=ids.device),
+               torch.empty(triton.cdiv(capacity, block_m), dtype=torch.int32, device=ids.device))
+    sorted_pairs, block_experts = out
+    capacity, blocks = sorted_pairs.numel(), block_experts.numel()
     total = torch.empty(1, dtype=torch.int32, device=ids.device)
     _moe_align_kernel[(1,)](flat, sorted_pairs, block_experts, total, flat.numel(), experts, expert_offset, capacity,
                             blocks, BLOCK_M=block_m, E_POW2=pow2(experts), CHUNK=chunk, num_warps=4)

@@ -1,7 +1,8 @@
-"""Multi-LoRA on the GPU: the Triton LoRA kernels (SGMV for prefill, BGMV inside the decode CUDA
-graphs) against the torch reference artifact, same random weights and adapters, in f32 where the
-greedy tokens must agree exactly; one batch mixes the base model and three adapters, and a second
-run swaps which sequence takes which adapter (the graphs take the slots as data)."""
+"""Multi-LoRA on the GPU: the Triton LoRA kernels (tiles of the step's grouping by adapter, for prefill
+and inside the decode CUDA graphs) against the torch reference artifact, same random weights and
+adapters, in f32 where the greedy tokens must agree exactly; one batch mixes the base model and three
+adapters, and a second run swaps which sequence takes which adapter (the graphs take the slots as
+data, and the grouping is made from them inside the graph)."""
 
 from __future__ import annotations
 

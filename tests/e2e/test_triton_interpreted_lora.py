@@ -1,7 +1,8 @@
 """The Triton LoRA kernels inside a whole step program on the CPU (``TRITON_INTERPRET=1``): a tiny
 Llama compiled for the triton backend with LoRA slots gives HF + PEFT's greedy tokens (the adapter
-merged) for a batch mixing the base model and two adapters, prefill (SGMV) and decode (BGMV) in the
-same steps. The GPU runs the same program at a real shape (``test_gpu_lora.py``)."""
+merged) for a batch mixing the base model and two adapters, prefill and decode in the same steps
+(the step's rows grouped by adapter once, each hook's kernels in tiles of that grouping). The GPU runs
+the same program at a real shape (``test_gpu_lora.py``)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def test_triton_lora_program_matches_hf_with_peft_merged(tmp_path):
     artifact = compile_model(source, tmp_path / "m.kiln", CompileOptions(
         dtype="fp32", backend="triton", page_size=4, max_batch_tokens=64, max_batch_size=4, max_seq_len=64,
         max_loras=2, max_lora_rank=8))
-    assert "triton.lora" in (artifact / "manifest.json").read_text()
+    manifest = (artifact / "manifest.json").read_text()
+    assert "triton.lora\"" in manifest and "triton.lora_groups" in manifest
     core = EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=512))
     for name, path in adapters.items():
         core.load_lora(name, str(path))

@@ -8,10 +8,15 @@ stacked adapter weights of each hook are two graph inputs, ``lora_a.<module>`` a
 ``lora_b.<module>``, held by the runtime's adapter slots, not by the artifact's weights; the pass
 records them in ``ctx.lora`` (a ``LoraLayout``) for the manifest.
 
+The step's token rows are grouped by adapter once, by a ``lora_groups`` op before the first hook,
+and every hook reads that grouping (``lora_rows``, ``lora_tiles``): the hooks' kernels take tiles
+of one adapter's rows without each working out which rows those are.
+
 Before:  %o = linear_residual(%attn, @l.o_proj.weight, %h)
-After:   %o.base = linear_residual(%attn, @l.o_proj.weight, %h)
-         %o, %o.lora_h = lora(%o.base, %attn, %lora_a.l.o_proj, %lora_b.l.o_proj, %lora_slot, %q_start,
-                              %q_len) {slices=[H]}
+After:   %lora_rows, %lora_tiles = lora_groups(%lora_slot, %q_start, %q_len) {slots=L}
+         %o.base = linear_residual(%attn, @l.o_proj.weight, %h)
+         %o, %o.lora_h = lora(%o.base, %attn, %lora_a.l.o_proj, %lora_b.l.o_proj, %lora_rows, %lora_tiles)
+                              {slices=[H]}
 
 Runs after the residual adds joined their GEMMs (the update is a sum, so it adds onto the residual
 GEMM's output alike) and before the norm and the gated activation join the GEMMs after them. A
@@ -28,6 +33,7 @@ from ..recipes import Concat
 from .base import PassContext
 
 HOOKED_OPS = ("linear", "linear_residual")
+GROUPS = ("lora_rows", "lora_tiles")  # the lora_groups op's outputs, which every hook reads
 
 
 def insert_lora(graph: Graph, ctx: PassContext) -> Graph:
@@ -57,7 +63,13 @@ def insert_lora(graph: Graph, ctx: PassContext) -> Graph:
         inputs[hook.b_input] = TensorType((layout.max_loras, hook.out_features, layout.max_rank), dtype)
         base = Node(node.op, node.inputs, (f"{out}.base",), node.types, node.attrs)
         source, extra, attrs = _prologue(x, producers, users)
-        lora_inputs = [base.out, source, hook.a_input, hook.b_input, SLOT_FIELD, "q_start", "q_len", *extra]
+        if not hooks:
+            group_inputs = [SLOT_FIELD, "q_start", "q_len"]
+            groups = make_node("lora_groups", group_inputs, list(GROUPS), [inputs[i] for i in group_inputs],
+                               {"slots": layout.max_loras})
+            nodes.append(groups)
+            types.update(zip(GROUPS, groups.types))
+        lora_inputs = [base.out, source, hook.a_input, hook.b_input, *GROUPS, *extra]
         lora_types = [types.get(i, inputs.get(i)) for i in lora_inputs[1:]]
         nodes += [base, make_node("lora", lora_inputs, [out, f"{out}.lora_h"], [base.type, *lora_types],
                                   {"slices": widths, **attrs})]

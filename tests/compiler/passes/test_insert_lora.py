@@ -1,4 +1,5 @@
-"""Before/Expected IR tests of insert_lora: hooks on the targeted GEMMs, per slice of a fused one."""
+"""Before/Expected IR tests of insert_lora: one grouping of the step's rows by adapter, read by hooks on the
+targeted GEMMs, per slice of a fused one."""
 
 import pytest
 
@@ -36,11 +37,12 @@ EXPECTED = dedent("""
       input %lora_b.l.o_proj: f32[3, 8, 4]
       param @l.q_k_proj.weight: f32[12, 8]
       param @l.o_proj.weight: f32[8, 8]
+      %lora_rows, %lora_tiles = lora_groups(%lora_slot, %q_start, %q_len) {slots=3} : i32[T, 16], i32[T]
       %q_k.base = linear(%x, @l.q_k_proj.weight) : f32[T, 12]
-      %q_k, %q_k.lora_h = lora(%q_k.base, %x, %lora_a.l.q_k_proj, %lora_b.l.q_k_proj, %lora_slot, %q_start, %q_len) {slices=[8, 4]} : f32[T, 12], f32[T, 8]
+      %q_k, %q_k.lora_h = lora(%q_k.base, %x, %lora_a.l.q_k_proj, %lora_b.l.q_k_proj, %lora_rows, %lora_tiles) {slices=[8, 4]} : f32[T, 12], f32[T, 8]
       %q, %k = split(%q_k) {sizes=[8, 4]} : f32[T, 8], f32[T, 4]
       %h.base = linear_residual(%q, @l.o_proj.weight, %x) : f32[T, 8]
-      %h, %h.lora_h = lora(%h.base, %q, %lora_a.l.o_proj, %lora_b.l.o_proj, %lora_slot, %q_start, %q_len) {slices=[8]} : f32[T, 8], f32[T, 4]
+      %h, %h.lora_h = lora(%h.base, %q, %lora_a.l.o_proj, %lora_b.l.o_proj, %lora_rows, %lora_tiles) {slices=[8]} : f32[T, 8], f32[T, 4]
       return %h, %k
     }
 """)
@@ -119,12 +121,13 @@ PROLOGUE_EXPECTED = dedent("""
       param @l.gate_up_proj.weight: f32[12, 8]
       param @l.down_proj.weight: f32[8, 6]
       %n = rmsnorm(%h, @l.norm) {eps=1e-05} : f32[T, 8]
+      %lora_rows, %lora_tiles = lora_groups(%lora_slot, %q_start, %q_len) {slots=3} : i32[T, 16], i32[T]
       %gu.base = linear(%n, @l.gate_up_proj.weight) : f32[T, 12]
-      %gu, %gu.lora_h = lora(%gu.base, %h, %lora_a.l.gate_up_proj, %lora_b.l.gate_up_proj, %lora_slot, %q_start, %q_len, @l.norm) {eps=1e-05, prologue="rmsnorm", slices=[6, 6]} : f32[T, 12], f32[T, 8]
+      %gu, %gu.lora_h = lora(%gu.base, %h, %lora_a.l.gate_up_proj, %lora_b.l.gate_up_proj, %lora_rows, %lora_tiles, @l.norm) {eps=1e-05, prologue="rmsnorm", slices=[6, 6]} : f32[T, 12], f32[T, 8]
       %g, %u = split(%gu) {sizes=[6, 6]} : f32[T, 6], f32[T, 6]
       %m = silu_mul(%g, %u) : f32[T, 6]
       %d.base = linear_residual(%m, @l.down_proj.weight, %h) : f32[T, 8]
-      %d, %d.lora_h = lora(%d.base, %gu, %lora_a.l.down_proj, %lora_b.l.down_proj, %lora_slot, %q_start, %q_len) {prologue="silu_mul", slices=[8]} : f32[T, 8], f32[T, 4]
+      %d, %d.lora_h = lora(%d.base, %gu, %lora_a.l.down_proj, %lora_b.l.down_proj, %lora_rows, %lora_tiles) {prologue="silu_mul", slices=[8]} : f32[T, 8], f32[T, 4]
       return %d
     }
 """)
