@@ -10,7 +10,10 @@ from __future__ import annotations
 # 4: the runtime section records ``pp``, ``ep`` and ``ranks`` (pp x max(tp, ep)); a pipelined artifact
 # (pp > 1) holds each stage's graph and program under stages/{s}/; every rank has its weights file
 # (stage * max(tp, ep) + the rank within its stage), which a version-3 reader would run on one rank.
-FORMAT_VERSION = 4
+# 5: a LoRA artifact's hooks read the step's rows grouped by adapter once (the ``lora_groups`` op's
+# ``lora_rows``/``lora_tiles``) where version 4's read each row's slot: a version-4 program would fail
+# on its first LoRA step.
+FORMAT_VERSION = 5
 MANIFEST = "manifest.json"
 GRAPH_TEXT = "graph.txt"
 GRAPH_JSON = "graph.json"
