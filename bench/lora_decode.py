@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import SHAPES, random_model  # noqa: E402
 
-from kiln.cli import add_tuning_options, tuning_options  # noqa: E402
+from kiln.cli_compile import add_tuning_options, tuning_options  # noqa: E402
 from kiln.compiler.compile import compile_model  # noqa: E402
 from kiln.compiler.options import CompileOptions  # noqa: E402
 from kiln.lora_layout import TARGET_MODULES  # noqa: E402
