@@ -103,32 +103,38 @@ class KernelConfig:
     runs (prefill, where the GEMM is compute bound). Not yet tuned on a GPU."""
     quantized_gemv_block_t: int = 64
     """Rows one program of the quantized GEMV holds above 16 rows (its tl.dot path pads to 16 below)."""
-    quantized_gemv_product_elements: int = 16384
-    """``gemv_product_elements`` for the quantized one-row GEMV: weight bytes one tile holds (an MXFP4
-    tile holds twice as many values, two a byte). Decoded values live only inside the product, so a
-    tile may hold as many bytes as the bf16 GEMV's (which streamed at 94% of the roofline with 16 KB
-    tiles: 8 x 1024 bf16). Not yet tuned on a GPU."""
+    quantized_gemv_product_elements: int = 8192
+    """``gemv_product_elements`` for the quantized one-row GEMV, counted in weight bytes (an MXFP4 tile
+    holds twice as many values). Half the bf16 GEMV's 16 KB tiles: decoding 1-byte and 4-bit values
+    takes more registers a byte than bf16, and sm_90 compiles of Llama-3-8B's tiles gave 128 registers
+    at 8 KB for fp8 (222-250 at 16 KB) and 168 for MXFP4 (255 and spills at 16 KB), so that 3-4
+    programs share an SM. Not yet tuned on a GPU: sweep 4096-16384 with ``quantized_gemv_num_warps``."""
     quantized_gemv_block_k: tuple[int, int] = (64, 2048)
-    """``gemv_block_k`` for the quantized one-row GEMV, in bytes of weight as the above: twice the
-    bf16 GEMV's most, so that 8 weight rows of 1-byte values still make a 16 KB tile."""
+    """``gemv_block_k`` for the quantized one-row GEMV, in weight bytes as the above."""
+    quantized_gemv_block_n: tuple[int, int] = (4, 16)
+    """``gemv_block_n`` for the quantized one-row GEMV: up to 16 weight rows a tile, so that fewer
+    programs re-read x. Not yet tuned."""
     quantized_gemv_dot_block_k: int = 256
-    """``gemv_dot_block_k`` for the quantized GEMV's tl.dot path (2 rows and more): twice the bf16
-    GEMV's K a step, so a step of 1-byte weights is as many bytes. Not yet tuned on a GPU."""
+    """``gemv_dot_block_k`` for the quantized GEMV's tl.dot path (2-16 rows): values of 1-byte weights,
+    twice the bf16 GEMV's K a step so that a step is as many bytes. MXFP4 takes half as many values:
+    at 256 a step took 243 registers in an sm_90 compile, at 128 128. Not yet tuned on a GPU."""
+    quantized_gemv_num_warps: int = 4
+    """Warps per program of the quantized GEMV up to 16 rows."""
     quantized_gemm_block_n: int = 64
-    """Output columns per program of the weight-only quantized GEMV above 16 rows (mxfp4 or w8a16 at
-    large decode batches): a GEMM tile, wide so that each program's rows of x (re-read from L2 by
-    every column tile, with the prologue recomputed) serve many weight rows. Not yet tuned on a GPU."""
-    quantized_gemm_block_k: int = 128
-    """K per step of the weight-only quantized GEMV above 16 rows (values; a multiple of 32 for MXFP4)."""
+    """Output columns per program of the quantized GEMV above 16 rows (weight-only schemes at large
+    decode batches; W8A8 where no library GEMM fits): a GEMM tile, wide so that each program's rows of
+    x (re-read from L2 by every column tile, with the prologue recomputed) serve many weight rows.
+    Not yet tuned on a GPU."""
+    quantized_gemm_block_k: int = 64
+    """K per step of the quantized GEMV above 16 rows (values; at least 32, a block, for MXFP4): at 128
+    the SiLU·mul prologue's tiles took 255 registers and spilled in an sm_90 compile."""
+    quantized_gemm_num_warps: int = 8
+    """Warps per program of the quantized GEMV above 16 rows (a 64 x 64 tile: 101-128 registers)."""
     act_quant_block_k: int = 16384
     """Widest row the per-token activation quantizer (``act_quant_triton``) holds in registers and
     reads once; wider rows are read three times. 16384 covers Llama-3-8B's down projection (14336)."""
     act_quant_num_warps: int = 8
     """Warps per row of the activation quantizer: 64 values a thread for a 16384-wide row."""
-    quantized_gemv_block_n: tuple[int, int] = (4, 16)
-    """``gemv_block_n`` for the quantized one-row GEMV: up to 16 weight rows a tile, so that a tile
-    of 1-byte weights is as many bytes as the bf16 GEMV's and half as many programs re-read x (with
-    activations quantized per token each reads it twice: once for the row's scale). Not yet tuned."""
 
     # --- elementwise kernels (norm.py, rope.py, kv_store.py, elementwise.py) ---
     rmsnorm_elements_per_program: int = 4096
@@ -236,6 +242,7 @@ _POWERS_OF_TWO = frozenset({
     "gemv_product_elements", "gemv_dot_block_k", "gemv_num_warps", "gemv_norm_pass_elements",
     "quantized_gemv_block_t", "quantized_gemv_product_elements", "quantized_gemv_block_n",
     "quantized_gemv_dot_block_k", "quantized_gemv_block_k", "quantized_gemm_block_n", "quantized_gemm_block_k",
+    "quantized_gemv_num_warps", "quantized_gemm_num_warps",
     "act_quant_block_k", "act_quant_num_warps",
     "rmsnorm_elements_per_program", "rope_elements_per_program", "kv_store_block", "silu_mul_block", "argmax_block",
     "argmax_merge_block", "sample_block", "sample_merge_block", "bitmask_words_per_program", "moe_block_m", "moe_block_n",

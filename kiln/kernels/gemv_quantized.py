@@ -169,22 +169,18 @@ def _qgemv_kernel(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N
         rstd = row_rstd(x_rows, row_mask, K, eps, BLOCK_T, PASS_K)
     acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     if WEIGHT == MXFP4:
-        xe, pe, xo, po = _mx_inputs(x_rows, nw_ptr, row_mask, 2 * pairs, K, PROLOGUE)
+        # x's pairs load in the step, after the next weight tile's loads went out: they come from L2,
+        # and held a step ahead they would take as many registers as the bytes they multiply.
         for k0 in range(0, K, BLOCK_K):
             if USE_DOT:
                 w_next, s_next = load_weight(w_ptr, s_ptr, cols, N, w_st, s_st, k0 + BLOCK_K, K, WEIGHT, BLOCK_K)
             else:
                 w_next, s_next = _load_mx_blocks(w_ptr, s_ptr, cols, N, w_st, s_st, k0 + BLOCK_K, K, BLOCK_K)
-            xe_next, pe_next, xo_next, po_next = _mx_inputs(x_rows, nw_ptr, row_mask, k0 + BLOCK_K + 2 * pairs, K,
-                                                            PROLOGUE)
+            xe, pe, xo, po = _mx_inputs(x_rows, nw_ptr, row_mask, k0 + 2 * pairs, K, PROLOGUE)
             acc += _mx_product(w, s, tile_input(xe, pe, rstd, PROLOGUE, dtype), tile_input(xo, po, rstd, PROLOGUE, dtype),
                                USE_DOT, DOT_F32, DOT_IN_DTYPE, dtype)
             w = w_next
             s = s_next
-            xe = xe_next
-            pe = pe_next
-            xo = xo_next
-            po = po_next
     else:
         xk, partner = input_tile(x_rows, nw_ptr, row_mask, offs_k, K, PROLOGUE)
         for k0 in range(0, K, BLOCK_K):
@@ -206,26 +202,30 @@ def _qgemv_kernel(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N
 
 
 @functools.lru_cache(maxsize=None)
-def _one_row_config(config: KernelConfig, pack: int) -> KernelConfig:
-    # The bf16 GEMV's tiling with the quantized tile sizes, counted in bytes: ``pack`` values a byte
-    # (replace() validates every field: once per config and pack).
+def _gemv_tiling(config: KernelConfig, pack: int) -> KernelConfig:
+    # The bf16 GEMV's tiling with the quantized tile sizes, counted in weight bytes at one row: ``pack``
+    # values a byte (replace() validates every field: once per config and pack); MXFP4's tl.dot step
+    # is half as many values (see quantized_gemv_dot_block_k).
     least_k, most_k = config.quantized_gemv_block_k
     return replace(config, gemv_product_elements=config.quantized_gemv_product_elements * pack,
                    gemv_block_n=config.quantized_gemv_block_n, gemv_block_k=(least_k, most_k * pack),
-                   gemv_dot_block_k=config.quantized_gemv_dot_block_k)
+                   gemv_dot_block_k=max(16, config.quantized_gemv_dot_block_k // pack))
 
 
-def quantized_gemv_tiles(rows: int, n: int, k: int, sms: int, pack: int, mx: bool,
-                         config: KernelConfig = DEFAULTS) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_N, BLOCK_K) of the quantized GEMV for ``rows`` rows of an [n, k] weight."""
+def quantized_gemv_tiles(rows: int, n: int, k: int, sms: int, pack: int,
+                         config: KernelConfig = DEFAULTS) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_N, BLOCK_K, num_warps) of the quantized GEMV for ``rows`` rows of an [n, k]
+    weight stored ``pack`` values a byte (2: MXFP4)."""
     if rows > GEMV_MAX_ROWS:
         block_t = max(16, min(pow2(rows), config.quantized_gemv_block_t))
         block_n, block_k = config.quantized_gemm_block_n, min(config.quantized_gemm_block_k, pow2(k, 16))
+        warps = config.quantized_gemm_num_warps
     else:
-        cfg = gemv_config(rows, n, k, sms, _one_row_config(config, pack))
+        cfg = gemv_config(rows, n, k, sms, _gemv_tiling(config, pack))
         block_t, block_n, block_k = cfg.block_t, cfg.block_n, cfg.block_k
+        warps = config.quantized_gemv_num_warps
     # An MX tile holds whole blocks of 32; a tl.dot needs 16 of K at least (block_k is a power of two).
-    return block_t, block_n, max(block_k, MX_BLOCK if mx else 16)
+    return block_t, block_n, max(block_k, MX_BLOCK if pack == 2 else 16), warps
 
 
 def launch_quantized_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out: torch.Tensor, *,
@@ -247,7 +247,7 @@ def launch_quantized_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
     if act_quant is not None:
         x, x_scale = quantize_rows(x, act_quant, norm_weight=norm_weight, gated=gated, eps=eps, config=config)
         prologue, norm_weight = RAW, None
-    block_t, block_n, block_k = quantized_gemv_tiles(rows, n, k, sm_count(x), scheme.pack, mx, config)
+    block_t, block_n, block_k, warps = quantized_gemv_tiles(rows, n, k, sm_count(x), scheme.pack, config)
     res = residual if residual is not None else out
     grid = (triton.cdiv(rows, block_t), triton.cdiv(n, block_n))
     _qgemv_kernel[grid](
@@ -258,4 +258,4 @@ def launch_quantized_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
         USE_DOT=block_t > 1, DOT_F32=dot_f32, DOT_IN_DTYPE=block_t > 1 and not dot_f32, BLOCK_T=block_t,
         BLOCK_N=block_n, BLOCK_K=block_k,
         PASS_K=min(pow2(k, 16), max(16, config.gemv_norm_pass_elements // block_t)),
-        num_warps=config.gemv_num_warps, num_stages=config.gemv_num_stages, **pdl_launch(x, config.pdl))
+        num_warps=warps, num_stages=config.gemv_num_stages, **pdl_launch(x, config.pdl))

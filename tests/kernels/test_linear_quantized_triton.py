@@ -1,6 +1,6 @@
 """The triton backend's quantized linear-family kernels against the ``torch.<op>.<scheme>`` references:
 every op (each fusion), every weight scheme with and without per-token activation quantization, at
-odd sizes, on the GEMV (1, 3, 16 rows; 20 in row blocks) and, on a GPU, through the library GEMMs
+odd sizes, on the GEMV (1, 3, 16 rows; 20 in row blocks; 64 in the GEMM tile) and, on a GPU, through the library GEMMs
 (``_scaled_mm``, ``_int_mm``, dequantize + cuBLAS) at many rows. Runs under Triton's interpreter
 on the CPU; the GPU cases are skipped there."""
 
@@ -87,6 +87,15 @@ def test_gemv_matches_reference(op, scheme, act_quant, rows):
     # 20 rows above the GEMV's 16 still take it here (no library GEMM on the CPU), in row blocks of 16.
     args, scales = _operands(op, scheme, rows, 37, torch.float32, has_bias=rows != 3)
     _assert_matches(op, scheme, act_quant, args, scales, KernelConfig(quantized_gemv_block_t=16))
+
+
+@pytest.mark.parametrize("scheme,act_quant", CASES)
+@pytest.mark.parametrize("op", OPS)
+def test_gemm_tile_matches_reference(op, scheme, act_quant):
+    # 64 rows in one row block with the GEMM tile (quantized_gemm_block_n columns, two tiles here, the
+    # second partial) stepping through K in quantized_gemm_block_k steps, the last one partial.
+    args, scales = _operands(op, scheme, 64, 70, torch.float32)
+    _assert_matches(op, scheme, act_quant, args, scales)
 
 
 @pytest.mark.parametrize("rows", [1, 5])
