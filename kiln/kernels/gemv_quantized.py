@@ -16,9 +16,10 @@ bf16 GEMV's fusions (the RMSNorm or SiLU·mul prologue, the bias or residual epi
 
 MXFP4 is decoded without moving values between threads: a byte's low nibble is an even-indexed value
 and its high nibble the next one, so the low nibbles multiply x's even elements and the high nibbles
-its odd ones (x loaded at stride 2, a few KB from L2) instead of interleaving the decoded values. At
-one row the bytes load as [BLOCK_N, blocks, 16] and each block's 16-byte partial sums take its scale,
-once a block rather than once a value; the tl.dot path takes two products over K/2 (even, odd) with
+its odd ones instead of interleaving the decoded values (the weight tile is 8-16x larger than x's).
+At one row the bytes load as [BLOCK_N, blocks, 16], x as [blocks, 16, 2] split into its even and odd
+halves in registers, and each block's 16-byte partial sums take its scale, once a block rather than
+once a value; the tl.dot path loads x at stride 2 and takes two products over K/2 (even, odd) with
 each value scaled. The e2m1 decode is a bit move: a code ``s e1 e0 m`` placed at fp16's sign and top
 bits (``(c & 8) << 12 | (c & 7) << 9``) reads as the code's value times 2^-14, normal and subnormal
 alike (fp16's exponent bias is 15, e2m1's is 1), so 2^14 goes into the block's scale.
@@ -109,14 +110,6 @@ def _load_mx_blocks(w_ptr, s_ptr, cols, N, w_st, s_st, k0, K, BLOCK_K: tl.conste
 
 
 @triton.jit
-def _mx_inputs(x_rows, nw_ptr, row_mask, k_even, K, PROLOGUE: tl.constexpr):
-    # x's even and odd elements at k_even and k_even + 1, each with its prologue partner, as loaded.
-    xe, pe = input_tile(x_rows, nw_ptr, row_mask, k_even, K, PROLOGUE)
-    xo, po = input_tile(x_rows, nw_ptr, row_mask, k_even + 1, K, PROLOGUE)
-    return xe, pe, xo, po
-
-
-@triton.jit
 def _mx_product(w, s, xe, xo, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, DOT_IN_DTYPE: tl.constexpr,
                 dtype: tl.constexpr):
     # This step's [BLOCK_T, BLOCK_N] sums. One row: x's pairs are [1, blocks, 16] like the bytes, and
@@ -157,8 +150,9 @@ def _qgemv_kernel(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N
         if USE_DOT:
             pairs = tl.arange(0, BLOCK_K // 2)
             w, s = load_weight(w_ptr, s_ptr, cols, N, w_st, s_st, 0, K, WEIGHT, BLOCK_K)
-        else:  # [blocks, 16]: the byte tile's shape
-            pairs = tl.arange(0, BLOCK_K // 32)[:, None] * 16 + tl.arange(0, 16)[None, :]
+        else:  # [blocks, 16, 2]: the byte tile's shape, each byte's two values in a contiguous pair
+            pairs = (tl.arange(0, BLOCK_K // 32)[:, None, None] * 32 + tl.arange(0, 16)[None, :, None] * 2
+                     + tl.arange(0, 2)[None, None, :])
             w, s = _load_mx_blocks(w_ptr, s_ptr, cols, N, w_st, s_st, 0, K, BLOCK_K)
     else:
         offs_k = tl.arange(0, BLOCK_K)
@@ -172,13 +166,17 @@ def _qgemv_kernel(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N
         # x's pairs load in the step, after the next weight tile's loads went out: they come from L2,
         # and held a step ahead they would take as many registers as the bytes they multiply.
         for k0 in range(0, K, BLOCK_K):
-            if USE_DOT:
+            if USE_DOT:  # x's even and odd elements at stride 2
                 w_next, s_next = load_weight(w_ptr, s_ptr, cols, N, w_st, s_st, k0 + BLOCK_K, K, WEIGHT, BLOCK_K)
-            else:
+                xe, pe = input_tile(x_rows, nw_ptr, row_mask, k0 + 2 * pairs, K, PROLOGUE)
+                xo, po = input_tile(x_rows, nw_ptr, row_mask, k0 + 2 * pairs + 1, K, PROLOGUE)
+                x_even = tile_input(xe, pe, rstd, PROLOGUE, dtype)
+                x_odd = tile_input(xo, po, rstd, PROLOGUE, dtype)
+            else:  # one contiguous load (wide vectors), split into even and odd in registers
                 w_next, s_next = _load_mx_blocks(w_ptr, s_ptr, cols, N, w_st, s_st, k0 + BLOCK_K, K, BLOCK_K)
-            xe, pe, xo, po = _mx_inputs(x_rows, nw_ptr, row_mask, k0 + 2 * pairs, K, PROLOGUE)
-            acc += _mx_product(w, s, tile_input(xe, pe, rstd, PROLOGUE, dtype), tile_input(xo, po, rstd, PROLOGUE, dtype),
-                               USE_DOT, DOT_F32, DOT_IN_DTYPE, dtype)
+                xk, partner = input_tile(x_rows, nw_ptr, row_mask, k0 + pairs, K, PROLOGUE)
+                x_even, x_odd = tl.split(tile_input(xk, partner, rstd, PROLOGUE, dtype))
+            acc += _mx_product(w, s, x_even, x_odd, USE_DOT, DOT_F32, DOT_IN_DTYPE, dtype)
             w = w_next
             s = s_next
     else:
