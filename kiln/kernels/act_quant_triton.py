@@ -114,7 +114,7 @@ def _quantize_rows_kernel(x_ptr, nw_ptr, q_ptr, s_ptr, K, eps, x_st, q_st, PROLO
         v = tile_input(xk, partner, rstd, PROLOGUE, dtype).to(tl.float32)
         scale = act_scale(tl.max(tl.abs(v), axis=1), ACT)
         q = quantize_act(tl.math.div_rn(v, scale[:, None]), ACT, HARDWARE)
-        tl.store(q_row + offs[None, :], q, mask=(offs < K)[None, :])
+        tl.store(q_row + offs[None, :], q.to(q_ptr.dtype.element_ty), mask=(offs < K)[None, :])
     else:
         if PROLOGUE == NORM:
             rstd = row_rstd(x_rows, row_mask, K, eps, 1, BLOCK_K)
@@ -123,17 +123,20 @@ def _quantize_rows_kernel(x_ptr, nw_ptr, q_ptr, s_ptr, K, eps, x_st, q_st, PROLO
             k = k0 + offs
             xk, partner = input_tile(x_rows, nw_ptr, row_mask, k, K, PROLOGUE)
             v = tile_input(xk, partner, rstd, PROLOGUE, dtype).to(tl.float32)
-            tl.store(q_row + k[None, :], quantize_act(tl.math.div_rn(v, scale[:, None]), ACT, HARDWARE),
-                     mask=(k < K)[None, :])
+            q = quantize_act(tl.math.div_rn(v, scale[:, None]), ACT, HARDWARE)
+            tl.store(q_row + k[None, :], q.to(q_ptr.dtype.element_ty), mask=(k < K)[None, :])
     tl.store(s_ptr + row + tl.arange(0, 1), scale)
 
 
 def quantize_rows(x: torch.Tensor, act_quant: str, *, norm_weight: torch.Tensor | None = None, gated: bool = False,
-                  eps: float = 0.0, config: KernelConfig = DEFAULTS) -> tuple[torch.Tensor, torch.Tensor]:
+                  eps: float = 0.0, as_f16: bool = False,
+                  config: KernelConfig = DEFAULTS) -> tuple[torch.Tensor, torch.Tensor]:
     """The GEMM input made from ``x`` (``rmsnorm(x)``, ``silu(gate) * up`` or x) quantized per row to
-    ``act_quant``'s type: the values [T, K] and the f32 scales [T, 1]."""
+    ``act_quant``'s type: the values [T, K] and the f32 scales [T, 1]. ``as_f16`` writes fp8 values
+    as f16 (exactly: e4m3 is a subset of f16), for a GEMM that would convert them for every tile."""
     rows, k = x.shape[0], x.shape[1] // (2 if gated else 1)
-    q = torch.empty(rows, k, dtype=ACT_DTYPES[act_quant], device=x.device)
+    dtype = torch.float16 if as_f16 and act_quant == "fp8_per_token" else ACT_DTYPES[act_quant]
+    q = torch.empty(rows, k, dtype=dtype, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows:
         prologue = NORM if norm_weight is not None else SILU_MUL if gated else RAW

@@ -10,8 +10,9 @@ bf16 GEMV's fusions (the RMSNorm or SiLU·mul prologue, the bias or residual epi
   times the channel's f32 scale in the epilogue;
 - ``mxfp4``: each 32-value block's products times the block's power of two (``2^(e8m0 - 127)``);
 - ``act_quant`` (W8A8): the GEMM's input is quantized per token once, before the GEMV, by
-  ``act_quant_triton`` (which applies the prologue), and the GEMV reads the 8-bit rows and multiplies
-  the accumulator by each row's scale in the epilogue. Quantizing inside the GEMV would redo the
+  ``act_quant_triton`` (which applies the prologue), and the GEMV reads the quantized rows (int8, or
+  e4m3 values held in f16, which the tensor cores take without a conversion) and multiplies the
+  accumulator by each row's scale in the epilogue. Quantizing inside the GEMV would redo the
   row's magnitude pass and the rounding in every one of its N / BLOCK_N programs.
 
 MXFP4 is decoded without moving values between threads: a byte's low nibble is an even-indexed value
@@ -20,9 +21,7 @@ its odd ones instead of interleaving the decoded values (the weight tile is 8-16
 At one row the bytes load as [BLOCK_N, blocks, 16], x as [blocks, 16, 2] split into its even and odd
 halves in registers, and each block's 16-byte partial sums take its scale, once a block rather than
 once a value; the tl.dot path loads x at stride 2 and takes two products over K/2 (even, odd) with
-each value scaled. The e2m1 decode is a bit move: a code ``s e1 e0 m`` placed at fp16's sign and top
-bits (``(c & 8) << 12 | (c & 7) << 9``) reads as the code's value times 2^-14, normal and subnormal
-alike (fp16's exponent bias is 15, e2m1's is 1), so 2^14 goes into the block's scale.
+each value scaled. The e2m1 decode is bit moves and a multiply (``e2m1_pair``), no conversions.
 
 Rows: 1 multiplies by broadcasting; 2-16 pad to 16 for ``tl.dot``, whose operands are the decoded
 values in the activation dtype (int8, e4m3 and scaled e2m1 values are exact in bf16); more are cut
@@ -41,7 +40,7 @@ import triton.language as tl
 
 from kiln.ir.weights import QuantScheme
 
-from .act_quant_triton import ACT_KINDS, ACT_NONE, quantize_rows
+from .act_quant_triton import ACT_FP8, ACT_INT8, ACT_KINDS, ACT_NONE, quantize_rows
 from .config import DEFAULTS, KernelConfig
 from .gemv import GEMV_MAX_ROWS, NORM, RAW, SILU_MUL, gemv_config, gemv_epilogue, input_tile, row_rstd, tile_input, \
     tile_product
@@ -54,17 +53,24 @@ MX_BLOCK = 32
 
 
 @triton.jit
-def e2m1_value(codes):
-    """e2m1 codes (int32, 0-15) as f32: the code's value times 2^-14 (``mx_factor`` puts 2^14 back)."""
-    return (((codes & 8) << 12) | ((codes & 7) << 9)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+def e2m1_pair(w):
+    """MXFP4 bytes as their two e2m1 values in f32, (low nibble, high nibble), decoded by bit moves: a
+    code ``s e1 e0 m`` placed at f32's sign and at the lowest exponent bits and top mantissa bit
+    reads as the code's value times 2^-126 (f32's exponent bias is 127, e2m1's 1; exponent 0 is
+    subnormal in both), and one multiply by 2^126 restores it. Integer and f32 operations only: a
+    conversion per value (f16 -> f32) would saturate the conversion units, which do 16 a clock per
+    SM where an SM must take in about 30 values a clock to keep up with HBM."""
+    b = w.to(tl.int32)
+    low = (((b & 0x8) << 28) | ((b & 0x7) << 22)).to(tl.float32, bitcast=True)
+    high = (((b & 0x80) << 24) | ((b & 0x70) << 18)).to(tl.float32, bitcast=True)
+    return low * 8.507059173023462e37, high * 8.507059173023462e37  # 2^126
 
 
 @triton.jit
 def mx_factor(s):
-    """An e8m0 scale as the f32 power of two 2^(e - 127) times the 2^14 ``e2m1_value`` leaves out,
-    built from its bits; exponents past 240 (block magnitudes over 2^115) would overflow f32 and occur
-    in no weight."""
-    return ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+    """An e8m0 scale as the f32 power of two 2^(e - 127), from its bits (e = 0, 2^-127, reads as 0: a
+    block below 2^-124 in magnitude)."""
+    return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -92,9 +98,9 @@ def load_weight(w_ptr, s_ptr, cols, N, w_st, s_st, k0, K, WEIGHT: tl.constexpr, 
 def decode_pairs(w, s):
     """MXFP4 bytes and their scales (``load_weight``) as f32 values: the even-indexed ones (low
     nibbles) and the odd-indexed ones (high nibbles), each [BLOCK_N, BLOCK_K / 2]."""
-    codes = w.to(tl.int32)
     factor = mx_factor(s)
-    return e2m1_value(codes & 15) * factor, e2m1_value(codes >> 4) * factor
+    low, high = e2m1_pair(w)
+    return low * factor, high * factor
 
 
 @triton.jit
@@ -123,10 +129,25 @@ def _mx_product(w, s, xe, xo, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, DOT_
             odd = odd.to(dtype)
         out = tile_product(xe, even, USE_DOT, DOT_F32) + tile_product(xo, odd, USE_DOT, DOT_F32)
     else:
-        codes = w.to(tl.int32)
-        partial = tl.sum(e2m1_value(codes & 15) * xe.to(tl.float32) + e2m1_value(codes >> 4) * xo.to(tl.float32),
-                         axis=2)
+        low, high = e2m1_pair(w)
+        partial = tl.sum(low * xe.to(tl.float32) + high * xo.to(tl.float32), axis=2)
         out = tl.sum(partial * mx_factor(s), axis=1)[None, :]
+    return out
+
+
+@triton.jit
+def _channel_dot(xin, w, ACT: tl.constexpr, dtype: tl.constexpr):
+    # x @ w.T in f32 for an 8-bit per-channel weight tile on the tensor cores. W8A8 multiplies its
+    # 8-bit values as they are: int8 by int8 (exact int32 sums), e4m3 in f16 (exact; x comes as f16;
+    # sm_90's mma.sync takes no e4m3, and one conversion per two weights to f16 is a third of what
+    # bf16 or the f32 broadcast product costs the conversion units, which the weight stream would
+    # saturate). With 16-bit x, both in x's dtype (int8 values are exact in bf16).
+    if ACT == ACT_INT8:
+        out = tl.dot(xin, tl.trans(w), out_dtype=tl.int32).to(tl.float32)
+    elif ACT == ACT_FP8:
+        out = tl.dot(xin.to(tl.float16), tl.trans(w.to(tl.float16)))
+    else:
+        out = tl.dot(xin.to(dtype), tl.trans(w.to(dtype)))
     return out
 
 
@@ -185,11 +206,10 @@ def _qgemv_kernel(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N
             w_next, s_next = load_weight(w_ptr, s_ptr, cols, N, w_st, s_st, k0 + BLOCK_K, K, WEIGHT, BLOCK_K)
             x_next, partner_next = input_tile(x_rows, nw_ptr, row_mask, k0 + BLOCK_K + offs_k, K, PROLOGUE)
             xin = tile_input(xk, partner, rstd, PROLOGUE, dtype)
-            wv = w
-            if DOT_IN_DTYPE:  # tl.dot on 16-bit operands: both in the activation dtype
-                xin = xin.to(dtype)
-                wv = wv.to(dtype)
-            acc += tile_product(xin, wv, USE_DOT, DOT_F32)
+            if DOT_IN_DTYPE:
+                acc += _channel_dot(xin, w, ACT, dtype)
+            else:
+                acc += tile_product(xin, w, USE_DOT, DOT_F32)
             w = w_next
             xk = x_next
             partner = partner_next
@@ -210,10 +230,12 @@ def _gemv_tiling(config: KernelConfig, pack: int) -> KernelConfig:
                    gemv_dot_block_k=max(16, config.quantized_gemv_dot_block_k // pack))
 
 
-def quantized_gemv_tiles(rows: int, n: int, k: int, sms: int, pack: int,
+def quantized_gemv_tiles(rows: int, n: int, k: int, sms: int, pack: int, w8a8: bool,
                          config: KernelConfig = DEFAULTS) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_N, BLOCK_K, num_warps) of the quantized GEMV for ``rows`` rows of an [n, k]
-    weight stored ``pack`` values a byte (2: MXFP4)."""
+    weight stored ``pack`` values a byte (2: MXFP4), ``w8a8`` when x holds 8-bit rows too."""
+    if w8a8 and config.quantized_w8a8_one_row_dot:
+        rows = max(rows, 2)  # the tl.dot path's tiles
     if rows > GEMV_MAX_ROWS:
         block_t = max(16, min(pow2(rows), config.quantized_gemv_block_t))
         block_n, block_k = config.quantized_gemm_block_n, min(config.quantized_gemm_block_k, pow2(k, 16))
@@ -243,9 +265,11 @@ def launch_quantized_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
     x_scale = x
     prologue = NORM if norm_weight is not None else SILU_MUL if gated else RAW
     if act_quant is not None:
-        x, x_scale = quantize_rows(x, act_quant, norm_weight=norm_weight, gated=gated, eps=eps, config=config)
+        x, x_scale = quantize_rows(x, act_quant, norm_weight=norm_weight, gated=gated, eps=eps, as_f16=True,
+                                   config=config)
         prologue, norm_weight = RAW, None
-    block_t, block_n, block_k, warps = quantized_gemv_tiles(rows, n, k, sm_count(x), scheme.pack, config)
+    block_t, block_n, block_k, warps = quantized_gemv_tiles(rows, n, k, sm_count(x), scheme.pack,
+                                                            act_quant is not None, config)
     res = residual if residual is not None else out
     grid = (triton.cdiv(rows, block_t), triton.cdiv(n, block_n))
     _qgemv_kernel[grid](

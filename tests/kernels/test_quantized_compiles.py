@@ -29,7 +29,7 @@ HOPPER = GPUTarget("cuda", 90, 32)
 H100_SMS = 132
 # Storage and scale pointer types of each weight kind: (x, w, s) for the GEMV.
 _WEIGHTS = {"int8": ("*i8", "*fp32"), "fp8": ("*fp8e4nv", "*fp32"), "mxfp4": ("*u8", "*u8")}
-_ACT_X = {ACT_NONE: "*bf16", ACT_INT8: "*i8", ACT_FP8: "*fp8e4nv"}
+_ACT_X = {ACT_NONE: "*bf16", ACT_INT8: "*i8", ACT_FP8: "*fp16"}  # as the GEMV reads x
 
 
 def _compile(kernel, pointers: dict[str, str], constants: dict, num_warps: int = 4) -> None:
@@ -49,7 +49,8 @@ def _compile(kernel, pointers: dict[str, str], constants: dict, num_warps: int =
 def _gemv(weight: str, act, prologue, rows: int, n: int, k: int, bias: bool, residual: bool) -> None:
     """The GEMV as ``launch_quantized_gemv`` launches it for ``rows`` rows of an [n, k] weight."""
     w_type, s_type = _WEIGHTS[weight]
-    block_t, block_n, block_k, warps = quantized_gemv_tiles(rows, n, k, H100_SMS, 2 if weight == "mxfp4" else 1)
+    block_t, block_n, block_k, warps = quantized_gemv_tiles(rows, n, k, H100_SMS, 2 if weight == "mxfp4" else 1,
+                                                            act != ACT_NONE)
     pointers = dict(x_ptr=_ACT_X[act], xs_ptr="*fp32", nw_ptr="*bf16", w_ptr=w_type, s_ptr=s_type, b_ptr="*bf16",
                     r_ptr="*bf16", y_ptr="*bf16")
     _compile(gemv_quantized._qgemv_kernel, pointers, dict(
@@ -69,7 +70,7 @@ def compile_all() -> None:
             for (n, k), prologue, residual in (((6144, 4096), NORM, False), ((4096, 14336), SILU_MUL, True)):
                 _gemv(weight, act, prologue if act == ACT_NONE else RAW, rows, n, k, False, residual)
         _gemv("mxfp4", ACT_NONE, RAW, rows, 4096, 4096, True, False)
-    for act, q_type in ((ACT_FP8, "*fp8e4nv"), (ACT_INT8, "*i8")):
+    for act, q_type in ((ACT_FP8, "*fp8e4nv"), (ACT_FP8, "*fp16"), (ACT_INT8, "*i8")):
         for prologue, one_tile in ((NORM, True), (SILU_MUL, True), (RAW, False)):
             _compile(act_quant_triton._quantize_rows_kernel,
                      dict(x_ptr="*bf16", nw_ptr="*bf16", q_ptr=q_type, s_ptr="*fp32"),
