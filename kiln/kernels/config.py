@@ -114,18 +114,20 @@ class KernelConfig:
     quantized_gemv_block_n: tuple[int, int] = (4, 16)
     """``gemv_block_n`` for the quantized one-row GEMV: up to 16 weight rows a tile, so that fewer
     programs re-read x. Not yet tuned."""
-    quantized_gemv_dot_block_k: int = 256
-    """``gemv_dot_block_k`` for the quantized GEMV's tl.dot path (2-16 rows): values of 1-byte weights,
-    twice the bf16 GEMV's K a step so that a step is as many bytes. MXFP4 takes half as many values:
-    at 256 a step took 243 registers in an sm_90 compile, at 128 128. Not yet tuned on a GPU."""
+    quantized_gemv_dot_block_k: int = 512
+    """``gemv_dot_block_k`` for the quantized GEMV's tl.dot path (2-16 rows, and W8A8 at one row):
+    values of 1-byte weights, 8 KB a step at 16 columns (105 registers at 8 warps for fp8 in an sm_90
+    compile). MXFP4 takes a quarter as many values: its decoded pairs and x's two strided halves
+    took 171-255 registers at 256. Not yet tuned on a GPU."""
     quantized_w8a8_one_row_dot: bool = True
     """W8A8 GEMVs (fp8, w8a8_int8) take the tl.dot path at one row too, the row padded to 16: the
     tensor cores multiply int8 as int8 and e4m3 in f16 (one conversion per two weights), where the
     broadcast product converts every weight to f32 (e4m3 -> f16 -> f32: 1.5 conversions a weight, at
     sm_90's 16 conversions a clock per SM about 70% of the HBM stream's rate, before other work).
     Reasoned from sm_90 instruction counts, not yet measured: A/B it with false."""
-    quantized_gemv_num_warps: int = 4
-    """Warps per program of the quantized GEMV up to 16 rows."""
+    quantized_gemv_num_warps: int = 8
+    """Warps per program of the quantized GEMV up to 16 rows: at 8 the one-row tiles took 80 (fp8) and
+    95 (MXFP4) registers in sm_90 compiles, where 4 warps took 127 and 119."""
     quantized_gemm_block_n: int = 64
     """Output columns per program of the quantized GEMV above 16 rows (weight-only schemes at large
     decode batches; W8A8 where no library GEMM fits): a GEMM tile, wide so that each program's rows of

@@ -98,6 +98,14 @@ def test_gemm_tile_matches_reference(op, scheme, act_quant):
     _assert_matches(op, scheme, act_quant, args, scales)
 
 
+@pytest.mark.parametrize("scheme,act_quant", [c for c in CASES if c[1] is not None])
+@pytest.mark.parametrize("op", OPS)
+def test_w8a8_broadcast_product_at_one_row(op, scheme, act_quant):
+    # quantized_w8a8_one_row_dot off: one W8A8 row by the broadcast product instead of a padded tl.dot.
+    args, scales = _operands(op, scheme, 1, 37, torch.float32)
+    _assert_matches(op, scheme, act_quant, args, scales, KernelConfig(quantized_w8a8_one_row_dot=False))
+
+
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("scheme,act_quant", CASES)
 @pytest.mark.parametrize("op", ["rmsnorm_linear", "silu_mul_linear_residual"])

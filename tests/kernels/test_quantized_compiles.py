@@ -21,7 +21,7 @@ from triton.compiler import ASTSource
 
 from kiln.kernels import act_quant_triton, gemm_quantized, gemv_quantized
 from kiln.kernels.act_quant_triton import ACT_FP8, ACT_INT8, ACT_NONE
-from kiln.kernels.config import DEFAULTS
+from kiln.kernels.config import DEFAULTS, KernelConfig
 from kiln.kernels.gemv import NORM, RAW, SILU_MUL
 from kiln.kernels.gemv_quantized import quantized_gemv_tiles
 
@@ -46,11 +46,12 @@ def _compile(kernel, pointers: dict[str, str], constants: dict, num_warps: int =
     assert compiled.asm["cubin"]
 
 
-def _gemv(weight: str, act, prologue, rows: int, n: int, k: int, bias: bool, residual: bool) -> None:
+def _gemv(weight: str, act, prologue, rows: int, n: int, k: int, bias: bool, residual: bool,
+          config: KernelConfig = DEFAULTS) -> None:
     """The GEMV as ``launch_quantized_gemv`` launches it for ``rows`` rows of an [n, k] weight."""
     w_type, s_type = _WEIGHTS[weight]
     block_t, block_n, block_k, warps = quantized_gemv_tiles(rows, n, k, H100_SMS, 2 if weight == "mxfp4" else 1,
-                                                            act != ACT_NONE)
+                                                            act != ACT_NONE, config)
     pointers = dict(x_ptr=_ACT_X[act], xs_ptr="*fp32", nw_ptr="*bf16", w_ptr=w_type, s_ptr=s_type, b_ptr="*bf16",
                     r_ptr="*bf16", y_ptr="*bf16")
     _compile(gemv_quantized._qgemv_kernel, pointers, dict(
@@ -70,6 +71,9 @@ def compile_all() -> None:
             for (n, k), prologue, residual in (((6144, 4096), NORM, False), ((4096, 14336), SILU_MUL, True)):
                 _gemv(weight, act, prologue if act == ACT_NONE else RAW, rows, n, k, False, residual)
         _gemv("mxfp4", ACT_NONE, RAW, rows, 4096, 4096, True, False)
+    # W8A8 at one row by the broadcast product (quantized_w8a8_one_row_dot off).
+    for weight, act in (("fp8", ACT_FP8), ("int8", ACT_INT8)):
+        _gemv(weight, act, RAW, 1, 4096, 14336, False, True, KernelConfig(quantized_w8a8_one_row_dot=False))
     for act, q_type in ((ACT_FP8, "*fp8e4nv"), (ACT_FP8, "*fp16"), (ACT_INT8, "*i8")):
         for prologue, one_tile in ((NORM, True), (SILU_MUL, True), (RAW, False)):
             _compile(act_quant_triton._quantize_rows_kernel,
