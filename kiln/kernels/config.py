@@ -106,9 +106,9 @@ class KernelConfig:
     quantized_gemv_product_elements: int = 8192
     """``gemv_product_elements`` for the quantized one-row GEMV, counted in weight bytes (an MXFP4 tile
     holds twice as many values). Half the bf16 GEMV's 16 KB tiles: decoding 1-byte and 4-bit values
-    takes more registers a byte than bf16, and sm_90 compiles of Llama-3-8B's tiles gave 128 registers
-    at 8 KB for fp8 (222-250 at 16 KB) and 168 for MXFP4 (255 and spills at 16 KB), so that 3-4
-    programs share an SM. Not yet tuned on a GPU: sweep 4096-16384 with ``quantized_gemv_num_warps``."""
+    takes more registers a byte than bf16 (sm_90 compiles of Llama-3-8B's fp8 tiles at 4 warps: 222-250
+    registers at 16 KB, 127 at 8 KB; at 8 warps 8 KB tiles take 64-95), so that 2-3 programs share
+    an SM. Not yet tuned on a GPU: sweep 4096-16384 with ``quantized_gemv_num_warps``."""
     quantized_gemv_block_k: tuple[int, int] = (64, 2048)
     """``gemv_block_k`` for the quantized one-row GEMV, in weight bytes as the above."""
     quantized_gemv_block_n: tuple[int, int] = (4, 16)
