@@ -223,10 +223,14 @@ def test_library_gemms_match_reference_on_gpu(op, scheme, act_quant, path, rows)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("one_row_dot", [True, False])
 @pytest.mark.parametrize("rows", [1, 7, 64])
 @pytest.mark.parametrize("scheme,act_quant", CASES)
-def test_gemv_at_llama_shapes_on_gpu(scheme, act_quant, rows):
-    # Llama-3-8B's down projection (K 14336) compiled for the GPU: the tiles gemv_config picks there.
+def test_gemv_at_llama_shapes_on_gpu(scheme, act_quant, rows, one_row_dot):
+    # Llama-3-8B's down projection (K 14336) compiled for the GPU: the tiles gemv_config picks there
+    # (64 rows in the GEMV's GEMM tile, W8A8 included; one W8A8 row by tl.dot and by the broadcast).
+    if not one_row_dot and (rows != 1 or act_quant is None):
+        pytest.skip("quantized_w8a8_one_row_dot only changes W8A8 at one row")
     if "fp8" in scheme and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability 8.9 or later")
     n, k = 512, 14336
@@ -235,5 +239,5 @@ def test_gemv_at_llama_shapes_on_gpu(scheme, act_quant, rows):
     x, residual = torch.randn(rows, k, device="cuda").bfloat16(), torch.randn(rows, n, device="cuda").bfloat16()
     args = (x, stored.cuda(), residual)
     _assert_matches("linear_residual", scheme, act_quant, args, tuple(s.cuda() for s in scales),
-                    KernelConfig(quantized_gemv_max_rows=64))
+                    KernelConfig(quantized_gemv_max_rows=64, quantized_w8a8_one_row_dot=one_row_dot))
 
