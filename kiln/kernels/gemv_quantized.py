@@ -23,10 +23,12 @@ halves in registers, and each block's 16-byte partial sums take its scale, once 
 once a value; the tl.dot path loads x at stride 2 and takes two products over K/2 (even, odd) with
 each value scaled. The e2m1 decode is bit moves and a multiply (``e2m1_pair``), no conversions.
 
-Rows: 1 multiplies by broadcasting; 2-16 pad to 16 for ``tl.dot``, whose operands are the decoded
-values in the activation dtype (int8, e4m3 and scaled e2m1 values are exact in bf16); more are cut
-into blocks of ``quantized_gemv_block_t`` (the first grid axis) with a GEMM's tile of
-``quantized_gemm_block_n`` columns, so that each row block of x read from L2 serves many weight rows.
+Rows: 1 multiplies by broadcasting (W8A8 pads it to 16 for ``tl.dot`` instead, see
+``KernelConfig.quantized_w8a8_one_row_dot``); 2-16 pad to 16 for ``tl.dot``, whose operands are W8A8's
+8-bit values as they are (``_channel_dot``) or the decoded values in the activation dtype (int8 and
+scaled e2m1 values are exact in bf16); more are cut into blocks of ``quantized_gemv_block_t`` (the
+first grid axis) with a GEMM's tile of ``quantized_gemm_block_n`` columns, so that each row block of x
+read from L2 serves many weight rows.
 """
 
 from __future__ import annotations
