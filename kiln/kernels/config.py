@@ -103,16 +103,46 @@ class KernelConfig:
     runs (prefill, where the GEMM is compute bound). Not yet tuned on a GPU."""
     quantized_gemv_block_t: int = 64
     """Rows one program of the quantized GEMV holds above 16 rows (its tl.dot path pads to 16 below)."""
-    quantized_gemv_product_elements: int = 16384
-    """``gemv_product_elements`` for the quantized one-row GEMV: weight values one tile holds (decoded
-    to f32 in registers, as many as the bf16 GEMV's tile). Not yet tuned on a GPU."""
-    quantized_gemv_dot_block_k: int = 256
-    """``gemv_dot_block_k`` for the quantized GEMV's tl.dot path (2 rows and more): twice the bf16
-    GEMV's K a step, so a step of 1-byte weights is as many bytes. Not yet tuned on a GPU."""
+    quantized_gemv_product_elements: int = 8192
+    """``gemv_product_elements`` for the quantized one-row GEMV, counted in weight bytes (an MXFP4 tile
+    holds twice as many values). Half the bf16 GEMV's 16 KB tiles: decoding 1-byte and 4-bit values
+    takes more registers a byte than bf16 (sm_90 compiles of Llama-3-8B's fp8 tiles at 4 warps: 222-250
+    registers at 16 KB, 127 at 8 KB; at 8 warps 8 KB tiles take 64-95), so that 2-3 programs share
+    an SM. Not yet tuned on a GPU: sweep 4096-16384 with ``quantized_gemv_num_warps``."""
+    quantized_gemv_block_k: tuple[int, int] = (64, 2048)
+    """``gemv_block_k`` for the quantized one-row GEMV, in weight bytes as the above."""
     quantized_gemv_block_n: tuple[int, int] = (4, 16)
-    """``gemv_block_n`` for the quantized one-row GEMV: up to 16 weight rows a tile, so that a tile
-    of 1-byte weights is as many bytes as the bf16 GEMV's and half as many programs re-read x (with
-    activations quantized per token each reads it twice: once for the row's scale). Not yet tuned."""
+    """``gemv_block_n`` for the quantized one-row GEMV: up to 16 weight rows a tile, so that fewer
+    programs re-read x. Not yet tuned."""
+    quantized_gemv_dot_block_k: int = 512
+    """``gemv_dot_block_k`` for the quantized GEMV's tl.dot path (2-16 rows, and W8A8 at one row):
+    values of 1-byte weights, 8 KB a step at 16 columns (105 registers at 8 warps for fp8 in an sm_90
+    compile). MXFP4 takes a quarter as many values: its decoded pairs and x's two strided halves
+    took 171-255 registers at 256. Not yet tuned on a GPU."""
+    quantized_w8a8_one_row_dot: bool = True
+    """W8A8 GEMVs (fp8, w8a8_int8) take the tl.dot path at one row too, the row padded to 16: the
+    tensor cores multiply int8 as int8 and e4m3 in f16 (one conversion per two weights), where the
+    broadcast product converts every weight to f32 (e4m3 -> f16 -> f32: 1.5 conversions a weight, at
+    sm_90's 16 conversions a clock per SM about 70% of the HBM stream's rate, before other work).
+    Reasoned from sm_90 instruction counts, not yet measured: A/B it with false."""
+    quantized_gemv_num_warps: int = 8
+    """Warps per program of the quantized GEMV up to 16 rows: at 8 the one-row tiles took 80 (fp8) and
+    95 (MXFP4) registers in sm_90 compiles, where 4 warps took 127 and 119."""
+    quantized_gemm_block_n: int = 64
+    """Output columns per program of the quantized GEMV above 16 rows (weight-only schemes at large
+    decode batches; W8A8 where no library GEMM fits): a GEMM tile, wide so that each program's rows of
+    x (re-read from L2 by every column tile, with the prologue recomputed) serve many weight rows.
+    Not yet tuned on a GPU."""
+    quantized_gemm_block_k: int = 64
+    """K per step of the quantized GEMV above 16 rows (values; at least 32, a block, for MXFP4): at 128
+    the SiLU·mul prologue's tiles took 255 registers and spilled in an sm_90 compile."""
+    quantized_gemm_num_warps: int = 8
+    """Warps per program of the quantized GEMV above 16 rows (a 64 x 64 tile: 101-128 registers)."""
+    act_quant_block_k: int = 16384
+    """Widest row the per-token activation quantizer (``act_quant_triton``) holds in registers and
+    reads once; wider rows are read three times. 16384 covers Llama-3-8B's down projection (14336)."""
+    act_quant_num_warps: int = 8
+    """Warps per row of the activation quantizer: 64 values a thread for a 16384-wide row."""
 
     # --- elementwise kernels (norm.py, rope.py, kv_store.py, elementwise.py) ---
     rmsnorm_elements_per_program: int = 4096
@@ -239,7 +269,9 @@ _POWERS_OF_TWO = frozenset({
     "decode_max_splits", "decode_block_n", "decode_num_warps", "decode_merge_tile", "gemv_block_n", "gemv_block_k",
     "gemv_product_elements", "gemv_dot_block_k", "gemv_num_warps", "gemv_norm_pass_elements",
     "quantized_gemv_block_t", "quantized_gemv_product_elements", "quantized_gemv_block_n",
-    "quantized_gemv_dot_block_k",
+    "quantized_gemv_dot_block_k", "quantized_gemv_block_k", "quantized_gemm_block_n", "quantized_gemm_block_k",
+    "quantized_gemv_num_warps", "quantized_gemm_num_warps",
+    "act_quant_block_k", "act_quant_num_warps",
     "rmsnorm_elements_per_program", "rope_elements_per_program", "kv_store_block", "silu_mul_block", "argmax_block",
     "argmax_merge_block", "sample_block", "sample_merge_block", "bitmask_words_per_program", "moe_block_m", "moe_block_n",
     "moe_block_k", "moe_gemv_block_n", "moe_gemv_block_k",

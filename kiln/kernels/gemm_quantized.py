@@ -10,9 +10,9 @@ Above a few rows a GEMM is compute bound and the tensor-core libraries are the b
   ``linear_fused`` composes them. This is the simple prefill path: one extra write and read of the
   16-bit weight per GEMM, small beside the GEMM's arithmetic at hundreds of rows.
 
-The activations of the first two are quantized per token by one Triton kernel that also applies the
-GEMM's prologue (RMSNorm or SiLU·mul), with ``gemv_quantized``'s helpers, so a W8A8 GEMM at many rows
-is this kernel plus the library call. Each runs only on CUDA tensors; ``library_path`` says whether
+The activations of the first two are quantized per token by ``act_quant_triton``'s kernel, which also
+applies the GEMM's prologue (RMSNorm or SiLU·mul), so a W8A8 GEMM at many rows is that kernel plus
+the library call. Each runs only on CUDA tensors; ``library_path`` says whether
 one fits the operands (dtypes, alignment, device), else the Triton GEMV takes any row count.
 """
 
@@ -26,15 +26,13 @@ import triton.language as tl
 
 from kiln.ir.weights import QuantScheme
 
+from .act_quant_triton import quantize_rows
 from .config import DEFAULTS, KernelConfig
-from .gemv import NORM, RAW, SILU_MUL, input_tile, row_rstd, tile_input
-from .gemv_quantized import (ACT_KINDS, MXFP4, PER_CHANNEL, act_scale, decode_weight, load_weight, quantize_act,
-                             row_amax)
+from .gemv_quantized import MXFP4, PER_CHANNEL, decode_pairs, load_weight
 from .linear_fused import composed_linear_residual, composed_rmsnorm_linear, composed_silu_mul_linear_residual
 from .triton_support import pow2
 
 SCALED_MM, INT_MM, DEQUANTIZED = "scaled_mm", "int_mm", "dequantized"
-_ACT_DTYPES = {"int8_per_token": torch.int8, "fp8_per_token": torch.float8_e4m3fn}
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,46 +59,6 @@ def library_path(x: torch.Tensor, weight: torch.Tensor, scheme: QuantScheme, act
     return None  # mixed weight and activation types: the Triton GEMV takes them
 
 
-# --- per-token activation quantization --------------------------------------------------------------
-
-
-@triton.jit
-def _quantize_rows_kernel(x_ptr, nw_ptr, q_ptr, s_ptr, K, eps, x_st, q_st, PROLOGUE: tl.constexpr,
-                          ACT: tl.constexpr, BLOCK_K: tl.constexpr):
-    # One program per row: its rstd (RMSNorm prologue), its largest magnitude, then the quantized row.
-    dtype = x_ptr.dtype.element_ty
-    row = tl.program_id(0)
-    row_mask = tl.full([1], 1, tl.int1)
-    x_rows = x_ptr + row.to(tl.int64) * x_st + tl.zeros([1, 1], tl.int64)
-    rstd = tl.zeros([1], tl.float32)
-    if PROLOGUE == NORM:
-        rstd = row_rstd(x_rows, row_mask, K, eps, 1, BLOCK_K)
-    scale = act_scale(row_amax(x_rows, nw_ptr, row_mask, K, rstd, PROLOGUE, dtype, 1, BLOCK_K), ACT)
-    offs = tl.arange(0, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs
-        xk, partner = input_tile(x_rows, nw_ptr, row_mask, k, K, PROLOGUE)
-        v = quantize_act(tl.math.div_rn(tile_input(xk, partner, rstd, PROLOGUE, dtype).to(tl.float32), scale[:, None]),
-                         ACT)
-        tl.store(q_ptr + row.to(tl.int64) * q_st + k[None, :], v.to(q_ptr.dtype.element_ty), mask=(k < K)[None, :])
-    tl.store(s_ptr + row + tl.arange(0, 1), scale)
-
-
-def quantize_rows(x: torch.Tensor, act_quant: str, *, norm_weight: torch.Tensor | None = None, gated: bool = False,
-                  eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The GEMM input made from ``x`` (``rmsnorm(x)``, ``silu(gate) * up`` or x) quantized per row to
-    ``act_quant``'s type: the values [T, K] and the f32 scales [T, 1]."""
-    rows, k = x.shape[0], x.shape[1] // (2 if gated else 1)
-    q = torch.empty(rows, k, dtype=_ACT_DTYPES[act_quant], device=x.device)
-    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    if rows:
-        prologue = NORM if norm_weight is not None else SILU_MUL if gated else RAW
-        _quantize_rows_kernel[(rows,)](x, norm_weight if norm_weight is not None else x, q, scale, k, eps,
-                                       x.stride(0), q.stride(0), PROLOGUE=prologue, ACT=ACT_KINDS[act_quant],
-                                       BLOCK_K=min(pow2(k, 16), 2048), num_warps=4)
-    return q, scale
-
-
 # --- dequantization -------------------------------------------------------------------------------
 
 
@@ -110,12 +68,17 @@ def _dequantize_kernel(w_ptr, s_ptr, out_ptr, N, K, w_st, s_st, out_st, WEIGHT: 
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     w, s = load_weight(w_ptr, s_ptr, cols, N, w_st, s_st, k0, K, WEIGHT, BLOCK_K)
-    values = decode_weight(w, s, WEIGHT, BLOCK_N, BLOCK_K)
-    if WEIGHT == PER_CHANNEL:
-        values *= tl.load(s_ptr + cols, mask=cols < N, other=0.0)[:, None]
-    k = k0 + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + cols.to(tl.int64)[:, None] * out_st + k[None, :], values.to(out_ptr.dtype.element_ty),
-             mask=(cols < N)[:, None] & (k < K)[None, :])
+    out_rows = out_ptr + cols.to(tl.int64)[:, None] * out_st
+    if WEIGHT == MXFP4:  # the low nibbles to the even columns, the high ones to the odd
+        even, odd = decode_pairs(w, s)
+        k = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+        mask = (cols < N)[:, None] & (k < K)[None, :]
+        tl.store(out_rows + k[None, :], even.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_rows + k[None, :] + 1, odd.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        values = w.to(tl.float32) * tl.load(s_ptr + cols, mask=cols < N, other=0.0)[:, None]
+        k = k0 + tl.arange(0, BLOCK_K)
+        tl.store(out_rows + k[None, :], values.to(out_ptr.dtype.element_ty), mask=(cols < N)[:, None] & (k < K)[None, :])
 
 
 def dequantize_weight(weight: torch.Tensor, weight_scale: torch.Tensor, scheme: QuantScheme,
@@ -152,7 +115,7 @@ def library_gemm(path: str, x: torch.Tensor, weight: torch.Tensor, weight_scale:
         else:
             torch.matmul(x, dense.t(), out=out)
         return
-    q, x_scale = quantize_rows(x, act_quant, norm_weight=norm_weight, gated=gated, eps=eps)
+    q, x_scale = quantize_rows(x, act_quant, norm_weight=norm_weight, gated=gated, eps=eps, config=config)
     if path == SCALED_MM:
         scaled_mm = functools.partial(torch._scaled_mm, q, weight.t(), scale_a=x_scale,
                                       scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16)

@@ -28,9 +28,10 @@ from kiln.ir.types import TensorType
 from kiln.ir.weights import SCHEMES, QuantizedType, QuantScheme
 from kiln.tensors import torch_dtype
 
+from .act_quant_triton import ACT_KINDS
 from .config import DEFAULTS, KernelConfig
 from .gemm_quantized import device_capability, library_gemm, library_path
-from .gemv_quantized import ACT_KINDS, launch_quantized_gemv
+from .gemv_quantized import launch_quantized_gemv
 from .registry import Checker, register_impl
 from .triton_support import INTERPRET, IR_FLOATS, require, require_device, require_float, require_unit_last_stride
 

@@ -64,11 +64,11 @@ def _greedy(artifact: Path) -> list[list[int]]:
     return outputs
 
 
-# fp8 (activations quantized in the kernel) and mxfp4 (block-scaled nibbles); the int8 schemes take the
+# fp8 (activations quantized per token before the GEMV) and mxfp4 (block-scaled nibbles); the int8 schemes take the
 # same paths, each tested against its reference in tests/kernels/test_linear_quantized_triton.py.
 @pytest.mark.parametrize("quantization, scheme", [("fp8", "fp8_channel"), ("mxfp4", "mxfp4")])
 def test_quantized_triton_kernels_give_the_reference_tokens(tmp_path: Path, quantization: str, scheme: str):
-    # The quantized GEMV at every fusion (decode at 1 and 2 rows, prefill in row blocks) against the
+    # The quantized GEMV at every fusion (decode at 1 and 2 rows, prefill in GEMM tiles) against the
     # same artifact on the torch references, which define the quantized semantics.
     source = make_hf_model("llama3", tmp_path / "src", hidden_size=64, intermediate_size=128)
     options = dict(dtype="fp32", page_size=4, max_batch_tokens=64, max_batch_size=4, max_seq_len=64,

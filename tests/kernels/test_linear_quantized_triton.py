@@ -1,6 +1,6 @@
 """The triton backend's quantized linear-family kernels against the ``torch.<op>.<scheme>`` references:
 every op (each fusion), every weight scheme with and without per-token activation quantization, at
-odd sizes, on the GEMV (1, 3, 16 rows; 20 in row blocks) and, on a GPU, through the library GEMMs
+odd sizes, on the GEMV (1, 3, 16 rows; 20 in row blocks; 64 in the GEMM tile) and, on a GPU, through the library GEMMs
 (``_scaled_mm``, ``_int_mm``, dequantize + cuBLAS) at many rows. Runs under Triton's interpreter
 on the CPU; the GPU cases are skipped there."""
 
@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from kiln.ir.types import DType, TensorType
 from kiln.ir.weights import SCHEMES, QuantizedType, WeightFormat
 from kiln.kernels import KernelConfig, get_impl, select_impl
-from kiln.kernels.gemm_quantized import dequantize_weight, library_gemm, library_path, quantize_rows
-from kiln.kernels.gemv_quantized import ACT_FP8, ACT_INT8, quantize_act
-from kiln.kernels.norm import ref_rmsnorm
-from kiln.kernels.quantize import dequantize, quantize, quantize_rows as ref_quantize_rows
+from kiln.kernels.gemm_quantized import dequantize_weight, library_gemm, library_path
+from kiln.kernels.quantize import dequantize, quantize
 
 from .conftest import DEVICE
 
@@ -93,6 +89,23 @@ def test_gemv_matches_reference(op, scheme, act_quant, rows):
     _assert_matches(op, scheme, act_quant, args, scales, KernelConfig(quantized_gemv_block_t=16))
 
 
+@pytest.mark.parametrize("scheme,act_quant", CASES)
+@pytest.mark.parametrize("op", OPS)
+def test_gemm_tile_matches_reference(op, scheme, act_quant):
+    # 64 rows in one row block with the GEMM tile (quantized_gemm_block_n columns, two tiles here, the
+    # second partial) stepping through K in quantized_gemm_block_k steps, the last one partial.
+    args, scales = _operands(op, scheme, 64, 70, torch.float32)
+    _assert_matches(op, scheme, act_quant, args, scales)
+
+
+@pytest.mark.parametrize("scheme,act_quant", [c for c in CASES if c[1] is not None])
+@pytest.mark.parametrize("op", OPS)
+def test_w8a8_broadcast_product_at_one_row(op, scheme, act_quant):
+    # quantized_w8a8_one_row_dot off: one W8A8 row by the broadcast product instead of a padded tl.dot.
+    args, scales = _operands(op, scheme, 1, 37, torch.float32)
+    _assert_matches(op, scheme, act_quant, args, scales, KernelConfig(quantized_w8a8_one_row_dot=False))
+
+
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("scheme,act_quant", CASES)
 @pytest.mark.parametrize("op", ["rmsnorm_linear", "silu_mul_linear_residual"])
@@ -113,44 +126,6 @@ def test_gemv_steps_through_k(scheme, rows):
     act_quant = "fp8_per_token" if scheme == "fp8_channel" else None
     _assert_matches("linear", scheme, act_quant, args, tuple(s.to(DEVICE) for s in scales),
                     KernelConfig(gemv_one_step_max_k=1024))
-
-
-@triton.jit
-def _quantize_act_kernel(x_ptr, int8_ptr, fp8_ptr, N: tl.constexpr):
-    offs = tl.arange(0, N)
-    x = tl.load(x_ptr + offs)
-    tl.store(int8_ptr + offs, quantize_act(x, ACT_INT8))
-    tl.store(fp8_ptr + offs, quantize_act(x, ACT_FP8))
-
-
-def test_activation_rounding_is_torchs():
-    # Ties (to even), a value just below a half, saturation, e4m3 subnormals and binade carries
-    # (31.6 rounds up to 32): bit for bit torch's round() and float8_e4m3fn cast.
-    edges = [0.5, 1.5, 2.5, -0.5, -2.5, 0.49999997, 126.5, -126.5, 300.0, -500.0, 1e-3, 0.0, 17.0, 100.0, 200.0,
-             31.6013]
-    x = torch.cat([torch.randn(1024 - len(edges)) * 60, torch.tensor(edges)]).to(DEVICE)
-    as_int8, as_fp8 = torch.empty_like(x), torch.empty_like(x)
-    _quantize_act_kernel[(1,)](x, as_int8, as_fp8, N=1024)
-    assert torch.equal(as_int8, x.clamp(-127, 127).round())
-    assert torch.equal(as_fp8, x.clamp(-448, 448).to(torch.float8_e4m3fn).float())
-
-
-@pytest.mark.parametrize("act_quant", ["int8_per_token", "fp8_per_token"])
-@pytest.mark.parametrize("prologue", ["raw", "norm", "silu_mul"])
-def test_quantize_rows_kernel_matches_reference(act_quant, prologue):
-    k = 200
-    x = torch.randn(7, 2 * k if prologue == "silu_mul" else k, device=DEVICE)
-    x[3] = 0  # an all-zero row gets scale 1
-    norm_weight = torch.randn(k, device=DEVICE) if prologue == "norm" else None
-    q, scale = quantize_rows(x, act_quant, norm_weight=norm_weight, gated=prologue == "silu_mul", eps=EPS)
-    if prologue == "norm":
-        gemm_input = ref_rmsnorm(x, norm_weight, EPS)
-    elif prologue == "silu_mul":
-        gemm_input = torch.nn.functional.silu(x[:, :k]) * x[:, k:]
-    else:
-        gemm_input = x
-    assert scale[3].item() == 1.0
-    torch.testing.assert_close(q.float() * scale, ref_quantize_rows(gemm_input, act_quant), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -248,10 +223,14 @@ def test_library_gemms_match_reference_on_gpu(op, scheme, act_quant, path, rows)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("one_row_dot", [True, False])
 @pytest.mark.parametrize("rows", [1, 7, 64])
 @pytest.mark.parametrize("scheme,act_quant", CASES)
-def test_gemv_at_llama_shapes_on_gpu(scheme, act_quant, rows):
-    # Llama-3-8B's down projection (K 14336) compiled for the GPU: the tiles gemv_config picks there.
+def test_gemv_at_llama_shapes_on_gpu(scheme, act_quant, rows, one_row_dot):
+    # Llama-3-8B's down projection (K 14336) compiled for the GPU: the tiles gemv_config picks there
+    # (64 rows in the GEMV's GEMM tile, W8A8 included; one W8A8 row by tl.dot and by the broadcast).
+    if not one_row_dot and (rows != 1 or act_quant is None):
+        pytest.skip("quantized_w8a8_one_row_dot only changes W8A8 at one row")
     if "fp8" in scheme and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability 8.9 or later")
     n, k = 512, 14336
@@ -260,5 +239,5 @@ def test_gemv_at_llama_shapes_on_gpu(scheme, act_quant, rows):
     x, residual = torch.randn(rows, k, device="cuda").bfloat16(), torch.randn(rows, n, device="cuda").bfloat16()
     args = (x, stored.cuda(), residual)
     _assert_matches("linear_residual", scheme, act_quant, args, tuple(s.cuda() for s in scales),
-                    KernelConfig(quantized_gemv_max_rows=64))
+                    KernelConfig(quantized_gemv_max_rows=64, quantized_w8a8_one_row_dot=one_row_dot))
 
