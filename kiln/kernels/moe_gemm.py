@@ -28,9 +28,11 @@ import triton.language as tl
 from kiln.ir.types import TensorType
 
 from .config import DEFAULTS, KernelConfig
+from .gemv import RAW, SILU_MUL, gemv_config, gemv_epilogue, input_tile, tile_input, tile_product, weight_tile
 from .moe_align import triton_moe_align
 from .registry import register_impl
-from .triton_support import IR_FLOATS, dot_in_f32, pow2, require, require_device, require_float
+from .triton_support import (IR_FLOATS, await_previous_kernel, dot_in_f32, pdl_launch, require, require_device,
+                             require_float, sm_count)
 
 
 @triton.jit
@@ -76,34 +78,78 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, route_ptr, sorted_ptr, block_exp
 
 
 @triton.jit
-def _pair_gemv_kernel(a_ptr, w_ptr, out_ptr, route_ptr, ids_ptr, experts, expert_offset,
-                      n_out, k_in, a_row_div, a_stride, w_stride_e, w_stride_n, out_stride, up_offset,
-                      GATED: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pair = tl.program_id(0).to(tl.int64)
-    expert = tl.load(ids_ptr + pair).to(tl.int64) - expert_offset
-    local = (expert >= 0) & (expert < experts)
-    expert = tl.where(local, expert, 0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n_out
-    w_base = w_ptr + expert * w_stride_e + cols[:, None].to(tl.int64) * w_stride_n
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, k_in, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < k_in
-        a = tl.load(a_ptr + (pair // a_row_div) * a_stride + ks, mask=k_ok & local, other=0.0).to(tl.float32)
-        # A pair of another rank's expert loads nothing (masked) and so writes zeros.
-        w_mask = col_ok[:, None] & k_ok[None, :] & local
-        acc += tl.sum(tl.load(w_base + ks[None, :], mask=w_mask, other=0.0).to(tl.float32) * a[None, :], axis=1)
-        if GATED:
-            w_up = tl.load(w_base + up_offset + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
-            acc_up += tl.sum(w_up * a[None, :], axis=1)
-    result = acc
-    if GATED:
-        result = acc / (1.0 + tl.exp(-acc)) * acc_up
-    if WEIGHTED:
-        result = result * tl.load(route_ptr + pair)
-    tl.store(out_ptr + pair * out_stride + cols, result.to(out_ptr.dtype.element_ty), mask=col_ok)
+def _expert_tile(w_ptr, ids_ptr, pair, live, experts, expert_offset, w_st_e, cols, N, w_st, k, K):
+    # A tile of the rows ``cols`` of the pair's expert's weight. A pair that is not ``live`` (past its
+    # token's choices) or of another rank's expert has no valid row, so it loads nothing: zeros.
+    expert = tl.load(ids_ptr + pair, mask=live, other=0) - expert_offset
+    local = live & (expert >= 0) & (expert < experts)
+    w_e = w_ptr + tl.where(local, expert, 0).to(tl.int64) * w_st_e
+    return weight_tile(w_e, cols, tl.where(local, N, 0), w_st, k, K)
+
+
+@triton.jit
+def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, y_ptr, experts, expert_offset, N, K, top_k, x_st, w_st_e, w_st, y_st,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    # Program (c, p): columns c*BLOCK_N.. of pair p's x @ w_gate_up[expert].T, as gemv.py's one-row
+    # GEMV walks K (the next tile's loads before this tile's arithmetic).
+    pair = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, 1)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + (pair // top_k).to(tl.int64) * x_st + rows[:, None]
+    # The expert ids are the router's, the kernel before (or two before): wait before reading them.
+    await_previous_kernel(PDL)
+    w = _expert_tile(w_ptr, ids_ptr, pair, True, experts, expert_offset, w_st_e, cols, N, w_st, offs_k, K)
+    xk, _ = input_tile(x_rows, x_ptr, rows < 1, offs_k, K, RAW)
+    acc = tl.zeros([1, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        next_k = k0 + BLOCK_K + offs_k
+        w_next = _expert_tile(w_ptr, ids_ptr, pair, True, experts, expert_offset, w_st_e, cols, N, w_st, next_k, K)
+        x_next, _ = input_tile(x_rows, x_ptr, rows < 1, next_k, K, RAW)
+        acc += tile_product(xk, w, False, False)
+        w = w_next
+        xk = x_next
+    gemv_epilogue(acc, y_ptr, y_ptr, y_ptr + pair.to(tl.int64) * y_st, rows, cols, rows < 1, cols < N, 0, 0,
+                  y_ptr.dtype.element_ty, False, False)
+
+
+@triton.jit
+def _pair_down_sum_kernel(h_ptr, w_ptr, ids_ptr, route_ptr, y_ptr, experts, expert_offset, N, K, top_k,
+                          h_st, w_st_e, w_st, y_st, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    # Program (c, t): columns c*BLOCK_N.. of token t's output, the sum over its top_k pairs of
+    # route_weight * silu(gate)·up @ w_down[expert].T, in one f32 accumulator walked as one sequence
+    # of steps (pair s // k_steps, K tile s % k_steps), the next step's loads before this one's math.
+    token = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, 1)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    steps = top_k * k_steps
+    first = token * top_k
+    # The ids come from a kernel before the gate/up kernel, which waits for its predecessor before it
+    # lets this kernel launch: they are complete here, so the first weight tile goes out before the
+    # wait. gate_up (h) is the kernel before's output: read after it.
+    w = _expert_tile(w_ptr, ids_ptr, first, True, experts, expert_offset, w_st_e, cols, N, w_st, offs_k, K)
+    await_previous_kernel(PDL)
+    hk, up = input_tile(h_ptr + first.to(tl.int64) * h_st + rows[:, None], h_ptr, rows < 1, offs_k, K, SILU_MUL)
+    acc = tl.zeros([1, BLOCK_N], tl.float32)
+    for step in range(0, steps):
+        pair = first + step // k_steps
+        nxt = step + 1
+        live = nxt < steps
+        next_pair = first + nxt // k_steps
+        next_k = nxt % k_steps * BLOCK_K + offs_k
+        w_next = _expert_tile(w_ptr, ids_ptr, next_pair, live, experts, expert_offset, w_st_e, cols, N, w_st,
+                              next_k, K)
+        h_next, up_next = input_tile(h_ptr + next_pair.to(tl.int64) * h_st + rows[:, None], h_ptr,
+                                     (rows < 1) & live, next_k, K, SILU_MUL)
+        act = tile_input(hk, up, 0.0, SILU_MUL, h_ptr.dtype.element_ty)
+        acc += tl.load(route_ptr + pair) * tile_product(act, w, False, False)
+        w = w_next
+        hk = h_next
+        up = up_next
+    gemv_epilogue(acc, y_ptr, y_ptr, y_ptr + token.to(tl.int64) * y_st, rows, cols, rows < 1, cols < N, 0, 0,
+                  y_ptr.dtype.element_ty, False, False)
 
 
 def _check(x, weights, ids, w_gate_up, w_down) -> None:
@@ -146,25 +192,29 @@ def moe_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
 def moe_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
                w_down: torch.Tensor, *, out: torch.Tensor, expert_offset: int = 0,
                config: KernelConfig = DEFAULTS) -> None:
-    """The few-pairs path: per-pair GEMVs reading each pair's expert weight directly, no sorting."""
+    """The few-pairs path: each pair's expert read directly (no sorting), two launches tiled as
+    gemv.py's one-row GEMV; the sum over a token's choices is the down kernel's."""
     _check(x, weights, ids, w_gate_up, w_down)
     experts, hidden, inter = w_down.shape
     tokens, top_k = ids.shape
     pairs = tokens * top_k
     if pairs == 0:
         return
-    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    partial = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    bn, bk = config.moe_gemv_block_n, config.moe_gemv_block_k
-    _pair_gemv_kernel[(pairs, triton.cdiv(inter, bn))](
-        x, w_gate_up, act, weights, ids, experts, expert_offset, inter, hidden, top_k, x.stride(0),
-        w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), inter * w_gate_up.stride(1),
-        GATED=True, WEIGHTED=False, BLOCK_N=bn, BLOCK_K=min(bk, pow2(hidden)), num_warps=4)
-    _pair_gemv_kernel[(pairs, triton.cdiv(hidden, bn))](
-        act, w_down, partial, weights, ids, experts, expert_offset, hidden, inter, 1, act.stride(0),
-        w_down.stride(0), w_down.stride(1), partial.stride(0), 0,
-        GATED=False, WEIGHTED=True, BLOCK_N=bn, BLOCK_K=min(bk, pow2(inter)), num_warps=4)
-    out.copy_(partial.view(tokens, top_k, hidden).sum(dim=1))
+    gate_up = torch.empty(pairs, 2 * inter, dtype=x.dtype, device=x.device)
+    # gemv_config sizes one GEMV's tiles so that every SM gets its programs; the grid holds one
+    # GEMV per pair (gate/up) or per token (down), so each needs that many fewer SMs.
+    sms = sm_count(x)
+    pdl = pdl_launch(x, config.pdl)
+    up = gemv_config(1, 2 * inter, hidden, triton.cdiv(sms, pairs), config)
+    _pair_gate_up_kernel[(triton.cdiv(2 * inter, up.block_n), pairs)](
+        x, w_gate_up, ids, gate_up, experts, expert_offset, 2 * inter, hidden, top_k, x.stride(0),
+        w_gate_up.stride(0), w_gate_up.stride(1), gate_up.stride(0), BLOCK_N=up.block_n, BLOCK_K=up.block_k,
+        num_warps=config.gemv_num_warps, num_stages=config.gemv_num_stages, **pdl)
+    down = gemv_config(1, hidden, inter, triton.cdiv(sms, tokens), config)
+    _pair_down_sum_kernel[(triton.cdiv(hidden, down.block_n), tokens)](
+        gate_up, w_down, ids, weights, out, experts, expert_offset, hidden, inter, top_k, gate_up.stride(0),
+        w_down.stride(0), w_down.stride(1), out.stride(0), BLOCK_N=down.block_n, BLOCK_K=down.block_k,
+        num_warps=config.gemv_num_warps, num_stages=config.gemv_num_stages, **pdl)
 
 
 def triton_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,

@@ -1,0 +1,44 @@
+"""The MoE decode kernels compile for a Hopper GPU (sm_90), checked on the CPU
+(``tests/support/hopper_compile.py``): the per-pair gate/up and down GEMVs at the tiles gemv_config
+gives Qwen3-30B-A3B's and Mixtral-8x7B's shapes at batch 1 and 2, the router's top-k at their expert
+counts and top-k, the expert-load counter; with and without PDL."""
+
+from __future__ import annotations
+
+from kiln.kernels import moe_gemm, moe_routing
+from kiln.kernels.config import DEFAULTS
+from kiln.kernels.gemv import gemv_config
+from tests.support.hopper_compile import compile_for_hopper, run_compile_module
+
+_POINTER_TYPES = {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "y_ptr": "*bf16", "ids_ptr": "*i32",
+                  "route_ptr": "*fp32", "logits_ptr": "*bf16", "weights_ptr": "*fp32", "counts_ptr": "*i64", "slots_ptr": "*i32"}
+# (hidden, expert intermediate, top-k) of Qwen3-30B-A3B and Mixtral-8x7B.
+_SHAPES = [(2048, 768, 8), (4096, 14336, 2)]
+H100_SMS = 132
+
+
+def compile_all() -> None:
+    tiles = set()
+    for hidden, inter, top_k in _SHAPES:
+        for tokens in (1, 2):
+            up = gemv_config(1, 2 * inter, hidden, -(-H100_SMS // (tokens * top_k)), DEFAULTS)
+            down = gemv_config(1, hidden, inter, -(-H100_SMS // tokens), DEFAULTS)
+            tiles |= {(moe_gemm._pair_gate_up_kernel, up.block_n, up.block_k),
+                      (moe_gemm._pair_down_sum_kernel, down.block_n, down.block_k)}
+    for pdl in (True, False):
+        for kernel, block_n, block_k in sorted(tiles, key=str):
+            compile_for_hopper(kernel, dict(BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl), _POINTER_TYPES,
+                               not_divisible=frozenset({"top_k", "expert_offset"}))
+        for experts, top_k in ((128, 8), (8, 2)):
+            compile_for_hopper(moe_routing._router_topk_kernel, dict(
+                TOP_K=top_k, RENORMALIZE=top_k > 2, E_POW2=experts, K_POW2=top_k, PDL=pdl), _POINTER_TYPES)
+        compile_for_hopper(moe_routing._count_experts_kernel, dict(E_POW2=128, CHUNK=64, PDL=pdl), _POINTER_TYPES,
+                           not_divisible=frozenset({"pairs", "top_k"}))
+
+
+def test_moe_decode_kernels_compile_for_hopper(tmp_path):
+    run_compile_module("tests.kernels.test_moe_compiles", tmp_path)
+
+
+if __name__ == "__main__":
+    compile_all()
