@@ -8,13 +8,20 @@ pair's expert: gate/up ``[2I, H]`` with SiLU(gate)·up applied as the tile is fi
   ``moe_block_m`` rows; each program of ``_grouped_gemm_kernel`` multiplies one such block by one
   column tile of its expert's weight (``tl.dot``), so each expert's weights are read once per
   block instead of once per pair. This is vLLM's fused_moe layout.
-- Few pairs (decode, up to ``moe_decode_max_pairs``): sorting costs more than it saves, so
-  ``_pair_gemv_kernel`` gives each pair its own programs, reading its expert's weight directly
-  (one token's top-k experts are distinct, so at batch 1 every active weight is read once).
+- Few pairs (decode, up to ``moe_decode_max_pairs``): sorting costs more than it saves, so each
+  pair reads its expert's weights directly (one token's top-k experts are distinct, so at batch 1
+  every active weight is read once), in two launches tiled as gemv.py's one-row GEMV
+  (``gemv_config``'s tiles, the next tile's loads before this one's arithmetic, PDL):
+  ``_pair_gate_up_kernel`` writes each pair's gate/up row, and ``_pair_down_sum_kernel`` gives each
+  token's column tile one program that walks its top-k pairs (silu(gate)·up as gemv.py's SILU_MUL
+  prologue), each pair's product times its routing weight summed in one f32 accumulator and
+  rounded once, as the reference does. Qwen3-30B-A3B's experts are small (gate/up [1536, 2048],
+  down [2048, 768]), so what decides the time is keeping every SM streaming: the tiles are sized
+  for the whole grid, and the sum costs no scratch, no third launch and no atomics.
 
-Both write each pair's weighted down output in f32 to a ``[pairs, H]`` scratch; the sum over a
-token's choices then rounds once, as the reference does. Pairs of experts that are not local
-(``expert_offset`` and the rank's ``expert_start``, expert parallelism) contribute zeros.
+The grouped path writes each pair's weighted down output in f32 to a ``[pairs, H]`` scratch and
+then sums a token's choices. Pairs of experts that are not local (``expert_offset`` and the rank's
+``expert_start``, expert parallelism) contribute zeros.
 """
 
 from __future__ import annotations
@@ -90,10 +97,11 @@ def _expert_tile(w_ptr, ids_ptr, pair, live, experts, expert_offset, w_st_e, col
 @triton.jit
 def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, y_ptr, experts, expert_offset, N, K, top_k, x_st, w_st_e, w_st, y_st,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    # Program (c, p): columns c*BLOCK_N.. of pair p's x @ w_gate_up[expert].T, as gemv.py's one-row
-    # GEMV walks K (the next tile's loads before this tile's arithmetic).
-    pair = tl.program_id(1)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Program (p, c): columns c*BLOCK_N.. of pair p's x @ w_gate_up[expert].T, as gemv.py's one-row
+    # GEMV walks K (the next tile's loads before this tile's arithmetic). Pairs are the grid's fast
+    # axis: one column tile of every pair runs at once, so pairs of one expert read it from L2.
+    pair = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, 1)
     offs_k = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + (pair // top_k).to(tl.int64) * x_st + rows[:, None]
@@ -116,11 +124,12 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, y_ptr, experts, expert_offset, N
 @triton.jit
 def _pair_down_sum_kernel(h_ptr, w_ptr, ids_ptr, route_ptr, y_ptr, experts, expert_offset, N, K, top_k,
                           h_st, w_st_e, w_st, y_st, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    # Program (c, t): columns c*BLOCK_N.. of token t's output, the sum over its top_k pairs of
+    # Program (t, c): columns c*BLOCK_N.. of token t's output, the sum over its top_k pairs of
     # route_weight * silu(gate)·up @ w_down[expert].T, in one f32 accumulator walked as one sequence
     # of steps (pair s // k_steps, K tile s % k_steps), the next step's loads before this one's math.
-    token = tl.program_id(1)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Tokens are the fast axis, for L2 hits on shared experts as in the gate/up kernel.
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, 1)
     offs_k = tl.arange(0, BLOCK_K)
     k_steps = tl.cdiv(K, BLOCK_K)
@@ -206,12 +215,12 @@ def moe_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate
     sms = sm_count(x)
     pdl = pdl_launch(x, config.pdl)
     up = gemv_config(1, 2 * inter, hidden, triton.cdiv(sms, pairs), config)
-    _pair_gate_up_kernel[(triton.cdiv(2 * inter, up.block_n), pairs)](
+    _pair_gate_up_kernel[(pairs, triton.cdiv(2 * inter, up.block_n))](
         x, w_gate_up, ids, gate_up, experts, expert_offset, 2 * inter, hidden, top_k, x.stride(0),
         w_gate_up.stride(0), w_gate_up.stride(1), gate_up.stride(0), BLOCK_N=up.block_n, BLOCK_K=up.block_k,
         num_warps=config.gemv_num_warps, num_stages=config.gemv_num_stages, **pdl)
     down = gemv_config(1, hidden, inter, triton.cdiv(sms, tokens), config)
-    _pair_down_sum_kernel[(triton.cdiv(hidden, down.block_n), tokens)](
+    _pair_down_sum_kernel[(tokens, triton.cdiv(hidden, down.block_n))](
         gate_up, w_down, ids, weights, out, experts, expert_offset, hidden, inter, top_k, gate_up.stride(0),
         w_down.stride(0), w_down.stride(1), out.stride(0), BLOCK_N=down.block_n, BLOCK_K=down.block_k,
         num_warps=config.gemv_num_warps, num_stages=config.gemv_num_stages, **pdl)
