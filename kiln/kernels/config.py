@@ -227,8 +227,8 @@ _POWERS_OF_TWO = frozenset({
     "quantized_gemv_block_t", "quantized_gemv_product_elements", "quantized_gemv_block_n",
     "quantized_gemv_dot_block_k",
     "rmsnorm_elements_per_program", "rope_elements_per_program", "kv_store_block", "silu_mul_block", "add_block",
-    "argmax_block", "argmax_merge_block", "sample_block", "sample_merge_block", "bitmask_words_per_program", "moe_block_m", "moe_block_n",
-    "moe_block_k",
+    "argmax_block", "argmax_merge_block", "sample_block", "sample_merge_block", "bitmask_words_per_program",
+    "moe_block_m", "moe_block_n", "moe_block_k",
 })
 _ZERO_ALLOWED = frozenset({"decode_preload_max_programs_per_sm", "gemv_max_weight_bytes",
                            "gemv_one_row_max_weight_bytes"})

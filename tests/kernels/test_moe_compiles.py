@@ -12,7 +12,8 @@ from kiln.kernels.gemv import gemv_config
 from tests.support.hopper_compile import compile_for_hopper, run_compile_module
 
 _POINTER_TYPES = {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "y_ptr": "*bf16", "ids_ptr": "*i32",
-                  "route_ptr": "*fp32", "logits_ptr": "*bf16", "weights_ptr": "*fp32", "counts_ptr": "*i64", "slots_ptr": "*i32", "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16",
+                  "route_ptr": "*fp32", "logits_ptr": "*bf16", "weights_ptr": "*fp32", "counts_ptr": "*i64",
+                  "slots_ptr": "*i32", "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16",
                   "nw_ptr": "*bf16", "r_ptr": "*bf16"}
 # (hidden, expert intermediate, top-k) of Qwen3-30B-A3B and Mixtral-8x7B.
 _SHAPES = [(2048, 768, 8), (4096, 14336, 2)]
