@@ -85,13 +85,12 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, route_ptr, sorted_ptr, block_exp
 
 
 @triton.jit
-def _expert_tile(w_ptr, ids_ptr, pair, live, experts, expert_offset, w_st_e, cols, N, w_st, k, K):
-    # A tile of the rows ``cols`` of the pair's expert's weight. A pair that is not ``live`` (past its
-    # token's choices) or of another rank's expert has no valid row, so it loads nothing: zeros.
+def _expert_weight(w_ptr, ids_ptr, pair, live, experts, expert_offset, w_st_e, N):
+    # The pair's expert's weight and its rows to load: none for a pair that is not ``live`` (past its
+    # token's choices) or of another rank's expert, whose tiles then load nothing (zeros).
     expert = tl.load(ids_ptr + pair, mask=live, other=0) - expert_offset
     local = live & (expert >= 0) & (expert < experts)
-    w_e = w_ptr + tl.where(local, expert, 0).to(tl.int64) * w_st_e
-    return weight_tile(w_e, cols, tl.where(local, N, 0), w_st, k, K)
+    return w_ptr + tl.where(local, expert, 0).to(tl.int64) * w_st_e, tl.where(local, N, 0)
 
 
 @triton.jit
@@ -107,12 +106,13 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, y_ptr, experts, expert_offset, N
     x_rows = x_ptr + (pair // top_k).to(tl.int64) * x_st + rows[:, None]
     # The expert ids are the router's, the kernel before (or two before): wait before reading them.
     await_previous_kernel(PDL)
-    w = _expert_tile(w_ptr, ids_ptr, pair, True, experts, expert_offset, w_st_e, cols, N, w_st, offs_k, K)
+    w_e, n_rows = _expert_weight(w_ptr, ids_ptr, pair, True, experts, expert_offset, w_st_e, N)
+    w = weight_tile(w_e, cols, n_rows, w_st, offs_k, K)
     xk, _ = input_tile(x_rows, x_ptr, rows < 1, offs_k, K, RAW)
     acc = tl.zeros([1, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         next_k = k0 + BLOCK_K + offs_k
-        w_next = _expert_tile(w_ptr, ids_ptr, pair, True, experts, expert_offset, w_st_e, cols, N, w_st, next_k, K)
+        w_next = weight_tile(w_e, cols, n_rows, w_st, next_k, K)
         x_next, _ = input_tile(x_rows, x_ptr, rows < 1, next_k, K, RAW)
         acc += tile_product(xk, w, False, False)
         w = w_next
@@ -138,7 +138,8 @@ def _pair_down_sum_kernel(h_ptr, w_ptr, ids_ptr, route_ptr, y_ptr, experts, expe
     # The ids come from a kernel before the gate/up kernel, which waits for its predecessor before it
     # lets this kernel launch: they are complete here, so the first weight tile goes out before the
     # wait. gate_up (h) is the kernel before's output: read after it.
-    w = _expert_tile(w_ptr, ids_ptr, first, True, experts, expert_offset, w_st_e, cols, N, w_st, offs_k, K)
+    w_e, n_rows = _expert_weight(w_ptr, ids_ptr, first, True, experts, expert_offset, w_st_e, N)
+    w = weight_tile(w_e, cols, n_rows, w_st, offs_k, K)
     await_previous_kernel(PDL)
     hk, up = input_tile(h_ptr + first.to(tl.int64) * h_st + rows[:, None], h_ptr, rows < 1, offs_k, K, SILU_MUL)
     acc = tl.zeros([1, BLOCK_N], tl.float32)
@@ -148,8 +149,8 @@ def _pair_down_sum_kernel(h_ptr, w_ptr, ids_ptr, route_ptr, y_ptr, experts, expe
         live = nxt < steps
         next_pair = first + nxt // k_steps
         next_k = nxt % k_steps * BLOCK_K + offs_k
-        w_next = _expert_tile(w_ptr, ids_ptr, next_pair, live, experts, expert_offset, w_st_e, cols, N, w_st,
-                              next_k, K)
+        w_e, n_rows = _expert_weight(w_ptr, ids_ptr, next_pair, live, experts, expert_offset, w_st_e, N)
+        w_next = weight_tile(w_e, cols, n_rows, w_st, next_k, K)
         h_next, up_next = input_tile(h_ptr + next_pair.to(tl.int64) * h_st + rows[:, None], h_ptr,
                                      (rows < 1) & live, next_k, K, SILU_MUL)
         act = tile_input(hk, up, 0.0, SILU_MUL, h_ptr.dtype.element_ty)
