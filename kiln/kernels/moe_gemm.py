@@ -20,7 +20,9 @@ pair's expert: gate/up ``[2I, H]`` with SiLU(gate)·up applied as the tile is fi
   for the whole grid, and the sum costs no scratch, no third launch and no atomics.
 
 The grouped path writes each pair's weighted down output in f32 to a ``[pairs, H]`` scratch and
-then sums a token's choices. Pairs of experts that are not local (``expert_offset`` and the rank's
+then sums a token's choices. ``moe_residual`` (the residual add after the experts, folded in by
+``fuse_linear_residual``) is the same launches with the add in the down kernel's epilogue (decode)
+or in the sum's (grouped). Pairs of experts that are not local (``expert_offset`` and the rank's
 ``expert_start``, expert parallelism) contribute zeros.
 """
 
@@ -122,8 +124,9 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, y_ptr, experts, expert_offset, N
 
 
 @triton.jit
-def _pair_down_sum_kernel(h_ptr, w_ptr, ids_ptr, route_ptr, y_ptr, experts, expert_offset, N, K, top_k,
-                          h_st, w_st_e, w_st, y_st, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _pair_down_sum_kernel(h_ptr, w_ptr, ids_ptr, route_ptr, r_ptr, y_ptr, experts, expert_offset, N, K, top_k,
+                          h_st, w_st_e, w_st, r_st, y_st, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # Program (t, c): columns c*BLOCK_N.. of token t's output, the sum over its top_k pairs of
     # route_weight * silu(gate)·up @ w_down[expert].T, in one f32 accumulator walked as one sequence
     # of steps (pair s // k_steps, K tile s % k_steps), the next step's loads before this one's math.
@@ -158,13 +161,16 @@ def _pair_down_sum_kernel(h_ptr, w_ptr, ids_ptr, route_ptr, y_ptr, experts, expe
         w = w_next
         hk = h_next
         up = up_next
-    gemv_epilogue(acc, y_ptr, y_ptr, y_ptr + token.to(tl.int64) * y_st, rows, cols, rows < 1, cols < N, 0, 0,
-                  y_ptr.dtype.element_ty, False, False)
+    # moe_residual: the sum rounded, then the residual added, as the unfused add would.
+    gemv_epilogue(acc, y_ptr, r_ptr + token.to(tl.int64) * r_st, y_ptr + token.to(tl.int64) * y_st, rows, cols,
+                  rows < 1, cols < N, 0, 0, y_ptr.dtype.element_ty, False, HAS_RESIDUAL)
 
 
-def _check(x, weights, ids, w_gate_up, w_down) -> None:
+def _check(x, weights, ids, w_gate_up, w_down, residual) -> None:
     kernel = "triton.moe"
     require_float(kernel, "x", x)
+    require(residual is None or (residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1),
+            kernel, lambda: f"residual {tuple(residual.shape)} {residual.dtype} must be row-major like x")
     require(x.dim() == 2 and x.stride(1) == 1, kernel, lambda: f"x must be a row-major [T, H], got {tuple(x.shape)}")
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
         require(w.is_contiguous() and w.dtype == x.dtype, kernel,
@@ -176,9 +182,9 @@ def _check(x, weights, ids, w_gate_up, w_down) -> None:
 
 def moe_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
                 w_down: torch.Tensor, *, out: torch.Tensor, expert_offset: int = 0,
-                config: KernelConfig = DEFAULTS) -> None:
+                residual: torch.Tensor | None = None, config: KernelConfig = DEFAULTS) -> None:
     """The prefill path: pairs sorted into expert blocks, then the two grouped GEMMs."""
-    _check(x, weights, ids, w_gate_up, w_down)
+    _check(x, weights, ids, w_gate_up, w_down, residual)
     experts, hidden, inter = w_down.shape
     tokens, top_k = ids.shape
     pairs = tokens * top_k
@@ -196,15 +202,19 @@ def moe_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
         act, w_down, partial, weights, sorted_pairs, block_experts, total, pairs, hidden, inter, 1, act.stride(0),
         w_down.stride(0), w_down.stride(1), partial.stride(0), 0,
         GATED=False, WEIGHTED=True, BLOCK_N=bn, **common)
-    out.copy_(partial.view(tokens, top_k, hidden).sum(dim=1))
+    summed = partial.view(tokens, top_k, hidden).sum(dim=1)
+    if residual is None:
+        out.copy_(summed)
+    else:  # one elementwise add reading both operands before it writes: out may be residual's buffer
+        torch.add(residual, summed.to(out.dtype), out=out)
 
 
 def moe_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
                w_down: torch.Tensor, *, out: torch.Tensor, expert_offset: int = 0,
-               config: KernelConfig = DEFAULTS) -> None:
+               residual: torch.Tensor | None = None, config: KernelConfig = DEFAULTS) -> None:
     """The few-pairs path: each pair's expert read directly (no sorting), two launches tiled as
-    gemv.py's one-row GEMV; the sum over a token's choices is the down kernel's."""
-    _check(x, weights, ids, w_gate_up, w_down)
+    gemv.py's one-row GEMV; the sum over a token's choices (and the residual) is the down kernel's."""
+    _check(x, weights, ids, w_gate_up, w_down, residual)
     experts, hidden, inter = w_down.shape
     tokens, top_k = ids.shape
     pairs = tokens * top_k
@@ -221,21 +231,30 @@ def moe_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate
         w_gate_up.stride(0), w_gate_up.stride(1), gate_up.stride(0), BLOCK_N=up.block_n, BLOCK_K=up.block_k,
         num_warps=config.gemv_num_warps, num_stages=config.gemv_num_stages, **pdl)
     down = gemv_config(1, hidden, inter, triton.cdiv(sms, tokens), config)
+    res = residual if residual is not None else out  # never read without HAS_RESIDUAL
     _pair_down_sum_kernel[(tokens, triton.cdiv(hidden, down.block_n))](
-        gate_up, w_down, ids, weights, out, experts, expert_offset, hidden, inter, top_k, gate_up.stride(0),
-        w_down.stride(0), w_down.stride(1), out.stride(0), BLOCK_N=down.block_n, BLOCK_K=down.block_k,
-        num_warps=config.gemv_num_warps, num_stages=config.gemv_num_stages, **pdl)
+        gate_up, w_down, ids, weights, res, out, experts, expert_offset, hidden, inter, top_k, gate_up.stride(0),
+        w_down.stride(0), w_down.stride(1), res.stride(0), out.stride(0), HAS_RESIDUAL=residual is not None,
+        BLOCK_N=down.block_n, BLOCK_K=down.block_k, num_warps=config.gemv_num_warps,
+        num_stages=config.gemv_num_stages, **pdl)
 
 
 def triton_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
                w_down: torch.Tensor, expert_start: torch.Tensor | None = None, *, out: torch.Tensor,
-               expert_offset: int = 0, config: KernelConfig = DEFAULTS) -> None:
+               expert_offset: int = 0, residual: torch.Tensor | None = None, config: KernelConfig = DEFAULTS) -> None:
     if expert_start is not None:
         # A rank's first expert is a weight (shard_ep), so the ids are shifted on the device: no read
         # back to the host, and a captured step replays it.
         ids = ids - expert_start
     path = moe_decode if ids.numel() <= config.moe_decode_max_pairs else moe_grouped
-    path(x, weights, ids, w_gate_up, w_down, out=out, expert_offset=expert_offset, config=config)
+    path(x, weights, ids, w_gate_up, w_down, out=out, expert_offset=expert_offset, residual=residual, config=config)
+
+
+def triton_moe_residual(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                        w_down: torch.Tensor, residual: torch.Tensor, *, out: torch.Tensor, expert_offset: int = 0,
+                        config: KernelConfig = DEFAULTS) -> None:
+    triton_moe(x, weights, ids, w_gate_up, w_down, out=out, expert_offset=expert_offset, residual=residual,
+               config=config)
 
 
 def _moe_checker(types: Sequence[TensorType], attrs: Mapping[str, Any]) -> bool:
@@ -243,3 +262,4 @@ def _moe_checker(types: Sequence[TensorType], attrs: Mapping[str, Any]) -> bool:
 
 
 register_impl("moe", "triton", triton_moe, checker=_moe_checker, priority=10, wants_config=True)
+register_impl("moe_residual", "triton", triton_moe_residual, checker=_moe_checker, priority=10, wants_config=True)

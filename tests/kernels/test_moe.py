@@ -120,6 +120,38 @@ def test_decode_steps_through_k(device, poisoned, assert_matches, tokens, top_k,
 
 
 @pytest.mark.parametrize("path", [moe_grouped, moe_decode])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_is_added_after_rounding(device, assert_matches, path, dtype):
+    """moe_residual: moe's output rounded to the dtype, then the residual added (as the unfused add);
+    out may be the residual's own buffer (a memory plan may place it there)."""
+    x = torch.randn(5, 32, device=device).to(dtype)
+    w_gate_up, w_down = _experts(8, 32, 16, dtype, device)
+    weights, ids = _routing(5, 2, 8, device, skip=2)
+    residual = torch.randn(5, 32, device=device).to(dtype) * 4
+    expected = residual + ref_moe(x, weights, ids, w_gate_up, w_down)
+    out = torch.empty_like(x)
+    path(x, weights, ids, w_gate_up, w_down, out=out, residual=residual)
+    assert_matches(out, expected)
+    path(x, weights, ids, w_gate_up, w_down, out=residual, residual=residual)
+    assert_matches(residual, expected)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_moe_residual_op(device, assert_matches, backend):
+    x = torch.randn(3, 32, device=device)
+    w_gate_up, w_down = _experts(8, 32, 16, torch.float32, device)
+    weights, ids = _routing(3, 2, 8, device)
+    residual = torch.randn(3, 32, device=device)
+    types = [TensorType(("T", 32), DType.f32), TensorType(("T", 2), DType.f32), TensorType(("T", 2), DType.i32),
+             TensorType((8, 32, 32), DType.f32), TensorType((8, 32, 16), DType.f32), TensorType(("T", 32), DType.f32)]
+    impl = select_impl("moe_residual", types, {"expert_offset": 0}, backend)
+    assert impl.name == f"{backend}.moe_residual"
+    out = torch.empty_like(x)
+    impl.fn(x, weights, ids, w_gate_up, w_down, residual, out=out, expert_offset=0)
+    assert_matches(out, residual + ref_moe(x, weights, ids, w_gate_up, w_down))
+
+
+@pytest.mark.parametrize("path", [moe_grouped, moe_decode])
 def test_expert_slices_sum_to_the_whole(device, poisoned, assert_matches, path):
     """Two ranks' halves of the experts (expert_offset 0 and 4) add up to all eight: what an
     all-reduce after expert-parallel moe ops computes."""

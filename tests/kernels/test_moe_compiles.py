@@ -1,6 +1,7 @@
 """The MoE decode kernels compile for a Hopper GPU (sm_90), checked on the CPU
 (``tests/support/hopper_compile.py``): the per-pair gate/up and down GEMVs at the tiles gemv_config
-gives Qwen3-30B-A3B's and Mixtral-8x7B's shapes at batch 1 and 2, the router's top-k at their expert
+gives Qwen3-30B-A3B's and Mixtral-8x7B's shapes at batch 1 and 2 (down with and without the
+residual add of ``moe_residual``), the router's top-k at their expert
 counts and top-k, the expert-load counter, the router's GEMV (plain ``linear``) and the residual add
 after the experts; with and without PDL."""
 
@@ -30,8 +31,11 @@ def compile_all() -> None:
                       (moe_gemm._pair_down_sum_kernel, down.block_n, down.block_k)}
     for pdl in (True, False):
         for kernel, block_n, block_k in sorted(tiles, key=str):
-            compile_for_hopper(kernel, dict(BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl), _POINTER_TYPES,
-                               not_divisible=frozenset({"top_k", "expert_offset"}))
+            down = kernel is moe_gemm._pair_down_sum_kernel
+            for residual in (False, True) if down else (None,):
+                flags = dict(HAS_RESIDUAL=residual) if down else {}
+                compile_for_hopper(kernel, dict(BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, **flags), _POINTER_TYPES,
+                                   not_divisible=frozenset({"top_k", "expert_offset"}))
         for experts, top_k in ((128, 8), (8, 2)):
             compile_for_hopper(moe_routing._router_topk_kernel, dict(
                 TOP_K=top_k, RENORMALIZE=top_k > 2, E_POW2=experts, K_POW2=top_k, PDL=pdl), _POINTER_TYPES)
