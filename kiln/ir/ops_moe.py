@@ -97,10 +97,11 @@ def _moe_residual(t: Types, a: Attrs) -> tuple[TensorType, ...]:
 
 # The residual add after the experts, folded into them (fuse_linear_residual): decode's down GEMV
 # adds it in its epilogue. No expert_start: under expert parallelism the add follows the all_reduce.
+# Like linear_residual, it may write the residual stream in place.
 register_op(OpDef(
     "moe_residual", ("x", "weights", "ids", "w_gate_up", "w_down", "residual"),
     {"expert_offset": AttrSpec("int", 0)},
-    _moe_residual,
+    _moe_residual, reuses=(5,),
     doc="add(residual, moe(x, weights, ids, w_gate_up, w_down)): moe's output rounded to x's dtype, then added",
 ))
 
