@@ -79,9 +79,11 @@ def triton_router_topk(logits: torch.Tensor, *, out: tuple[torch.Tensor, torch.T
     rows, experts = logits.shape
     if rows == 0:
         return
+    # The k rounds of max are the kernel's whole critical path: in one warp each is a few shuffles,
+    # with no trip through shared memory and no barrier (up to 512 experts, 16 a thread).
     _router_topk_kernel[(rows,)](logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
-                                 RENORMALIZE=renormalize, E_POW2=pow2(experts), K_POW2=pow2(top_k), num_warps=4,
-                                 **pdl_launch(logits, config.pdl))
+                                 RENORMALIZE=renormalize, E_POW2=pow2(experts), K_POW2=pow2(top_k),
+                                 num_warps=1 if experts <= 512 else 4, **pdl_launch(logits, config.pdl))
 
 
 def triton_count_experts(counts: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, *,

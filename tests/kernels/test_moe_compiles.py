@@ -38,7 +38,8 @@ def compile_all() -> None:
                                    not_divisible=frozenset({"top_k", "expert_offset"}))
         for experts, top_k in ((128, 8), (8, 2)):
             compile_for_hopper(moe_routing._router_topk_kernel, dict(
-                TOP_K=top_k, RENORMALIZE=top_k > 2, E_POW2=experts, K_POW2=top_k, PDL=pdl), _POINTER_TYPES)
+                TOP_K=top_k, RENORMALIZE=top_k > 2, E_POW2=experts, K_POW2=top_k, PDL=pdl), _POINTER_TYPES,
+                num_warps=1)
         compile_for_hopper(moe_routing._count_experts_kernel, dict(E_POW2=128, CHUNK=64, PDL=pdl), _POINTER_TYPES,
                            not_divisible=frozenset({"pairs", "top_k"}))
         router = gemv_config(1, 128, 2048, H100_SMS, DEFAULTS)

@@ -23,16 +23,17 @@ HOPPER = GPUTarget("cuda", 90, 32)
 
 
 def compile_for_hopper(kernel, constants: Mapping[str, object], pointer_types: Mapping[str, str],
-                       not_divisible: frozenset[str] = frozenset()) -> None:
-    """Compiles ``kernel`` for sm_90 with ``constants``; arguments named in ``pointer_types`` as
-    those pointers, ``eps`` as f32, the rest as i32 scalars; pointers and scalars 16-divisible, as
-    Triton specializes them at launch, but for those in ``not_divisible``."""
+                       not_divisible: frozenset[str] = frozenset(), num_warps: int = 4) -> None:
+    """Compiles ``kernel`` for sm_90 with ``constants`` at ``num_warps``; arguments named in
+    ``pointer_types`` as those pointers, ``eps`` as f32, the rest as i32 scalars; pointers and scalars
+    16-divisible, as Triton specializes them at launch, but for those in ``not_divisible``."""
     names = kernel.arg_names
     signature = {name: "constexpr" if name in constants else pointer_types.get(name, "fp32" if name == "eps" else "i32")
                  for name in names}
     divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
                  if signature[name] not in ("constexpr", "fp32") and name not in not_divisible}
-    compiled = triton.compile(ASTSource(kernel, signature, dict(constants), divisible), target=HOPPER)
+    compiled = triton.compile(ASTSource(kernel, signature, dict(constants), divisible), target=HOPPER,
+                              options={"num_warps": num_warps})
     assert compiled.asm["cubin"]
 
 
