@@ -1,9 +1,9 @@
 """Elementwise kernels: add, mul, silu, silu_mul (the fused gate of a gated MLP), cast.
 
 silu_mul and add have a Triton kernel (one, rows by column blocks, launched with PDL): add for the
-residual adds no GEMM takes (an MoE block's output is the experts' sum, not a GEMM's), where a torch
-launch between two PDL kernels costs both their overlaps. The others are fused away by the compiler
-or single torch calls that already run at copy bandwidth.
+residual adds no GEMM takes (Qwen2-MoE's experts take the shared expert's output as their residual,
+leaving the layer's add), where a torch launch between two PDL kernels costs both their overlaps.
+The others are fused away by the compiler or single torch calls that already run at copy bandwidth.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ register_impl("cast", "torch", _cast)
 
 
 # What the row kernel computes from its two operands.
-SILU_MUL = tl.constexpr(0)
-ADD = tl.constexpr(1)
+_SILU_MUL = tl.constexpr(0)
+_ADD = tl.constexpr(1)
 
 
 @triton.jit
@@ -89,7 +89,7 @@ def _rows_kernel(a_ptr, b_ptr, out_ptr, width, a_st, b_st, o_st, OP: tl.constexp
     mask = cols < width
     a = tl.load(a_ptr + row * a_st + cols, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + row * b_st + cols, mask=mask, other=0.0).to(tl.float32)
-    if OP == SILU_MUL:
+    if OP == _SILU_MUL:
         # silu(gate) is rounded to the dtype before the multiply, as the reference's two torch ops do.
         a = (a / (1.0 + tl.exp(-a))).to(out_ptr.dtype.element_ty).to(tl.float32)
         result = a * b
@@ -100,7 +100,7 @@ def _rows_kernel(a_ptr, b_ptr, out_ptr, width, a_st, b_st, o_st, OP: tl.constexp
 
 def _launch_rows(kernel: str, op: tl.constexpr, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, block: int,
                  config: KernelConfig) -> None:
-    names = ("gate", "up") if op == SILU_MUL else ("a", "b")
+    names = ("gate", "up") if op == _SILU_MUL else ("a", "b")
     for name, t in zip(names + ("out",), (a, b, out)):
         require(t.dim() == 2, kernel, lambda: f"{name} must be [T, I], got {tuple(t.shape)}")
         require(t.shape == a.shape and t.dtype == a.dtype, kernel,
@@ -119,11 +119,11 @@ def _launch_rows(kernel: str, op: tl.constexpr, a: torch.Tensor, b: torch.Tensor
 
 def triton_silu_mul(gate: torch.Tensor, up: torch.Tensor, *, out: torch.Tensor,
                     config: KernelConfig = DEFAULTS) -> None:
-    _launch_rows("triton.silu_mul", SILU_MUL, gate, up, out, config.silu_mul_block, config)
+    _launch_rows("triton.silu_mul", _SILU_MUL, gate, up, out, config.silu_mul_block, config)
 
 
 def triton_add(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor, config: KernelConfig = DEFAULTS) -> None:
-    _launch_rows("triton.add", ADD, a, b, out, config.add_block, config)
+    _launch_rows("triton.add", _ADD, a, b, out, config.add_block, config)
 
 
 def _rows_checker(types: Sequence[TensorType], attrs: Mapping[str, Any]) -> bool:
