@@ -40,8 +40,8 @@ from .config import DEFAULTS, KernelConfig
 from .gemv import RAW, SILU_MUL, gemv_config, gemv_epilogue, input_tile, tile_input, tile_product, weight_tile
 from .moe_align import triton_moe_align
 from .registry import register_impl
-from .triton_support import (IR_FLOATS, await_previous_kernel, dot_in_f32, pdl_launch, require, require_device,
-                             require_float, sm_count)
+from .triton_support import (IR_FLOATS, await_previous_kernel, dot_in_f32, pdl_launch, pow2, require,
+                             require_device, require_float, sm_count)
 
 
 @triton.jit
@@ -87,10 +87,10 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, route_ptr, sorted_ptr, block_exp
 
 
 @triton.jit
-def _expert_weight(w_ptr, ids_ptr, pair, live, experts, expert_offset, w_st_e, N):
-    # The pair's expert's weight and its rows to load: none for a pair that is not ``live`` (past its
+def _expert_weight(w_ptr, expert_id, live, experts, expert_offset, w_st_e, N):
+    # The expert's weight and its rows to load: none for a pair that is not ``live`` (past its
     # token's choices) or of another rank's expert, whose tiles then load nothing (zeros).
-    expert = tl.load(ids_ptr + pair, mask=live, other=0) - expert_offset
+    expert = expert_id - expert_offset
     local = live & (expert >= 0) & (expert < experts)
     return w_ptr + tl.where(local, expert, 0).to(tl.int64) * w_st_e, tl.where(local, N, 0)
 
@@ -108,7 +108,7 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, y_ptr, experts, expert_offset, N
     x_rows = x_ptr + (pair // top_k).to(tl.int64) * x_st + rows[:, None]
     # The expert ids are the router's, the kernel before (or two before): wait before reading them.
     await_previous_kernel(PDL)
-    w_e, n_rows = _expert_weight(w_ptr, ids_ptr, pair, True, experts, expert_offset, w_st_e, N)
+    w_e, n_rows = _expert_weight(w_ptr, tl.load(ids_ptr + pair), True, experts, expert_offset, w_st_e, N)
     w = weight_tile(w_e, cols, n_rows, w_st, offs_k, K)
     xk, _ = input_tile(x_rows, x_ptr, rows < 1, offs_k, K, RAW)
     acc = tl.zeros([1, BLOCK_N], tl.float32)
@@ -125,8 +125,8 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, ids_ptr, y_ptr, experts, expert_offset, N
 
 @triton.jit
 def _pair_down_sum_kernel(h_ptr, w_ptr, ids_ptr, route_ptr, r_ptr, y_ptr, experts, expert_offset, N, K, top_k,
-                          h_st, w_st_e, w_st, r_st, y_st, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                          h_st, w_st_e, w_st, r_st, y_st, HAS_RESIDUAL: tl.constexpr, TOP_K_POW2: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # Program (t, c): columns c*BLOCK_N.. of token t's output, the sum over its top_k pairs of
     # route_weight * silu(gate)·up @ w_down[expert].T, in one f32 accumulator walked as one sequence
     # of steps (pair s // k_steps, K tile s % k_steps), the next step's loads before this one's math.
@@ -138,26 +138,32 @@ def _pair_down_sum_kernel(h_ptr, w_ptr, ids_ptr, route_ptr, r_ptr, y_ptr, expert
     k_steps = tl.cdiv(K, BLOCK_K)
     steps = top_k * k_steps
     first = token * top_k
-    # The ids come from a kernel before the gate/up kernel, which waits for its predecessor before it
-    # lets this kernel launch: they are complete here, so the first weight tile goes out before the
-    # wait. gate_up (h) is the kernel before's output: read after it.
-    w_e, n_rows = _expert_weight(w_ptr, ids_ptr, first, True, experts, expert_offset, w_st_e, N)
+    # The token's expert ids and routing weights, held in registers: a step's weight address then
+    # waits on no load. They come from kernels before the gate/up kernel, which waits for its
+    # predecessor before it lets this kernel launch: they are complete here, so they and the first
+    # weight tile go out before the wait. gate_up (h) is the kernel before's output: read after it.
+    choice = tl.arange(0, TOP_K_POW2)
+    ids = tl.load(ids_ptr + first + choice, mask=choice < top_k, other=0)
+    routes = tl.load(route_ptr + first + choice, mask=choice < top_k, other=0.0)
+    w_e, n_rows = _expert_weight(w_ptr, tl.sum(tl.where(choice == 0, ids, 0)), True, experts, expert_offset,
+                                 w_st_e, N)
     w = weight_tile(w_e, cols, n_rows, w_st, offs_k, K)
     await_previous_kernel(PDL)
     hk, up = input_tile(h_ptr + first.to(tl.int64) * h_st + rows[:, None], h_ptr, rows < 1, offs_k, K, SILU_MUL)
     acc = tl.zeros([1, BLOCK_N], tl.float32)
     for step in range(0, steps):
-        pair = first + step // k_steps
         nxt = step + 1
         live = nxt < steps
-        next_pair = first + nxt // k_steps
+        next_choice = nxt // k_steps
         next_k = nxt % k_steps * BLOCK_K + offs_k
-        w_e, n_rows = _expert_weight(w_ptr, ids_ptr, next_pair, live, experts, expert_offset, w_st_e, N)
+        w_e, n_rows = _expert_weight(w_ptr, tl.sum(tl.where(choice == next_choice, ids, 0)), live, experts,
+                                     expert_offset, w_st_e, N)
         w_next = weight_tile(w_e, cols, n_rows, w_st, next_k, K)
-        h_next, up_next = input_tile(h_ptr + next_pair.to(tl.int64) * h_st + rows[:, None], h_ptr,
+        h_next, up_next = input_tile(h_ptr + (first + next_choice).to(tl.int64) * h_st + rows[:, None], h_ptr,
                                      (rows < 1) & live, next_k, K, SILU_MUL)
         act = tile_input(hk, up, 0.0, SILU_MUL, h_ptr.dtype.element_ty)
-        acc += tl.load(route_ptr + pair) * tile_product(act, w, False, False)
+        route = tl.sum(tl.where(choice == step // k_steps, routes, 0.0))
+        acc += route * tile_product(act, w, False, False)
         w = w_next
         hk = h_next
         up = up_next
@@ -235,7 +241,7 @@ def moe_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate
     _pair_down_sum_kernel[(tokens, triton.cdiv(hidden, down.block_n))](
         gate_up, w_down, ids, weights, res, out, experts, expert_offset, hidden, inter, top_k, gate_up.stride(0),
         w_down.stride(0), w_down.stride(1), res.stride(0), out.stride(0), HAS_RESIDUAL=residual is not None,
-        BLOCK_N=down.block_n, BLOCK_K=down.block_k, num_warps=config.gemv_num_warps,
+        TOP_K_POW2=pow2(top_k), BLOCK_N=down.block_n, BLOCK_K=down.block_k, num_warps=config.gemv_num_warps,
         num_stages=config.gemv_num_stages, **pdl)
 
 

@@ -22,20 +22,21 @@ H100_SMS = 132
 
 
 def compile_all() -> None:
-    tiles = set()
+    # (kernel, its constants) for each tile the two shapes take at one and two tokens.
+    variants = set()
     for hidden, inter, top_k in _SHAPES:
         for tokens in (1, 2):
             up = gemv_config(1, 2 * inter, hidden, -(-H100_SMS // (tokens * top_k)), DEFAULTS)
             down = gemv_config(1, hidden, inter, -(-H100_SMS // tokens), DEFAULTS)
-            tiles |= {(moe_gemm._pair_gate_up_kernel, up.block_n, up.block_k),
-                      (moe_gemm._pair_down_sum_kernel, down.block_n, down.block_k)}
+            variants.add((moe_gemm._pair_gate_up_kernel, (("BLOCK_N", up.block_n), ("BLOCK_K", up.block_k))))
+            for residual in (False, True):
+                variants.add((moe_gemm._pair_down_sum_kernel, (
+                    ("BLOCK_N", down.block_n), ("BLOCK_K", down.block_k), ("TOP_K_POW2", top_k),
+                    ("HAS_RESIDUAL", residual))))
     for pdl in (True, False):
-        for kernel, block_n, block_k in sorted(tiles, key=str):
-            down = kernel is moe_gemm._pair_down_sum_kernel
-            for residual in (False, True) if down else (None,):
-                flags = dict(HAS_RESIDUAL=residual) if down else {}
-                compile_for_hopper(kernel, dict(BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, **flags), _POINTER_TYPES,
-                                   not_divisible=frozenset({"top_k", "expert_offset"}))
+        for kernel, constants in sorted(variants, key=str):
+            compile_for_hopper(kernel, dict(constants, PDL=pdl), _POINTER_TYPES,
+                               not_divisible=frozenset({"top_k", "expert_offset"}))
         for experts, top_k in ((128, 8), (8, 2)):
             compile_for_hopper(moe_routing._router_topk_kernel, dict(
                 TOP_K=top_k, RENORMALIZE=top_k > 2, E_POW2=experts, K_POW2=top_k, PDL=pdl), _POINTER_TYPES,
