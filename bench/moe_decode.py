@@ -12,8 +12,13 @@ activates. At batch 1 those are exactly top-k per layer; at larger batches the e
 distinct experts under uniform routing, ``E * (1 - (1 - k/E)^B)`` (labelled as an estimate).
 
 Kernel table: one layer's ``moe`` (Triton: sorted grouped GEMMs, or the per-pair GEMVs at few
-pairs) against ``ref_moe`` (a loop over the chosen experts, as HF's eager MoE block runs), timed
-with ``triton.testing.do_bench`` at several token counts.
+pairs) against ``ref_moe`` (a loop over the chosen experts, as HF's eager MoE block runs) at several
+token counts; the Triton op (and the router's top-k before it) replayed as a CUDA graph
+(``do_bench_cudagraph``: launches as a decode step issues them, not Python's launch cost), the loop
+with ``do_bench`` (it reads the ids on the host). ``moe TB/s`` is the bytes of the distinct experts
+the tokens chose over the Triton op's time: against the copy bandwidth, how near the op is to its
+roofline (the replays read the same experts with no L2 flush between them: where those are not much
+larger than the L2, as Qwen3's one token's 75 MB against an H100's 50 MB, a bound from above).
 
     python bench/moe_decode.py --shapes qwen3-30b-a3b mixtral-8x7b --batches 1 64 --out moe.json
 """
@@ -150,10 +155,11 @@ def bench_shape(shape: str, args: argparse.Namespace, bandwidth: float, log) -> 
 
 def kernel_rows(shape: str, token_counts: list[int]) -> list[dict]:
     """One layer's moe op: the Triton launcher against the per-expert loop, bf16, random routing."""
-    from triton.testing import do_bench
+    from triton.testing import do_bench, do_bench_cudagraph
 
     from kiln.kernels.moe import ref_moe, ref_router_topk
     from kiln.kernels.moe_gemm import triton_moe
+    from kiln.kernels.moe_routing import triton_router_topk
 
     _, _, config, _ = SHAPES[shape]
     experts = config.get("num_local_experts") or config["num_experts"]
@@ -164,11 +170,17 @@ def kernel_rows(shape: str, token_counts: list[int]) -> list[dict]:
     rows = []
     for tokens in token_counts:
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-        weights, ids = ref_router_topk(torch.randn(tokens, experts, device="cuda"), top_k, renormalize=True)
+        logits = torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16)
+        weights, ids = ref_router_topk(logits, top_k, renormalize=True)
         out = torch.empty_like(x)
-        fused = do_bench(lambda: triton_moe(x, weights, ids, w_gate_up, w_down, out=out))
+        fused = do_bench_cudagraph(lambda: triton_moe(x, weights, ids, w_gate_up, w_down, out=out))
+        router = do_bench_cudagraph(lambda: triton_router_topk(logits, out=(weights, ids), top_k=top_k,
+                                                               renormalize=True))
         loop = do_bench(lambda: ref_moe(x, weights, ids, w_gate_up, w_down))
-        rows.append({"shape": shape, "tokens": tokens, "fused_ms": fused, "loop_ms": loop})
+        expert_bytes = (w_gate_up[0].numel() + w_down[0].numel()) * w_down.element_size()
+        read = torch.unique(ids).numel() * expert_bytes
+        rows.append({"shape": shape, "tokens": tokens, "fused_ms": fused, "loop_ms": loop, "router_topk_ms": router,
+                     "moe_TBps": read / fused / 1e9})
     return rows
 
 
@@ -183,9 +195,10 @@ def tables(rows: list[dict], kernels: list[dict], bandwidth: float) -> str:
                      f"{r['roofline_ms']:.3f}{estimate} | {100 * r['roofline_ms'] / kiln['ms_per_step']:.0f}% | "
                      f"{kiln['decode_tok_s']:.0f} | {eager['decode_tok_s']:.0f} | "
                      f"{kiln['decode_tok_s'] / eager['decode_tok_s']:.1f}x |")
-    lines += ["", "| shape | tokens | fused moe ms | per-expert loop ms | speed-up |", "|---|---|---|---|---|"]
-    lines += [f"| {k['shape']} | {k['tokens']} | {k['fused_ms']:.3f} | {k['loop_ms']:.3f} | "
-              f"{k['loop_ms'] / k['fused_ms']:.1f}x |" for k in kernels]
+    lines += ["", "| shape | tokens | fused moe ms | moe TB/s | router top-k ms | per-expert loop ms | speed-up |",
+              "|---|---|---|---|---|---|---|"]
+    lines += [f"| {k['shape']} | {k['tokens']} | {k['fused_ms']:.4f} | {k['moe_TBps']:.2f} | "
+              f"{k['router_topk_ms']:.4f} | {k['loop_ms']:.3f} | {k['loop_ms'] / k['fused_ms']:.1f}x |" for k in kernels]
     return "\n".join(lines)
 
 

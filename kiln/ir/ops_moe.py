@@ -1,8 +1,9 @@
 """Mixture-of-experts ops: the router's top-k and the routed experts' gated MLP.
 
 A sparse MoE block is ``router_topk(linear(x, router_weight))`` followed by ``moe`` over the experts'
-stacked weights; a shared expert (Qwen2-MoE) is ordinary ops beside it: a dense gated MLP whose
-output ``scale_rows`` multiplies by ``sigmoid(linear(x, shared_gate_weight))``.
+stacked weights (``moe_residual`` once the residual add after it is folded in); a shared expert
+(Qwen2-MoE) is ordinary ops beside it: a dense gated MLP whose output ``scale_rows`` multiplies by
+``sigmoid(linear(x, shared_gate_weight))``.
 
 Expert parallelism: ``moe`` holds experts ``expert_offset + start .. expert_offset + start + E - 1`` of
 the model's (``E`` = the stacked weights' first dim; ``start`` = the optional ``expert_start`` input,
@@ -87,6 +88,22 @@ register_op(OpDef(
         "(choices of other experts add nothing)",
 ))
 
+
+def _moe_residual(t: Types, a: Attrs) -> tuple[TensorType, ...]:
+    (out,) = _moe(t[:5], a)
+    expect(t[5] == out, f"moe_residual: residual {t[5]} must be the experts' output type {out}")
+    return (out,)
+
+
+# The residual add after the experts, folded into them (fuse_linear_residual): decode's down GEMV
+# adds it in its epilogue. No expert_start: under expert parallelism the add follows the all_reduce.
+# Like linear_residual, it may write the residual stream in place.
+register_op(OpDef(
+    "moe_residual", ("x", "weights", "ids", "w_gate_up", "w_down", "residual"),
+    {"expert_offset": AttrSpec("int", 0)},
+    _moe_residual, reuses=(5,),
+    doc="add(residual, moe(x, weights, ids, w_gate_up, w_down)): moe's output rounded to x's dtype, then added",
+))
 
 def _place_experts(t: Types, a: Attrs) -> tuple[TensorType, ...]:
     ids, table = t

@@ -154,6 +154,8 @@ class KernelConfig:
     """Most elements of one token's K (or V) row one KV-store program copies."""
     silu_mul_block: int = 1024
     """Most elements of a row one silu·mul program computes."""
+    add_block: int = 1024
+    """Most elements of a row one add program computes (an MoE block's residual add)."""
 
     # --- mixture of experts (moe_align.py, moe_gemm.py) ---
     moe_block_m: int = 16
@@ -165,11 +167,8 @@ class KernelConfig:
     """K per step of the grouped MoE GEMMs. Not yet tuned."""
     moe_decode_max_pairs: int = 16
     """Up to this many (token, choice) pairs a step takes the per-pair GEMV path (no sorting): at
-    batch 1-2 with top-8 the sort and the padded blocks cost more than they save. Not yet tuned."""
-    moe_gemv_block_n: int = 32
-    """Weight rows per program of the per-pair MoE GEMV."""
-    moe_gemv_block_k: int = 128
-    """K per step of the per-pair MoE GEMV."""
+    batch 1-2 with top-8 the sort and the padded blocks cost more than they save. Its GEMVs take
+    their tiles from the ``gemv_*`` fields (``gemv_config``). Not yet tuned."""
 
     # --- multi-LoRA hooks (lora_row_triton.py, lora_tile_triton.py); none tuned on a GPU yet ---
     lora_row_block_k: int = 128
@@ -238,9 +237,9 @@ class KernelConfig:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> KernelConfig:
-        """The config a manifest recorded; fields it lacks keep their defaults."""
+        """The config a manifest recorded; fields it lacks keep their defaults, retired ones are dropped."""
         return cls().with_settings({name: tuple(value) if isinstance(value, list) else value
-                                    for name, value in data.items()})
+                                    for name, value in data.items() if name not in _RETIRED})
 
 
 def parse_settings(texts: Sequence[str]) -> dict[str, Any]:
@@ -263,6 +262,13 @@ def _literal(name: str, text: str) -> Any:
         raise KernelConfigError(f"kernel config {name}={text!r}: the value is not a Python literal") from None
 
 
+# Fields that no kernel reads any more, which manifests of older artifacts still record: dropped
+# when a manifest is read, so those artifacts still load (name: why it went).
+_RETIRED = {
+    "moe_gemv_block_n": "the per-pair MoE GEMVs take gemv_config's tiles",
+    "moe_gemv_block_k": "the per-pair MoE GEMVs take gemv_config's tiles",
+}
+
 # Fields that become Triton block shapes (tl.arange sizes, num_warps) or are divided into them, so
 # they must be powers of two; and fields where 0 means "never" (no preload, no fused GEMV).
 _POWERS_OF_TWO = frozenset({
@@ -272,9 +278,9 @@ _POWERS_OF_TWO = frozenset({
     "quantized_gemv_dot_block_k", "quantized_gemv_block_k", "quantized_gemm_block_n", "quantized_gemm_block_k",
     "quantized_gemv_num_warps", "quantized_gemm_num_warps",
     "act_quant_block_k", "act_quant_num_warps",
-    "rmsnorm_elements_per_program", "rope_elements_per_program", "kv_store_block", "silu_mul_block", "argmax_block",
-    "argmax_merge_block", "sample_block", "sample_merge_block", "bitmask_words_per_program", "moe_block_m", "moe_block_n",
-    "moe_block_k", "moe_gemv_block_n", "moe_gemv_block_k",
+    "rmsnorm_elements_per_program", "rope_elements_per_program", "kv_store_block", "silu_mul_block", "add_block",
+    "argmax_block", "argmax_merge_block", "sample_block", "sample_merge_block", "bitmask_words_per_program",
+    "moe_block_m", "moe_block_n", "moe_block_k",
     "lora_row_block_k", "lora_norm_block", "lora_tile_block_k", "lora_tile_block_n",
 })
 _ZERO_ALLOWED = frozenset({"decode_preload_max_programs_per_sm", "gemv_max_weight_bytes",

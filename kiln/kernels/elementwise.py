@@ -1,7 +1,9 @@
 """Elementwise kernels: add, mul, silu, silu_mul (the fused gate of a gated MLP), cast.
 
-Only silu_mul has a Triton kernel: the others are either fused away by the compiler or single torch
-calls that already run at copy bandwidth.
+silu_mul and add have a Triton kernel (one, rows by column blocks, launched with PDL): add for the
+residual adds no GEMM takes (Qwen2-MoE's experts take the shared expert's output as their residual,
+leaving the layer's add), where a torch launch between two PDL kernels costs both their overlaps.
+The others are fused away by the compiler or single torch calls that already run at copy bandwidth.
 """
 
 from __future__ import annotations
@@ -71,42 +73,64 @@ register_impl("cast", "torch", _cast)
 # --- Triton -----------------------------------------------------------------------------------------
 
 
+# What the row kernel computes from its two operands.
+_SILU_MUL = tl.constexpr(0)
+_ADD = tl.constexpr(1)
+
+
 @triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, width, g_st, u_st, o_st, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    # Program (row, j) computes columns j*BLOCK .. +BLOCK of one row. gate and up are usually the two
-    # halves of one [T, 2I] GEMM output (views from split), hence their own row strides.
+def _rows_kernel(a_ptr, b_ptr, out_ptr, width, a_st, b_st, o_st, OP: tl.constexpr, BLOCK: tl.constexpr,
+                 PDL: tl.constexpr):
+    # Program (row, j) computes columns j*BLOCK .. +BLOCK of one row. For silu_mul, gate and up are
+    # usually the two halves of one [T, 2I] GEMM output (views from split), hence their own row strides.
     await_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
-    g = tl.load(gate_ptr + row * g_st + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + row * u_st + cols, mask=mask, other=0.0).to(tl.float32)
-    # silu(gate) is rounded to the dtype before the multiply, as the reference's two torch ops do.
-    s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * o_st + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
+    a = tl.load(a_ptr + row * a_st + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + row * b_st + cols, mask=mask, other=0.0).to(tl.float32)
+    if OP == _SILU_MUL:
+        # silu(gate) is rounded to the dtype before the multiply, as the reference's two torch ops do.
+        a = (a / (1.0 + tl.exp(-a))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        result = a * b
+    else:
+        result = a + b
+    tl.store(out_ptr + row * o_st + cols, result.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_rows(kernel: str, op: tl.constexpr, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, block: int,
+                 config: KernelConfig) -> None:
+    names = ("gate", "up") if op == _SILU_MUL else ("a", "b")
+    for name, t in zip(names + ("out",), (a, b, out)):
+        require(t.dim() == 2, kernel, lambda: f"{name} must be [T, I], got {tuple(t.shape)}")
+        require(t.shape == a.shape and t.dtype == a.dtype, kernel,
+                lambda: f"{name} {tuple(t.shape)} {t.dtype} must match {names[0]} {tuple(a.shape)} {a.dtype}")
+        require_unit_last_stride(kernel, name, t)
+    require_float(kernel, names[0], a)
+    require_device(kernel, a, b, out)
+    rows, width = a.shape
+    if rows == 0 or width == 0:
+        return
+    block = min(block, pow2(width))
+    _rows_kernel[(rows, triton.cdiv(width, block))](
+        a, b, out, width, a.stride(0), b.stride(0), out.stride(0), OP=op, BLOCK=block, num_warps=4,
+        **pdl_launch(a, config.pdl))
 
 
 def triton_silu_mul(gate: torch.Tensor, up: torch.Tensor, *, out: torch.Tensor,
                     config: KernelConfig = DEFAULTS) -> None:
-    kernel = "triton.silu_mul"
-    for name, t in (("gate", gate), ("up", up), ("out", out)):
-        require(t.dim() == 2, kernel, lambda: f"{name} must be [T, I], got {tuple(t.shape)}")
-        require(t.shape == gate.shape and t.dtype == gate.dtype, kernel,
-                lambda: f"{name} {tuple(t.shape)} {t.dtype} must match gate {tuple(gate.shape)} {gate.dtype}")
-        require_unit_last_stride(kernel, name, t)
-    require_float(kernel, "gate", gate)
-    require_device(kernel, gate, up, out)
-    rows, width = gate.shape
-    if rows == 0 or width == 0:
-        return
-    block = min(config.silu_mul_block, pow2(width))
-    _silu_mul_kernel[(rows, triton.cdiv(width, block))](
-        gate, up, out, width, gate.stride(0), up.stride(0), out.stride(0), BLOCK=block, num_warps=4,
-        **pdl_launch(gate, config.pdl))
+    _launch_rows("triton.silu_mul", _SILU_MUL, gate, up, out, config.silu_mul_block, config)
 
 
-def _silu_mul_checker(types: Sequence[TensorType], attrs: Mapping[str, Any]) -> bool:
-    return types[0].dtype in IR_FLOATS and types[0].rank == 2
+def triton_add(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor, config: KernelConfig = DEFAULTS) -> None:
+    _launch_rows("triton.add", _ADD, a, b, out, config.add_block, config)
 
 
-register_impl("silu_mul", "triton", triton_silu_mul, checker=_silu_mul_checker, priority=10, wants_config=True)
+def _rows_checker(types: Sequence[TensorType], attrs: Mapping[str, Any]) -> bool:
+    # Both operands one float dtype and one [T, I] shape: a broadcast or mixed add stays on torch.
+    a, b = types
+    return a.dtype in IR_FLOATS and a.rank == 2 and b == a
+
+
+register_impl("silu_mul", "triton", triton_silu_mul, checker=_rows_checker, priority=10, wants_config=True)
+register_impl("add", "triton", triton_add, checker=_rows_checker, priority=10, wants_config=True)

@@ -87,7 +87,7 @@ def tile_product(x, w, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile(w_ptr, cols, N, w_st, k, K):
+def weight_tile(w_ptr, cols, N, w_st, k, K):
     # Columns at or past N (the last tile's padding) load nothing.
     w_mask = (cols < N)[:, None] & (k < K)[None, :]
     return tl.load(w_ptr + cols.to(tl.int64)[:, None] * w_st + k[None, :], mask=w_mask, other=0.0)
@@ -160,7 +160,7 @@ def _gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, r_ptr, y_ptr, T, N, K, eps, x_st, 
     offs_k = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_st
     # The first weight tile goes out before the wait; x is written by the kernel before, so after it.
-    w = _weight_tile(w_ptr, cols, N, w_st, offs_k, K)
+    w = weight_tile(w_ptr, cols, N, w_st, offs_k, K)
     await_previous_kernel(PDL)
     xk, partner = input_tile(x_rows, nw_ptr, row_mask, offs_k, K, PROLOGUE)
     rstd = tl.zeros([BLOCK_T], tl.float32)
@@ -174,7 +174,7 @@ def _gemv_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, r_ptr, y_ptr, T, N, K, eps, x_st, 
     for k0 in range(0, K, BLOCK_K):
         # The next step's loads first, so the memory never waits on the math (past K they load nothing).
         next_k = k0 + BLOCK_K + offs_k
-        w_next = _weight_tile(w_ptr, cols, N, w_st, next_k, K)
+        w_next = weight_tile(w_ptr, cols, N, w_st, next_k, K)
         x_next, partner_next = input_tile(x_rows, nw_ptr, row_mask, next_k, K, PROLOGUE)
         acc += tile_product(tile_input(xk, partner, rstd, PROLOGUE, dtype), w, USE_DOT, DOT_F32)
         w = w_next

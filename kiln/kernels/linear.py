@@ -12,11 +12,12 @@ def ref_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return F.linear(x, weight, bias)
 
 
-def _linear(x, weight, bias=None, *, out):
+def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 out: torch.Tensor) -> None:
     if bias is None:
         torch.matmul(x, weight.t(), out=out)
     else:
         torch.addmm(bias, x, weight.t(), out=out)
 
 
-register_impl("linear", "torch", _linear)
+register_impl("linear", "torch", torch_linear)

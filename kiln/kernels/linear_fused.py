@@ -1,4 +1,6 @@
-"""GEMMs fused with their neighbours: ``rmsnorm_linear``, ``linear_residual``, ``silu_mul_linear_residual``.
+"""GEMMs fused with their neighbours: ``rmsnorm_linear``, ``linear_residual``, ``silu_mul_linear_residual``;
+and ``linear`` alone, for GEMMs that no fusion takes (an MoE router shares its normed input with the
+experts, so its norm stays apart): at decode the same GEMV, a PDL launch, instead of cuBLAS.
 
 At decode's few rows (``T <= GEMV_MAX_ROWS``) the Triton implementations are one GEMV launch
 (``gemv.py``) that reads the weights once and applies the RMSNorm or the SiLU gate before (a
@@ -23,7 +25,7 @@ from kiln.ir.types import TensorType
 from .config import DEFAULTS, KernelConfig
 from .elementwise import ref_silu_mul, triton_silu_mul
 from .gemv import GEMV_MAX_ROWS, launch_gemv
-from .linear import ref_linear
+from .linear import ref_linear, torch_linear
 from .norm import ref_rmsnorm, triton_rmsnorm
 from .registry import Checker, register_impl
 from .triton_support import IR_FLOATS, require, require_device, require_float, require_unit_last_stride
@@ -125,6 +127,15 @@ def composed_silu_mul_linear_residual(gate_up: torch.Tensor, weight: torch.Tenso
     composed_linear_residual(activated, weight, residual, out=out)
 
 
+def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, out: torch.Tensor,
+                  config: KernelConfig = DEFAULTS) -> None:
+    _check_gemv("triton.linear", x, weight, out, bias=bias)
+    if not uses_gemv(x, weight, config):
+        torch_linear(x, weight, bias, out=out)
+    else:
+        launch_gemv(x, weight, out, bias=bias, config=config)
+
+
 def triton_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
                           bias: torch.Tensor | None = None, *, out: torch.Tensor, eps: float,
                           config: KernelConfig = DEFAULTS) -> None:
@@ -165,6 +176,7 @@ def _floats_like_x(weight_index: int) -> Checker:
     return check
 
 
+register_impl("linear", "triton", triton_linear, checker=_floats_like_x(1), priority=10, wants_config=True)
 register_impl("rmsnorm_linear", "triton", triton_rmsnorm_linear, checker=_floats_like_x(2), priority=10,
               wants_config=True)
 register_impl("linear_residual", "triton", triton_linear_residual, checker=_floats_like_x(1), priority=10,

@@ -1,4 +1,5 @@
-"""Mixture-of-experts kernels, torch side: the router's top-k, the routed experts (``moe``) and the
+"""Mixture-of-experts kernels, torch side: the router's top-k, the routed experts (``moe``, and
+``moe_residual`` with the residual add after them) and the
 shared expert's gate (``sigmoid``, ``scale_rows``), the tokens per expert (``count_experts``), a choice's physical copy
 (``place_experts``); the ``ref_`` versions the Triton kernels
 (``moe_align.py``, ``moe_gemm.py``) are tested against.
@@ -73,6 +74,11 @@ def _moe(x, weights, ids, w_gate_up, w_down, expert_start=None, *, out, expert_o
     out.copy_(ref_moe(x, weights, ids, w_gate_up, w_down, expert_offset + start))
 
 
+def _moe_residual(x, weights, ids, w_gate_up, w_down, residual, *, out, expert_offset=0):
+    # One elementwise add reading both operands before it writes: out may be residual's buffer.
+    torch.add(residual, ref_moe(x, weights, ids, w_gate_up, w_down, expert_offset), out=out)
+
+
 def _count_experts(counts, ids, slots):
     # index_add_ with a 0/1 weight per choice, not bincount: no read back to the host, so a captured
     # step counts too. The op's output is ``counts`` itself, updated in place.
@@ -95,6 +101,7 @@ def _scale_rows(x, scale, *, out):
 
 register_impl("router_topk", "torch", _router_topk)
 register_impl("moe", "torch", _moe, reads_device=True)
+register_impl("moe_residual", "torch", _moe_residual, reads_device=True)
 register_impl("count_experts", "torch", _count_experts)
 register_impl("place_experts", "torch", _place_experts)
 register_impl("sigmoid", "torch", _sigmoid)

@@ -2,7 +2,8 @@
 program (fused GEMVs with their norm and SiLU prologues, the composed paths at more rows, the extend
 and decode attention kernels with the fused rope/KV store, on-device sampling) against HF
 transformers' greedy tokens, for the architectures' distinct paths (llama3 rope scaling, qwen2's
-q/k/v bias, qwen3's q/k norms, mistral's sliding window). CI runs these; the GPU runs the same
+q/k/v bias, qwen3's q/k norms, mistral's sliding window, the MoE families' router top-k, expert-load
+counter and experts: grouped GEMMs at prefill, per-pair GEMVs at decode). CI runs these; the GPU runs the same
 program at real shapes (``test_gpu.py``). Small f32 models only: the interpreter runs every program
 of a launch one after another."""
 
@@ -33,11 +34,12 @@ NEW_TOKENS = [6, 10]
 # q/k norms go into a generated rope/KV-store kernel before paged attention, the others' rope and KV
 # store into decode attention itself).
 FUSED_GEMMS = ("triton.rmsnorm_linear", "triton.linear_residual", "triton.silu_mul_linear_residual")
+MOE = ("triton.linear", "triton.router_topk", "triton.count_experts", "triton.moe_residual")
 # Ops that stay on torch in a triton artifact: they move or reinterpret data and compute nothing.
 DATA_MOVEMENT = ("torch.cast", "torch.embedding", "torch.gather_rows", "torch.reshape", "torch.split")
 
 
-@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "mistral_window"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "mistral_window", "qwen3_moe", "mixtral_window"])
 def test_greedy_tokens_equal_hf(tmp_path: Path, kind: str):
     import transformers
 
@@ -45,7 +47,8 @@ def test_greedy_tokens_equal_hf(tmp_path: Path, kind: str):
     artifact = compile_model(source, tmp_path / "m.kiln", CompileOptions(
         dtype="fp32", backend="triton", page_size=4, max_batch_tokens=64, max_batch_size=4, max_seq_len=64))
     kernels = json.loads((artifact / "manifest.json").read_text())["kernels"]
-    assert all(name in kernels for name in FUSED_GEMMS), kernels
+    sparse = kind in ("qwen3_moe", "mixtral_window")  # every layer's MLP is the experts: no silu_mul_linear
+    assert all(name in kernels for name in (FUSED_GEMMS[:2] + MOE if sparse else FUSED_GEMMS)), kernels
     assert [name for name in kernels if name.startswith("torch.") and name not in DATA_MOVEMENT] == []
     outputs = _greedy(artifact)
     model = transformers.AutoModelForCausalLM.from_pretrained(source, torch_dtype=torch.float32).eval()

@@ -61,3 +61,16 @@ def test_refusals():
              b.param("d3", TensorType((E, H, I), DType.bf16)))
     with pytest.raises(IRTypeError, match=r"must be \[rows, 1\]"):
         b.op("scale_rows", x, x)
+
+
+def test_moe_residual_types_as_moe_and_refuses_another_residual():
+    b = GraphBuilder("fused")
+    x = b.input("x", TensorType(("T", H), DType.bf16))
+    w, ids = b.op("router_topk", b.input("logits", TensorType(("T", E), DType.f32)), top_k=K, names=("w", "ids"))
+    gate_up = b.param("gu", TensorType((E, 2 * I, H), DType.bf16))
+    down = b.param("d", TensorType((E, H, I), DType.bf16))
+    out = b.op("moe_residual", x, w, ids, gate_up, down, x, name="out")
+    b.output(out)
+    assert "%out = moe_residual(%x, %w, %ids, @gu, @d, %x) {expert_offset=0} : bf16[T, 64]" in print_graph(b.build())
+    with pytest.raises(IRTypeError, match="residual .* must be the experts' output type"):
+        b.op("moe_residual", x, w, ids, gate_up, down, b.input("r32", TensorType(("T", H), DType.f32)))

@@ -57,6 +57,8 @@ def test_json_round_trip_and_missing_fields_default():
     assert KernelConfig.from_json({"sample_chunk": 48}) == KernelConfig(sample_chunk=48)
     with pytest.raises(KernelConfigError, match="no field 'retired_knob'"):
         KernelConfig.from_json({"retired_knob": 1})
+    # A field kiln retired, as an older artifact's manifest records it, is dropped.
+    assert KernelConfig.from_json({"moe_gemv_block_n": 32, "sample_chunk": 48}) == KernelConfig(sample_chunk=48)
 
 
 def test_every_field_has_a_docstring():

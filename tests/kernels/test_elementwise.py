@@ -1,4 +1,4 @@
-"""Triton silu_mul against its torch reference."""
+"""Triton silu_mul and add against their torch references."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from kiln.ir.types import DType, TensorType
 from kiln.kernels import select_impl
-from kiln.kernels.elementwise import ref_silu_mul, triton_silu_mul
+from kiln.kernels.elementwise import ref_add, ref_silu_mul, triton_add, triton_silu_mul
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -31,6 +31,18 @@ def test_silu_mul_on_contiguous_inputs(device, poisoned, assert_matches):
     assert_matches(out, ref_silu_mul(gate, up))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,width", [(1, 2048), (5, 72), (3, 1100)])
+def test_add(tokens, width, dtype, device, poisoned, assert_matches):
+    a = torch.randn(tokens, 2 * width, device=device).to(dtype)[:, :width]  # a row stride of its own
+    b = torch.randn(tokens, width, device=device).to(dtype)
+    out = poisoned((tokens, width), dtype)
+    triton_add(a, b, out=out)
+    assert_matches(out, ref_add(a, b))
+    triton_add(b, a, out=b)  # in place, as a memory plan may place it
+    assert_matches(b, out)
+
+
 def test_rejects_bad_inputs(device):
     gate = torch.randn(4, 64, device=device)
     out = torch.empty_like(gate)
@@ -49,6 +61,10 @@ def test_registration_and_checker():
     assert select_impl("silu_mul", [t, t], {}, "triton").name == "triton.silu_mul"
     t3 = TensorType(("T", 2, 64), DType.bf16)
     assert select_impl("silu_mul", [t3, t3], {}, "triton").name == "torch.silu_mul"
+    assert select_impl("add", [t, t], {}, "triton").name == "triton.add"
+    # Broadcast or mixed-dtype adds stay on torch.
+    assert select_impl("add", [t, TensorType((1, 14336), DType.bf16)], {}, "triton").name == "torch.add"
+    assert select_impl("add", [t, TensorType(("T", 14336), DType.f32)], {}, "triton").name == "torch.add"
 
 
 @pytest.mark.gpu

@@ -1,5 +1,5 @@
-"""Triton rmsnorm_linear, linear_residual and silu_mul_linear_residual against their torch references,
-on the fused GEMV (T <= GEMV_MAX_ROWS) and on the composed path (more rows)."""
+"""Triton rmsnorm_linear, linear_residual, silu_mul_linear_residual and plain linear against their torch
+references, on the fused GEMV (T <= GEMV_MAX_ROWS) and on the composed path (more rows)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from kiln.ir.types import DType, TensorType
 from kiln.kernels import KernelConfig, get_impl, select_impl
 from kiln.kernels.config import DEFAULTS
 from kiln.kernels.gemv import GEMV_MAX_ROWS, gemv_config
+from kiln.kernels.linear import ref_linear
 from kiln.kernels.linear_fused import (ref_linear_residual, ref_rmsnorm_linear, ref_silu_mul_linear_residual,
-                                       triton_linear_residual, triton_rmsnorm_linear, triton_silu_mul_linear_residual,
-                                       uses_gemv)
+                                       triton_linear, triton_linear_residual, triton_rmsnorm_linear,
+                                       triton_silu_mul_linear_residual, uses_gemv)
 
 from .conftest import TOLERANCES
 
@@ -56,6 +57,19 @@ def test_rmsnorm_linear(tokens, k, n, has_bias, dtype, device, poisoned):
     out = poisoned((tokens, n), dtype)
     triton_rmsnorm_linear(x, norm_weight, weight, bias, out=out, eps=EPS)
     _assert_close(out, ref_rmsnorm_linear(x, norm_weight, weight, bias, EPS))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("has_bias", [False, True])
+@pytest.mark.parametrize("tokens,k,n", CASES + [(1, 2048, 128), (3, 64, 1)])
+def test_linear(tokens, k, n, has_bias, dtype, device, poisoned):
+    """Plain linear (an MoE router: 128 experts; a shared expert's one-column gate)."""
+    x = _strided(tokens, k, dtype, device)
+    weight = _weight(n, k, dtype, device)
+    bias = torch.randn(n, device=device).to(dtype) if has_bias else None
+    out = poisoned((tokens, n), dtype)
+    triton_linear(x, weight, bias, out=out)
+    _assert_close(out, ref_linear(x, weight, bias))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -158,6 +172,7 @@ def test_registration_and_checker(device):
     bias = TensorType((960,), bf16)
     assert select_impl("rmsnorm_linear", [x, nw, w, bias], attrs, "triton").name == "triton.rmsnorm_linear"
     assert select_impl("linear_residual", [x, w, y], {}, "triton").name == "triton.linear_residual"
+    assert select_impl("linear", [x, w], {}, "triton").name == "triton.linear"
     gate_up, down = TensorType(("T", 1920), bf16), TensorType((576, 960), bf16)
     assert (select_impl("silu_mul_linear_residual", [gate_up, down, x], {}, "triton").name
             == "triton.silu_mul_linear_residual")

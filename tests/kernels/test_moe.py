@@ -1,5 +1,6 @@
-"""The MoE kernels against their references: the router's top-k, the block-aligned sort by expert,
-and the two Triton paths of ``moe`` (grouped GEMMs, per-pair decode GEMVs).
+"""The MoE kernels against their references: the router's top-k and the expert-load counter
+(``moe_routing.py``), the block-aligned sort by expert, and the two Triton paths of ``moe`` (grouped
+GEMMs, per-pair decode GEMVs).
 
 Shapes cover odd token counts, experts no token chose, top-1/2/8, and a rank's slice of the experts
 (``expert_offset``, or the ``expert_start`` input shard_ep gives each rank). Kept tiny: they run under Triton's interpreter on the CPU.
@@ -12,16 +13,19 @@ import torch
 
 from kiln.ir.types import DType, TensorType
 from kiln.kernels import select_impl
-from kiln.kernels.config import DEFAULTS
-from kiln.kernels.moe import ref_moe, ref_router_topk
+from kiln.kernels.config import DEFAULTS, KernelConfig
+from kiln.kernels.moe import ref_count_experts, ref_moe, ref_router_topk
 from kiln.kernels.moe_align import ref_moe_align, triton_moe_align
 from kiln.kernels.moe_gemm import moe_decode, moe_grouped, triton_moe
+from kiln.kernels.moe_routing import triton_count_experts, triton_router_topk
 
 # (tokens, top_k, experts, hidden, intermediate); the decode path is for few pairs, so it gets the
 # small ones (the interpreter runs one program per pair and column tile).
 SHAPES = [(1, 2, 8, 32, 48), (7, 2, 8, 32, 48), (5, 1, 4, 24, 16), (2, 8, 16, 64, 40)]
 CASES = [(moe_grouped, *s) for s in SHAPES + [(13, 8, 16, 64, 40), (3, 8, 8, 40, 24)]] + \
-    [(moe_decode, *s) for s in SHAPES]
+    [(moe_decode, *s) for s in SHAPES + [(3, 8, 16, 40, 24)]]
+# Tiles small enough that the decode GEMVs step through K several times, the last step partial.
+SMALL_TILES = KernelConfig(gemv_block_n=(4, 4), gemv_block_k=(16, 16), gemv_one_step_max_k=16)
 
 
 def _routing(tokens: int, top_k: int, experts: int, device: str, skip: int = 0):
@@ -45,6 +49,31 @@ def test_router_topk_ref():
     torch.testing.assert_close(weights.sum(-1), torch.ones(2))
     with pytest.raises(ValueError, match="scoring 'sigmoid' is not supported"):
         ref_router_topk(logits, 2, scoring="sigmoid")
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, renormalize", [
+    (1, 128, 8, True), (7, 8, 2, False), (5, 4, 1, True), (3, 60, 4, False), (2, 8, 8, True), (0, 8, 2, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_topk_matches_ref(device, tokens, experts, top_k, renormalize, dtype):
+    logits = torch.randn(tokens, experts, device=device).to(dtype)
+    expected_weights, expected_ids = ref_router_topk(logits, top_k, renormalize)
+    weights = torch.full((tokens, top_k), float("nan"), device=device)
+    ids = torch.full((tokens, top_k), -1, dtype=torch.int32, device=device)
+    triton_router_topk(logits, out=(weights, ids), top_k=top_k, renormalize=renormalize)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens, top_k, experts", [(1, 8, 128), (70, 2, 8), (5, 1, 4), (3, 8, 60)])
+def test_count_experts_matches_ref(device, tokens, top_k, experts):
+    """Padding rows (slot -1) count nothing; 70 rows of 2 choices span three programs."""
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).int().to(device)
+    slots = torch.arange(tokens, dtype=torch.int32, device=device)
+    slots[::3] = -1
+    counts = torch.randint(0, 100, (experts,), device=device)
+    expected = ref_count_experts(counts, ids, slots)
+    assert triton_count_experts(counts, ids, slots) is counts
+    assert torch.equal(counts, expected)
 
 
 @pytest.mark.parametrize("tokens, top_k, experts", [(1, 2, 8), (7, 2, 8), (33, 8, 16), (5, 1, 4), (0, 2, 4)])
@@ -76,6 +105,50 @@ def test_moe_paths_match_ref(device, poisoned, assert_matches, path, tokens, top
     out = poisoned((tokens, hidden), dtype)
     path(x, weights, ids, w_gate_up, w_down, out=out)
     assert_matches(out, ref_moe(x, weights, ids, w_gate_up, w_down))
+
+
+@pytest.mark.parametrize("tokens, top_k, experts, hidden, inter", [(1, 8, 16, 40, 24), (3, 2, 8, 33, 20)])
+def test_decode_steps_through_k(device, poisoned, assert_matches, tokens, top_k, experts, hidden, inter):
+    """Tiles narrower than K: gate/up takes K=hidden in several steps, down walks every pair's K
+    tiles as one sequence; the last tile of each is partial."""
+    x = torch.randn(tokens, hidden, device=device)
+    w_gate_up, w_down = _experts(experts, hidden, inter, torch.float32, device)
+    weights, ids = _routing(tokens, top_k, experts, device, skip=experts // 4)
+    out = poisoned((tokens, hidden), torch.float32)
+    moe_decode(x, weights, ids, w_gate_up, w_down, out=out, config=SMALL_TILES)
+    assert_matches(out, ref_moe(x, weights, ids, w_gate_up, w_down))
+
+
+@pytest.mark.parametrize("path", [moe_grouped, moe_decode])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_is_added_after_rounding(device, assert_matches, path, dtype):
+    """moe_residual: moe's output rounded to the dtype, then the residual added (as the unfused add);
+    out may be the residual's own buffer (a memory plan may place it there)."""
+    x = torch.randn(5, 32, device=device).to(dtype)
+    w_gate_up, w_down = _experts(8, 32, 16, dtype, device)
+    weights, ids = _routing(5, 2, 8, device, skip=2)
+    residual = torch.randn(5, 32, device=device).to(dtype) * 4
+    expected = residual + ref_moe(x, weights, ids, w_gate_up, w_down)
+    out = torch.empty_like(x)
+    path(x, weights, ids, w_gate_up, w_down, out=out, residual=residual)
+    assert_matches(out, expected)
+    path(x, weights, ids, w_gate_up, w_down, out=residual, residual=residual)
+    assert_matches(residual, expected)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_moe_residual_op(device, assert_matches, backend):
+    x = torch.randn(3, 32, device=device)
+    w_gate_up, w_down = _experts(8, 32, 16, torch.float32, device)
+    weights, ids = _routing(3, 2, 8, device)
+    residual = torch.randn(3, 32, device=device)
+    types = [TensorType(("T", 32), DType.f32), TensorType(("T", 2), DType.f32), TensorType(("T", 2), DType.i32),
+             TensorType((8, 32, 32), DType.f32), TensorType((8, 32, 16), DType.f32), TensorType(("T", 32), DType.f32)]
+    impl = select_impl("moe_residual", types, {"expert_offset": 0}, backend)
+    assert impl.name == f"{backend}.moe_residual"
+    out = torch.empty_like(x)
+    impl.fn(x, weights, ids, w_gate_up, w_down, residual, out=out, expert_offset=0)
+    assert_matches(out, residual + ref_moe(x, weights, ids, w_gate_up, w_down))
 
 
 @pytest.mark.parametrize("path", [moe_grouped, moe_decode])
@@ -121,11 +194,15 @@ def test_dispatch_by_pair_count(device, assert_matches):
         assert_matches(out, ref_moe(x, weights, ids, w_gate_up, w_down))
 
 
-def test_registry_picks_triton_for_float_moe():
+def test_registry_picks_triton_for_float_moe_and_routing():
     types = [TensorType(("T", 32), DType.bf16), TensorType(("T", 2), DType.f32), TensorType(("T", 2), DType.i32),
              TensorType((8, 32, 32), DType.bf16), TensorType((8, 32, 16), DType.bf16)]
     assert select_impl("moe", types, {"expert_offset": 0}, "triton").name == "triton.moe"
     assert select_impl("moe", types, {"expert_offset": 0}, "torch").name == "torch.moe"
+    attrs = {"top_k": 2, "renormalize": False, "scoring": "softmax"}
+    assert select_impl("router_topk", types[:1], attrs, "triton").name == "triton.router_topk"
+    counter = [TensorType((8,), DType.i64), TensorType(("T", 2), DType.i32), TensorType(("T",), DType.i32)]
+    assert select_impl("count_experts", counter, {}, "triton").name == "triton.count_experts"
 
 
 def test_rejects_bad_inputs(device):

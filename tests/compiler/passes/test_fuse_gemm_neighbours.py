@@ -64,6 +64,44 @@ def test_fuse_linear_residual_keeps_gemm_outputs_read_elsewhere_and_biased_gemms
     assert "linear_residual(%m" not in run_pass(fuse_linear_residual, biased)
 
 
+MOE_BEFORE = dedent("""
+    graph g {
+      input %h: f32[T, 8]
+      param @ln: f32[8]
+      param @router: f32[4, 8]
+      param @gu: f32[4, 12, 8]
+      param @d: f32[4, 8, 6]
+      %n = rmsnorm(%h, @ln) {eps=1e-05} : f32[T, 8]
+      %logits = linear(%n, @router) : f32[T, 4]
+      %w, %ids = router_topk(%logits) {renormalize=true, scoring="softmax", top_k=2} : f32[T, 2], i32[T, 2]
+      %e = moe(%n, %w, %ids, @gu, @d) {expert_offset=0} : f32[T, 8]
+      %r = add(%h, %e) : f32[T, 8]
+      return %r
+    }
+""")
+
+
+def test_fuse_linear_residual_folds_the_add_after_the_experts():
+    assert run(fuse_linear_residual, MOE_BEFORE) == dedent("""
+        graph g {
+          input %h: f32[T, 8]
+          param @ln: f32[8]
+          param @router: f32[4, 8]
+          param @gu: f32[4, 12, 8]
+          param @d: f32[4, 8, 6]
+          %n = rmsnorm(%h, @ln) {eps=1e-05} : f32[T, 8]
+          %logits = linear(%n, @router) : f32[T, 4]
+          %w, %ids = router_topk(%logits) {renormalize=true, scoring="softmax", top_k=2} : f32[T, 2], i32[T, 2]
+          %r = moe_residual(%n, %w, %ids, @gu, @d, %h) {expert_offset=0} : f32[T, 8]
+          return %r
+        }
+    """)
+    # Either operand; but not a rank's experts (expert_start: the add follows their all_reduce).
+    assert "moe_residual(" in run(fuse_linear_residual, MOE_BEFORE.replace("add(%h, %e)", "add(%e, %h)"))
+    ranked = MOE_BEFORE.replace("param @d: f32[4, 8, 6]", "param @d: f32[4, 8, 6]\n  param @start: i32[1]") \
+        .replace("@gu, @d)", "@gu, @d, @start)")
+    assert run(fuse_linear_residual, ranked) == ranked
+
 AFTER_SILU_MUL = dedent("""
     graph g {
       input %h: f32[T, 8]
