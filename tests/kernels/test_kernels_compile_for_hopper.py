@@ -9,11 +9,17 @@ options, as the GPU would choose them), and each distinct launch is compiled for
 and the cubin, in processes of their own (``tests/support/hopper_compile.py``).
 
 The workloads run in bf16, the GPU's dtype, not the f32 of the numeric tests: pointer dtypes and the
-launchers' dtype-driven choices are then the GPU's own, with no rewriting of recorded types. The
-engine workloads are tiny one-layer models of each architecture path (dense, q/k norm, sliding
-window, MoE, each quantization, LoRA, an FP8 KV cache), run for real; the sampler and the library-GEMM
-helpers, which run on torch or cuBLAS in a CPU engine, are launched at a real vocabulary and real
-widths with the kernels recorded but not run.
+launchers' dtype-driven choices are then the GPU's own, with no rewriting of recorded types (an f32
+artifact on a GPU would take the f32-product variants, which nothing here compiles). The engine
+workloads are tiny one-layer models of each architecture path (dense with bias, q/k norm, sliding
+window, MoE, each quantization, LoRA, an FP8 KV cache), run for real. Tiny widths give small blocks,
+so one more engine workload has a real layer's widths and 16 sequences with two LoRA adapters (the
+2026-12-05 failure, which it catches), its kernels recorded but not run; so are the sampler's and
+the library-GEMM helpers' (on torch or cuBLAS in a CPU engine), launched at a real vocabulary and
+real widths.
+
+A kernel no workload launches would be checked by nothing: ``test_the_workloads_launch_every_kernel``
+finds every launch site in kiln and fails naming the kernels no workload reached.
 """
 
 from __future__ import annotations
@@ -51,23 +57,39 @@ PROMPTS = [[1, 5, 9, 3, 7], list(range(2, 3 + GEMV_MAX_ROWS + 4))]
 NEW_TOKENS = [2, 3]
 
 
-def _serve(tmp: Path, kind: str, loras: dict[str, dict[str, Any]] | None = None, **options: Any) -> None:
-    """A one-layer bf16 ``kind`` model on the triton backend serving PROMPTS to the end, the first
-    request on the first of ``loras`` (adapter name: ``make_peft_adapter`` options) and the second on
-    the base model when there are any."""
-    source = make_hf_model(kind, tmp / "src", num_hidden_layers=1)
-    artifact = compile_model(source, tmp / "m.kiln", CompileOptions(
-        dtype="bf16", backend="triton", page_size=4, max_batch_tokens=64, max_batch_size=4, max_seq_len=64,
-        **options))
-    core = EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=256))
+def _serve(tmp: Path, kind: str, prompts: list[list[int]] = PROMPTS, new_tokens: list[int] = NEW_TOKENS,
+           loras: dict[str, dict[str, Any]] | None = None, model: dict[str, Any] | None = None,
+           **options: Any) -> None:
+    """A one-layer bf16 ``kind`` model (HF config ``model`` over the tiny one) on the triton backend
+    serving ``prompts`` to the end, the even ones on the adapters of ``loras`` (name:
+    ``make_peft_adapter`` options) in turn when there are any, the odd ones on the base model."""
+    source = make_hf_model(kind, tmp / "src", num_hidden_layers=1, **(model or {}))
+    options = {"dtype": "bf16", "backend": "triton", "page_size": 4, "max_batch_tokens": 64, "max_batch_size": 4,
+               "max_seq_len": 64, **options}
+    artifact = compile_model(source, tmp / "m.kiln", CompileOptions(**options))
+    core = EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=4 * options["max_batch_tokens"]))
     for name, adapter in (loras or {}).items():
         core.load_lora(name, str(make_peft_adapter(source, tmp / name, **adapter)))
-    first_lora = next(iter(loras or {}), None)
-    for i, (prompt, new_tokens) in enumerate(zip(PROMPTS, NEW_TOKENS)):
-        core.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True),
-                         lora=first_lora if i == 0 else None)
+    adapters = list(loras or {})
+    for i, (prompt, tokens) in enumerate(zip(prompts, new_tokens)):
+        lora = adapters[i // 2 % len(adapters)] if adapters and i % 2 == 0 else None
+        core.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True),
+                         lora=lora)
     while core.has_work():
         core.step()
+
+
+def _real_widths(tmp: Path) -> None:
+    """Block sizes and splits as at real widths (Llama 3.2 1B's layer, 128-dim heads), with two LoRA
+    adapters: a prefill of 16 prompts, a decode step of 16 rows, then one of one row. Not run: only the
+    launches are recorded (the host reads no kernel's output but the sampled tokens, any of which will
+    do)."""
+    rows = 16
+    _serve(tmp, "llama3", prompts=[list(range(1, 3 + i)) for i in range(rows)], new_tokens=[2] * (rows - 1) + [3],
+           loras={"a": dict(rank=16, seed=1), "b": dict(rank=8, seed=2)},
+           model=dict(vocab_size=1024, hidden_size=2048, intermediate_size=8192, num_attention_heads=16,
+                      num_key_value_heads=4),
+           max_batch_tokens=512, max_batch_size=16, max_seq_len=64, max_loras=2, max_lora_rank=16)
 
 
 def _sample(tmp: Path) -> None:
@@ -112,6 +134,7 @@ WORKLOADS: dict[str, tuple[Callable[[Path], None], bool]] = {
        for method in ("fp8", "w8a8_int8", "w8a16_int8", "mxfp4")},
     "lora": (lambda tmp: _serve(tmp, "llama3", loras={"a": dict(rank=8, seed=1)}, max_loras=2, max_lora_rank=8),
              True),
+    "real_widths": (_real_widths, False),
     "sampler": (_sample, False),
     "library_gemm_inputs": (_library_gemm_inputs, False),
 }

@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 from typing import Any
@@ -83,18 +84,35 @@ def compile_one(record: dict[str, Any]) -> None:
         raise RuntimeError("compiled without a cubin")
 
 
+def _compile_reporting(record: dict[str, Any]) -> dict[str, Any]:
+    """``compile_one``'s outcome; a failure's message ends with what the compiler wrote to stderr
+    meanwhile (MLIR's diagnostics, e.g. "operand does not dominate this use", go there, not into the
+    exception)."""
+    with tempfile.TemporaryFile() as log:
+        saved = os.dup(2)
+        os.dup2(log.fileno(), 2)
+        try:
+            compile_one(record)
+            return {"ok": True}
+        except Exception as error:  # noqa: BLE001 - every failure is reported, named, to the test
+            os.dup2(saved, 2)
+            log.seek(0)
+            # Only the diagnostics: a failed pass also dumps the whole module as a reproducer.
+            diagnostics = [line for line in log.read().decode(errors="replace").splitlines()
+                           if ": error: " in line or ": note: " in line]
+            return {"ok": False, "error": "".join(traceback.format_exception_only(error))[-3000:]
+                    + "\n".join(diagnostics)[-3000:]}
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 def main() -> None:
     from triton.runtime.driver import driver
 
     driver.set_active(_HopperDriver())
     for record in json.loads(Path(sys.argv[1]).read_text()):
-        try:
-            compile_one(record)
-            result = {"ok": True}
-        except Exception as error:  # noqa: BLE001 - every failure is reported, named, to the test
-            lines = traceback.format_exception_only(error)
-            result = {"ok": False, "error": "".join(lines)[-4000:]}
-        print(json.dumps(result), flush=True)
+        print(json.dumps(_compile_reporting(record)), flush=True)
 
 
 def _run_worker(records: list[dict[str, Any]], cache_dir: Path, worker: int) -> subprocess.Popen:
