@@ -9,14 +9,15 @@ options, as the GPU would choose them), and each distinct launch is compiled for
 and the cubin, in processes of their own (``tests/support/hopper_compile.py``).
 
 The workloads run in bf16, the GPU's dtype, not the f32 of the numeric tests: pointer dtypes and the
-launchers' dtype-driven choices are then the GPU's own, with no rewriting of recorded types (an f32
-artifact on a GPU would take the f32-product variants, which nothing here compiles). The engine
-workloads are tiny one-layer models of each architecture path (dense with bias, q/k norm, sliding
-window, MoE, each quantization, LoRA, an FP8 KV cache), run for real. Tiny widths give small blocks,
-so one more engine workload has a real layer's widths and 16 sequences with two LoRA adapters (the
-2026-12-05 failure, which it catches), its kernels recorded but not run; so are the sampler's and
-the library-GEMM helpers' (on torch or cuBLAS in a CPU engine), launched at a real vocabulary and
-real widths.
+launchers' dtype-driven choices are then the GPU's own, with no rewriting of recorded types. The tiny
+MoE and LoRA workloads run in f32 instead, as the GPU's MoE and LoRA tests do (their products take
+the f32 variants), their bf16 variants coming from the real-widths workloads. The engine workloads are
+tiny one-layer models of each architecture path (dense with bias, q/k norm, sliding window, MoE, each
+quantization, LoRA, an FP8 KV cache), run for real. Tiny widths give small blocks, so two more engine
+workloads have a real layer's widths and 16 sequences (with two LoRA adapters, the 2026-12-05
+failure, which they catch; with FP8 weights; with experts), their kernels recorded but not run; so
+are the sampler's and the library-GEMM helpers' (on torch or cuBLAS in a CPU engine), launched at a
+real vocabulary and real widths.
 
 A kernel no workload launches would be checked by nothing: ``test_the_workloads_launch_every_kernel``
 finds every launch site in kiln and fails naming the kernels no workload reached.
@@ -33,10 +34,10 @@ import torch
 
 from kiln.compiler.compile import compile_model
 from kiln.compiler.options import CompileOptions
+from kiln.ir.weights import SCHEMES
 from kiln.kernels.bitmask import allocate_bitmask
 from kiln.kernels.gemm_quantized import dequantize_weight, quantize_rows
 from kiln.kernels.gemv import GEMV_MAX_ROWS
-from kiln.ir.weights import SCHEMES
 from kiln.kernels.quantize import quantize
 from kiln.kernels.triton_support import INTERPRET
 from kiln.runtime.engine_core import EngineCore
@@ -57,39 +58,58 @@ PROMPTS = [[1, 5, 9, 3, 7], list(range(2, 3 + GEMV_MAX_ROWS + 4))]
 NEW_TOKENS = [2, 3]
 
 
-def _serve(tmp: Path, kind: str, prompts: list[list[int]] = PROMPTS, new_tokens: list[int] = NEW_TOKENS,
-           loras: dict[str, dict[str, Any]] | None = None, model: dict[str, Any] | None = None,
-           **options: Any) -> None:
-    """A one-layer bf16 ``kind`` model (HF config ``model`` over the tiny one) on the triton backend
-    serving ``prompts`` to the end, the even ones on the adapters of ``loras`` (name:
-    ``make_peft_adapter`` options) in turn when there are any, the odd ones on the base model."""
-    source = make_hf_model(kind, tmp / "src", num_hidden_layers=1, **(model or {}))
+def _serve(source: Path, directory: Path, prompts: list[list[int]] = PROMPTS, new_tokens: list[int] = NEW_TOKENS,
+           adapters: dict[str, Path] | None = None, **options: Any) -> None:
+    """Compiles the HF model at ``source`` for the triton backend (bf16 unless ``options`` say) into
+    ``directory`` and serves ``prompts`` to the end, the even ones on ``adapters`` in turn when there
+    are any, the odd ones on the base model."""
     options = {"dtype": "bf16", "backend": "triton", "page_size": 4, "max_batch_tokens": 64, "max_batch_size": 4,
                "max_seq_len": 64, **options}
-    artifact = compile_model(source, tmp / "m.kiln", CompileOptions(**options))
+    artifact = compile_model(source, directory, CompileOptions(**options))
     core = EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=4 * options["max_batch_tokens"]))
-    for name, adapter in (loras or {}).items():
-        core.load_lora(name, str(make_peft_adapter(source, tmp / name, **adapter)))
-    adapters = list(loras or {})
+    names = list(adapters or {})
+    for name in names:
+        core.load_lora(name, str(adapters[name]))
     for i, (prompt, tokens) in enumerate(zip(prompts, new_tokens)):
-        lora = adapters[i // 2 % len(adapters)] if adapters and i % 2 == 0 else None
+        lora = names[i // 2 % len(names)] if names and i % 2 == 0 else None
         core.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True),
                          lora=lora)
     while core.has_work():
         core.step()
 
 
+def _tiny(kind: str, **options: Any) -> Callable[[Path], None]:
+    """A workload: a tiny one-layer ``kind`` model served with ``options``."""
+    return lambda tmp: _serve(make_hf_model(kind, tmp / "src", num_hidden_layers=1), tmp / "m.kiln", **options)
+
+
+def _tiny_lora(tmp: Path) -> None:
+    source = make_hf_model("llama3", tmp / "src", num_hidden_layers=1)
+    _serve(source, tmp / "m.kiln", adapters={"a": make_peft_adapter(source, tmp / "a", rank=8)}, dtype="fp32",
+           max_loras=2, max_lora_rank=8)
+
+
+# A real layer's widths (Llama 3.2 1B's, with 128-dim heads), a small vocabulary (the sampler has its
+# own workload); a prefill of 16 prompts, a decode step of 16 rows, then one of one row.
+REAL_LAYER = dict(num_hidden_layers=1, vocab_size=1024, hidden_size=2048, intermediate_size=8192,
+                  num_attention_heads=16, num_key_value_heads=4)
+REAL_BATCH = dict(prompts=[list(range(1, 3 + i)) for i in range(16)], new_tokens=[2] * 15 + [3],
+                  max_batch_tokens=512, max_batch_size=16, max_seq_len=64)
+
+
 def _real_widths(tmp: Path) -> None:
-    """Block sizes and splits as at real widths (Llama 3.2 1B's layer, 128-dim heads), with two LoRA
-    adapters: a prefill of 16 prompts, a decode step of 16 rows, then one of one row. Not run: only the
-    launches are recorded (the host reads no kernel's output but the sampled tokens, any of which will
-    do)."""
-    rows = 16
-    _serve(tmp, "llama3", prompts=[list(range(1, 3 + i)) for i in range(rows)], new_tokens=[2] * (rows - 1) + [3],
-           loras={"a": dict(rank=16, seed=1), "b": dict(rank=8, seed=2)},
-           model=dict(vocab_size=1024, hidden_size=2048, intermediate_size=8192, num_attention_heads=16,
-                      num_key_value_heads=4),
-           max_batch_tokens=512, max_batch_size=16, max_seq_len=64, max_loras=2, max_lora_rank=16)
+    """Two LoRA adapters; FP8 weights and activations."""
+    source = make_hf_model("llama3", tmp / "src", **REAL_LAYER)
+    adapters = {"a": make_peft_adapter(source, tmp / "a", rank=16, seed=1),
+                "b": make_peft_adapter(source, tmp / "b", rank=8, seed=2)}
+    _serve(source, tmp / "lora.kiln", adapters=adapters, max_loras=2, max_lora_rank=16, **REAL_BATCH)
+    _serve(source, tmp / "fp8.kiln", quantization="fp8", **REAL_BATCH)
+
+
+def _real_widths_moe(tmp: Path) -> None:
+    """Qwen3-MoE's experts at Qwen3-30B-A3B's widths (8 of them here)."""
+    _serve(make_hf_model("qwen3_moe", tmp / "src", **REAL_LAYER, head_dim=128, moe_intermediate_size=768),
+           tmp / "m.kiln", **REAL_BATCH)
 
 
 def _sample(tmp: Path) -> None:
@@ -122,19 +142,18 @@ def _library_gemm_inputs(tmp: Path) -> None:
         dequantize_weight(stored, scales[0], SCHEMES[scheme], torch.bfloat16)
 
 
-# Each workload, and whether its kernels run (else only their launches are recorded: their outputs
-# are read by nothing that decides a later launch).
+# Each workload, and whether its kernels run (else only their launches are recorded: the host reads
+# no kernel's output but the sampled tokens, any of which will do).
 WORKLOADS: dict[str, tuple[Callable[[Path], None], bool]] = {
-    "qwen2": (lambda tmp: _serve(tmp, "qwen2"), True),  # q/k/v bias
-    "qwen3": (lambda tmp: _serve(tmp, "qwen3"), True),  # q/k norm: the generated rope_kv_store kernel
-    "mistral_window": (lambda tmp: _serve(tmp, "mistral_window"), True),
-    "qwen3_moe": (lambda tmp: _serve(tmp, "qwen3_moe"), True),
-    "fp8_kv_cache": (lambda tmp: _serve(tmp, "llama3", kv_cache_dtype="fp8_e4m3"), True),
-    **{method: (lambda tmp, method=method: _serve(tmp, "llama3", quantization=method), True)
-       for method in ("fp8", "w8a8_int8", "w8a16_int8", "mxfp4")},
-    "lora": (lambda tmp: _serve(tmp, "llama3", loras={"a": dict(rank=8, seed=1)}, max_loras=2, max_lora_rank=8),
-             True),
+    "qwen2": (_tiny("qwen2"), True),  # q/k/v bias
+    "qwen3": (_tiny("qwen3"), True),  # q/k norm: the generated rope_kv_store kernel
+    "mistral_window": (_tiny("mistral_window"), True),
+    "qwen3_moe": (_tiny("qwen3_moe", dtype="fp32"), True),  # f32 as the GPU's MoE test
+    "fp8_kv_cache": (_tiny("llama3", kv_cache_dtype="fp8_e4m3"), True),
+    **{method: (_tiny("llama3", quantization=method), True) for method in ("fp8", "w8a8_int8", "w8a16_int8", "mxfp4")},
+    "lora": (_tiny_lora, True),  # f32 as the GPU's LoRA test
     "real_widths": (_real_widths, False),
+    "real_widths_moe": (_real_widths_moe, False),
     "sampler": (_sample, False),
     "library_gemm_inputs": (_library_gemm_inputs, False),
 }

@@ -36,12 +36,7 @@ from triton.runtime.jit import _normalize_ty  # how Triton itself tells constexp
 
 from kiln.kernels import triton_support
 
-H100_SMS = 132
-
-# The launch options a launcher may pass next to the kernel's arguments that change compiled code.
-COMPILE_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl", "maxnreg")
-
-
+H100_SMS = 132  # an H100 SXM's streaming multiprocessors
 
 
 def _gpu_dot_in_f32(dtype: torch.dtype) -> bool:
@@ -82,10 +77,11 @@ def launch_record(fn, args: tuple, kwargs: dict) -> dict[str, Any]:
     record_args: dict[str, Any] = {}
     for name, value in bound.arguments.items():
         if _normalize_ty(signature.parameters[name].annotation) == "constexpr":
+            # PDL is what pdl_launch chooses on Hopper, with launch_pdl below (see the module docstring).
             record_args[name] = {"constexpr": True if name == "PDL" else _constexpr(value)}
         else:
             record_args[name] = _argument(value)
-    options = {name: kwargs[name] for name in COMPILE_OPTIONS if name in kwargs}
+    options = {name: value for name, value in kwargs.items() if name not in signature.parameters}
     if "PDL" in record_args:
         options["launch_pdl"] = True
     return {"module": fn.__module__, "file": inspect.getsourcefile(fn), "kernel": fn.__qualname__,
@@ -111,16 +107,20 @@ class LaunchRecorder:
 
 @contextlib.contextmanager
 def _replaced(name: str, value: Any) -> Iterator[None]:
-    """``triton_support.<name>`` replaced by ``value``, there and in every loaded module that imported it."""
+    """``triton_support.<name>`` replaced by ``value``, there and in every module that imported it,
+    before the block or during it (kernel modules are imported on first use, generated ones at load)."""
     original = getattr(triton_support, name)
-    holders = [m for m in list(sys.modules.values()) if getattr(m, name, None) is original]
-    for module in holders:
-        setattr(module, name, value)
+
+    def swap(old: Any, new: Any) -> None:
+        for module_name, module in list(sys.modules.items()):
+            if module_name.startswith("kiln") and getattr(module, name, None) is old:
+                setattr(module, name, new)
+
+    swap(original, value)
     try:
         yield
     finally:
-        for module in holders:
-            setattr(module, name, original)
+        swap(value, original)
 
 
 @contextlib.contextmanager
