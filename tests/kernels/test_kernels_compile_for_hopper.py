@@ -41,7 +41,7 @@ from kiln.kernels.gemv import GEMV_MAX_ROWS
 from kiln.kernels.quantize import quantize
 from kiln.kernels.triton_support import INTERPRET
 from kiln.runtime.engine_core import EngineCore
-from kiln.runtime.engine_options import EngineOptions
+from kiln.runtime.engine_options import DEFAULT_DECODE_BUCKETS, EngineOptions
 from kiln.runtime.sampling import SamplerKernels, SamplingBatch, SamplingParams, SamplingRow, sample
 from tests.support.hf_models import make_hf_model
 from tests.support.hopper_compile import compile_records
@@ -59,14 +59,14 @@ NEW_TOKENS = [2, 3]
 
 
 def _serve(source: Path, directory: Path, prompts: list[list[int]] = PROMPTS, new_tokens: list[int] = NEW_TOKENS,
-           adapters: dict[str, Path] | None = None, **options: Any) -> None:
+           adapters: dict[str, Path] | None = None, engine: dict[str, Any] | None = None, **options: Any) -> None:
     """Compiles the HF model at ``source`` for the triton backend (bf16 unless ``options`` say) into
-    ``directory`` and serves ``prompts`` to the end, the even ones on ``adapters`` in turn when there
-    are any, the odd ones on the base model."""
+    ``directory`` and serves ``prompts`` to the end (``engine``: EngineOptions), the even ones on
+    ``adapters`` in turn when there are any, the odd ones on the base model."""
     options = {"dtype": "bf16", "backend": "triton", "page_size": 4, "max_batch_tokens": 64, "max_batch_size": 4,
                "max_seq_len": 64, **options}
     artifact = compile_model(source, directory, CompileOptions(**options))
-    core = EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=4 * options["max_batch_tokens"]))
+    core = EngineCore(str(artifact), EngineOptions(device="cpu", **(engine or {"kv_cache_tokens": 256})))
     names = list(adapters or {})
     for name in names:
         core.load_lora(name, str(adapters[name]))
@@ -89,12 +89,19 @@ def _tiny_lora(tmp: Path) -> None:
            max_loras=2, max_lora_rank=8)
 
 
-# A real layer's widths (Llama 3.2 1B's, with 128-dim heads), a small vocabulary (the sampler has its
-# own workload); a prefill of 16 prompts, a decode step of 16 rows, then one of one row.
+# A real layer's widths (Llama 3.2 1B's, with 128-dim heads) and a small vocabulary (the sampler has
+# its own workload), served as a GPU serves: page size 16, decode steps padded to the GPU's CUDA-graph
+# buckets, prefill padded as its graphs are. The requests end one wave after another so that the decode
+# steps run every bucket once, as the GPU's start-up does when it captures them: request i decodes
+# while a bucket larger than i remains.
 REAL_LAYER = dict(num_hidden_layers=1, vocab_size=1024, hidden_size=2048, intermediate_size=8192,
                   num_attention_heads=16, num_key_value_heads=4)
-REAL_BATCH = dict(prompts=[list(range(1, 3 + i)) for i in range(16)], new_tokens=[2] * 15 + [3],
-                  max_batch_tokens=512, max_batch_size=16, max_seq_len=64)
+_BUCKETS = DEFAULT_DECODE_BUCKETS
+REAL_BATCH = dict(prompts=[[1 + i % 7, 2] for i in range(_BUCKETS[-1])],
+                  new_tokens=[1 + sum(b > i for b in _BUCKETS) for i in range(_BUCKETS[-1])],
+                  engine=dict(kv_cache_tokens=32 * 1024, decode_buckets=_BUCKETS, prefill_graphs=True,
+                              overlap_schedule=False),
+                  page_size=16, max_batch_tokens=2 * _BUCKETS[-1], max_batch_size=_BUCKETS[-1], max_seq_len=4096)
 
 
 def _real_widths(tmp: Path) -> None:
