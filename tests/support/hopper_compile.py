@@ -1,12 +1,13 @@
 """Compiles recorded Triton launches (``tests/support/triton_launches.py``) for a Hopper GPU (sm_90)
 on a machine without one, down to PTX and the cubin.
 
-Run as ``python -m tests.support.hopper_compile RECORDS.json`` without ``TRITON_INTERPRET`` (so
-``@triton.jit`` gives compiled kernels): it reads the JSON list of records and prints one JSON line per record,
-``{"ok": true}`` or ``{"ok": false, "error": ...}``, as each compiles (so a crash loses no earlier
-result). Each launch is compiled the way a launch on the GPU compiles it: ``kernel.warmup`` binds
-the arguments and specializes them with Triton's own rules, against a stand-in driver whose current
-target is sm_90; stand-in tensors carry the recorded dtype and alignment.
+Run as ``python -m tests.support.hopper_compile RECORDS.json LOG`` without ``TRITON_INTERPRET`` (so
+``@triton.jit`` gives compiled kernels): it reads the JSON list of records and prints one JSON line per
+record, ``{"ok": true}`` or ``{"ok": false, "error": ...}``, as each compiles (so a crash loses no
+earlier result); the compiler's stderr while it compiles a record goes to LOG. Each launch is compiled
+the way a launch on the GPU compiles it: ``kernel.warmup`` binds the arguments and specializes them
+with Triton's own rules, against a stand-in driver whose current target is sm_90; stand-in tensors
+carry the recorded dtype and alignment.
 
 ``compile_records`` runs the records in two such processes (the test machine's two cores).
 """
@@ -19,7 +20,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import traceback
 from pathlib import Path
 from typing import Any
@@ -84,44 +84,47 @@ def compile_one(record: dict[str, Any]) -> None:
         raise RuntimeError("compiled without a cubin")
 
 
-def _compile_reporting(record: dict[str, Any]) -> dict[str, Any]:
-    """``compile_one``'s outcome; a failure's message ends with what the compiler wrote to stderr
-    meanwhile (MLIR's diagnostics, e.g. "operand does not dominate this use", go there, not into the
-    exception)."""
-    with tempfile.TemporaryFile() as log:
-        saved = os.dup(2)
-        os.dup2(log.fileno(), 2)
-        try:
-            compile_one(record)
-            return {"ok": True}
-        except Exception as error:  # noqa: BLE001 - every failure is reported, named, to the test
-            os.dup2(saved, 2)
-            log.seek(0)
-            # Only the diagnostics: a failed pass also dumps the whole module as a reproducer.
-            diagnostics = [line for line in log.read().decode(errors="replace").splitlines()
-                           if ": error: " in line or ": note: " in line]
-            return {"ok": False, "error": "".join(traceback.format_exception_only(error))[-3000:]
-                    + "\n".join(diagnostics)[-3000:]}
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
+def _diagnostics(log: Path) -> str:
+    # Only MLIR's diagnostics: a failed pass also dumps the whole module there as a reproducer.
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return "\n".join(line for line in lines if ": error: " in line or ": note: " in line)[-3000:]
+
+
+def _compile_reporting(record: dict[str, Any], log: Path) -> dict[str, Any]:
+    """``compile_one``'s outcome, with the compiler's stderr in ``log`` meanwhile; a failure's message
+    ends with its diagnostics (MLIR's, e.g. "operand does not dominate this use", go there, not into
+    the exception)."""
+    saved = os.dup(2)
+    with open(log, "wb") as stderr:
+        os.dup2(stderr.fileno(), 2)
+    try:
+        compile_one(record)
+        return {"ok": True}
+    except Exception as error:  # noqa: BLE001 - every failure is reported, named, to the test
+        return {"ok": False, "error": "".join(traceback.format_exception_only(error))[-3000:] + _diagnostics(log)}
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def main() -> None:
     from triton.runtime.driver import driver
 
     driver.set_active(_HopperDriver())
-    for record in json.loads(Path(sys.argv[1]).read_text()):
-        print(json.dumps(_compile_reporting(record)), flush=True)
+    records, log = sys.argv[1:]
+    for record in json.loads(Path(records).read_text()):
+        print(json.dumps(_compile_reporting(record, Path(log))), flush=True)
 
 
-def _run_worker(records: list[dict[str, Any]], cache_dir: Path, worker: int) -> subprocess.Popen:
+def _start(records: list[dict[str, Any]], cache_dir: Path, worker: int) -> tuple[subprocess.Popen, Path]:
+    """A worker compiling ``records``, and its compiler log."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(cache_dir / "triton"), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    path = cache_dir / f"records{worker}.json"
+    path, log = cache_dir / f"records{worker}.json", cache_dir / f"stderr{worker}.log"
     path.write_text(json.dumps(records))
-    return subprocess.Popen([sys.executable, "-m", "tests.support.hopper_compile", str(path)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen([sys.executable, "-m", "tests.support.hopper_compile", str(path), str(log)], cwd=REPO,
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return process, log
 
 
 def compile_records(records: list[dict[str, Any]], cache_dir: Path, timeout: float = 600) -> list[dict[str, Any]]:
@@ -131,17 +134,17 @@ def compile_records(records: list[dict[str, Any]], cache_dir: Path, timeout: flo
     results: list[dict[str, Any] | None] = [None] * len(records)
     pending = [list(range(i, len(records), WORKERS)) for i in range(WORKERS)]
     while any(pending):
-        running = [(indices, _run_worker([records[i] for i in indices], cache_dir, worker))
+        running = [(indices, *_start([records[i] for i in indices], cache_dir, worker))
                    for worker, indices in enumerate(pending) if indices]
         pending = []
-        for indices, process in running:
+        for indices, process, log in running:
             out, err = process.communicate(timeout=timeout)
             lines = out.splitlines()
             for i, line in zip(indices, lines):
                 results[i] = json.loads(line)
             if len(lines) < len(indices):
-                results[indices[len(lines)]] = {"ok": False, "error": f"the compiler process died "
-                                                f"(exit {process.returncode}): {err[-3000:]}"}
+                results[indices[len(lines)]] = {"ok": False, "error": f"the compiler process died (exit "
+                                                f"{process.returncode}): {err[-3000:]}{_diagnostics(log)}"}
                 pending.append(indices[len(lines) + 1:])
     return results
 
