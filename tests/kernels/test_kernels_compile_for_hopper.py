@@ -14,8 +14,9 @@ MoE and LoRA workloads run in f32 instead, as the GPU's MoE and LoRA tests do (t
 the f32 variants), their bf16 variants coming from the real-widths workloads. The engine workloads are
 tiny one-layer models of each architecture path (dense with bias, q/k norm, sliding window, MoE, each
 quantization, LoRA, an FP8 KV cache), run for real. Tiny widths give small blocks, so two more engine
-workloads have a real layer's widths and 16 sequences (with two LoRA adapters, the 2026-12-05
-failure, which they catch; with FP8 weights; with experts), their kernels recorded but not run; so
+workloads have a real layer's widths and decode steps at every CUDA-graph bucket, 256 rows down to 1,
+as the GPU's start-up captures them (with two LoRA adapters, where the 2026-12-05 failure shows and
+is caught; with FP8 weights; with experts), their kernels recorded but not run; so
 are the sampler's and the library-GEMM helpers' (on torch or cuBLAS in a CPU engine), launched at a
 real vocabulary and real widths.
 
