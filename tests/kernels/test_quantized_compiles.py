@@ -1,6 +1,6 @@
 """The quantized GEMM kernels compile for a Hopper GPU (sm_90), checked on the CPU.
 
-The interpreter runs a kernel's Python, not Triton's compiler (see test_lora_compiles.py): every
+The interpreter runs a kernel's Python, not Triton's compiler (see test_kernels_compile_for_hopper.py): every
 variant the quantized linear ops launch is compiled here ahead of time, down to the cubin, in a
 process of its own, with the tiles and warps ``quantized_gemv_tiles`` picks for Llama-3-8B's shapes
 on an H100: the GEMV at one row (per-channel values; MXFP4 by blocks), at 16 rows (tl.dot), the GEMM
