@@ -82,7 +82,7 @@ MOE_BEFORE = dedent("""
 
 
 def test_fuse_linear_residual_folds_the_add_after_the_experts():
-    assert run(fuse_linear_residual, MOE_BEFORE) == dedent("""
+    assert run_pass(fuse_linear_residual, MOE_BEFORE) == dedent("""
         graph g {
           input %h: f32[T, 8]
           param @ln: f32[8]
@@ -97,10 +97,10 @@ def test_fuse_linear_residual_folds_the_add_after_the_experts():
         }
     """)
     # Either operand; but not a rank's experts (expert_start: the add follows their all_reduce).
-    assert "moe_residual(" in run(fuse_linear_residual, MOE_BEFORE.replace("add(%h, %e)", "add(%e, %h)"))
+    assert "moe_residual(" in run_pass(fuse_linear_residual, MOE_BEFORE.replace("add(%h, %e)", "add(%e, %h)"))
     ranked = MOE_BEFORE.replace("param @d: f32[4, 8, 6]", "param @d: f32[4, 8, 6]\n  param @start: i32[1]") \
         .replace("@gu, @d)", "@gu, @d, @start)")
-    assert run(fuse_linear_residual, ranked) == ranked
+    assert run_pass(fuse_linear_residual, ranked) == ranked
 
 AFTER_SILU_MUL = dedent("""
     graph g {
