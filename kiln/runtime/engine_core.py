@@ -6,12 +6,9 @@ leads, the others share its cached prompt); ``step`` schedules a batch, runs it,
 the stop rules and returns a ``SampleEvent`` per sample that advanced or ended. The in-process
 ``Engine`` drives it from a thread; the server's scheduler process drives it from its loop.
 
-Overlap: a greedy decode step run as a graph is left in flight; the next ``step`` first launches
-the step after it (the same requests, each given a PENDING output slot whose id the device fills
-from the in-flight step's argmax), then reads and applies the in-flight tokens while the new step
-runs, so the host's work hides behind the device's. A request that turns out to have finished
-drops its extra step's result. Anything else to schedule (arrivals, prefill, sampling, a short
-pool) breaks the chain and the next step is scheduled normally.
+Overlap (``runtime/overlap``): a greedy decode step run as a graph is left in flight, and the next
+``step`` launches the step after it before reading the in-flight tokens, so the host's work hides
+behind the device's.
 
 Speculative decoding (``speculative_algorithm``): a step with decoding requests goes to the
 ``Speculator`` (runtime/spec), which drafts, verifies the drafts in the same step and applies the
@@ -36,10 +33,11 @@ from .device_support import uses_references
 from .kvcache.pool import pages_for_mem_fraction, pages_for_tokens, pool_dtype
 from .kvcache.radix import RadixCache
 from .lora.registry import LoraRegistry
+from .overlap import DecodeOverlap
 from .outputs import EXPERT_TOKENS, INTERNAL_ERROR, SampleEvent, TokenLogprob
 from .sampling import SamplerOutput, SamplingBatch, SamplingParams, SamplingRow, child_seed, masked_argmax, new_seed
 from .scheduler.batch import StepLists, build_step_lists
-from .scheduler.request import DECODING, PENDING, Request, RequestState
+from .scheduler.request import PENDING, Request, RequestState
 from .scheduler.scheduler import Scheduler, SchedulerConfig
 from .spec.config import SpecConfig
 from .spec.speculator import Speculator
@@ -49,7 +47,6 @@ from .text.tokenizer import Tokenizer
 from .worker.executor import graph_blockers
 from .worker.nodes import check_layout
 from .worker.ranks import start_worker
-from .worker.token_readback import InflightStep, TokenReadback
 from .worker.worker import LocalWorker, RankConfig
 
 
@@ -108,18 +105,13 @@ class EngineCore:
         self.eos_ids: set[int] = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
         self.constraints = Constraints(self.tokenizer, self.vocab_size, self.eos_ids)
         self._requests: dict[str, list[Request]] = {}
-        overlap = self.options.overlap_schedule
-        self.overlap = bool(buckets) if overlap is None else overlap and bool(buckets)
-        self.overlap = self.overlap and self.worker.tokens_from_device  # not with several ranks (WorkerGroup)
         # Speculative decoding (runtime/spec): decode steps verify drafts; never overlapped (see SpecConfig).
         self.speculator = Speculator(spec, self) if spec is not None else None
-        self.overlap = self.overlap and self.speculator is None
-        self._inflight: InflightStep | None = None
-        # Whether the in-flight step's tokens are the decode graph's argmax of every row (see
-        # _graph_argmax_serves): then so are its follow-ups', which run the same requests.
-        self._inflight_by_argmax = False
-        self._readback = TokenReadback(max(buckets, default=1), device)
-        self.overlapped_steps = 0
+        overlap = self.options.overlap_schedule
+        overlap = bool(buckets) if overlap is None else overlap and bool(buckets)
+        # Not with several ranks (WorkerGroup: tokens come back through rank 0's pipe), nor speculation.
+        overlap = overlap and self.worker.tokens_from_device and self.speculator is None
+        self.overlap = DecodeOverlap(self, max(buckets, default=1), device) if overlap else None
 
     def _load_tokenizer(self) -> Tokenizer | None:
         with self.startup.phase("tokenizer"):
@@ -235,7 +227,8 @@ class EngineCore:
             self.kernel_cache.save()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self.constraints.has_pending() or self._inflight is not None
+        return self.scheduler.has_work() or self.constraints.has_pending() or \
+            (self.overlap is not None and self.overlap.inflight is not None)
 
     def stats(self) -> dict[str, float]:
         """Gauges and counters for metrics: queue lengths, KV pool use, prefix-cache hits."""
@@ -263,6 +256,11 @@ class EngineCore:
             **self.expert_load_stats(),
         }
 
+    @property
+    def overlapped_steps(self) -> int:
+        """Decode steps launched while the step before them was in flight (0 when not overlapping)."""
+        return self.overlap.steps if self.overlap is not None else 0
+
     def expert_load_stats(self) -> dict[str, int]:
         """Tokens sent to each expert of each sparse layer since start, as ``expert_tokens:{layer}:{expert}``
         (a MoE model's; empty otherwise). Rank 0's counters: the router is replicated, so it sees every
@@ -274,8 +272,8 @@ class EngineCore:
 
     def step(self) -> list[SampleEvent]:
         events = self._release_constrained()
-        if self._inflight is not None:
-            return events + self._continue_overlapped()
+        if self.overlap is not None and self.overlap.inflight is not None:
+            return events + self.overlap.continue_step()
         batch = self.scheduler.schedule()
         if batch is None:
             if self.constraints.has_pending():
@@ -297,52 +295,19 @@ class EngineCore:
         requests = lists.requests
         if greedy is not None and not lists.prompt_rows and all(sampled_on_device(r) for r in requests):
             by_argmax = _graph_argmax_serves(requests)
-            tokens = greedy if by_argmax else self._device_tokens(requests, logits, greedy)
-            if self.overlap:
+            tokens = greedy if by_argmax else self.device_tokens(requests, logits, greedy)
+            if self.overlap is not None:
                 # Read these tokens next step, after the step that follows is already launched.
-                self._inflight = self._launch_readback(lists, tokens)
-                self._inflight_by_argmax = by_argmax
+                self.overlap.hold(lists, tokens, by_argmax)
                 return events
             out = SamplerOutput(tokens, None, None, None)
         else:
             rows = [SamplingRow(r.params, r.seed, len(r.output_ids), r.prompt_ids, r.output_ids) for r in requests]
             mask = self.constraints.mask(requests, logits)
             out = self.worker.sample(logits, SamplingBatch.pack(rows, self.vocab_size, logits.device), mask)
-        return events + self._apply(lists, out)
+        return events + self.apply(lists, out)
 
-    def _continue_overlapped(self) -> list[SampleEvent]:
-        """Launches the step after an in-flight decode step when nothing else needs scheduling (its
-        input ids taken on the device from the in-flight step's output), then reads and applies the
-        in-flight step's tokens while the new one runs."""
-        inflight, self._inflight = self._inflight, None
-        follow_up = self._follow_up_lists(inflight)
-        sampled_step = None
-        if follow_up is not None:
-            lists, batch, rows = follow_up
-            tokens = inflight.tokens if rows is None else inflight.tokens.index_select(0, rows)
-            result = self.worker.forward(lists, tokens_from=tokens)
-            logits, greedy = result.logits, result.greedy
-            self.scheduler.complete_step(batch)
-            requests = lists.requests
-            if self._inflight_by_argmax:
-                self._inflight = self._launch_readback(lists, greedy)
-            else:
-                # Grammar masks need the in-flight tokens accepted first, and the sampler the rows'
-                # step indices once the in-flight slots are filled: both come after _apply (below).
-                sampled_step = lists, requests, logits, greedy
-            self.overlapped_steps += 1
-        events = self._apply(inflight.lists, SamplerOutput(inflight.host_tokens(), None, None, None))
-        if sampled_step is not None:
-            lists, requests, logits, greedy = sampled_step
-            self._inflight = self._launch_readback(lists, self._device_tokens(requests, logits, greedy))
-        return events
-
-    def _launch_readback(self, lists: StepLists, tokens: torch.Tensor) -> InflightStep:
-        """Starts bringing a launched step's tokens to the host (nothing to copy when the step's
-        graph wrote them there itself)."""
-        return self._readback.launch(lists, tokens, self.worker.host_mirror(tokens))
-
-    def _device_tokens(self, requests: list[Request], logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    def device_tokens(self, requests: list[Request], logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
         """The step's tokens, left on the device, for requests that pass ``sampled_on_device`` but
         not ``_graph_argmax_serves``: the argmax under the grammar masks (filled on the CPU while the
         step runs) when all are greedy, else the sampler's draw."""
@@ -352,35 +317,7 @@ class EngineCore:
         rows = [SamplingRow(r.params, r.seed, len(r.output_ids)) for r in requests]
         return self.worker.sample(logits, SamplingBatch.pack(rows, self.vocab_size, logits.device), mask).token_ids
 
-    def _follow_up_lists(self, inflight: InflightStep):
-        """The next decode step of exactly the in-flight requests, or None when it must wait for the
-        host: other work to schedule, a request ended (all were decoding), a page short, or the context
-        full."""
-        requests = inflight.lists.requests
-        # The requests' lengths: the in-flight step's contexts (its tokens are not appended yet).
-        lengths = inflight.lists.kv_len
-        scheduler = self.scheduler
-        if scheduler.waiting or self.constraints.has_pending() or len(scheduler.running) != len(requests) \
-                or any(r.state is not DECODING for r in requests) or max(lengths, default=0) + 1 > self.max_seq_len:
-            return None
-        new_pages = sum(1 for length in lengths if length % self.page_size == 0)
-        if self.allocator.free_count < new_pages:
-            return None  # growing would need eviction or retraction: leave that to a normal step
-        for request in requests:
-            request.output_ids.append(PENDING)
-        batch = scheduler.schedule()
-        lists = build_step_lists(batch, self.page_size)
-        # The scheduler keeps running requests in order, so the rows usually line up already (the
-        # lists compare by identity, Requests having no __eq__). (Not a blocking copy: that would
-        # wait for the step in flight.)
-        rows = None
-        if lists.requests != requests:
-            row_of = {id(r): i for i, r in enumerate(requests)}
-            order = [row_of[id(r)] for r in lists.requests]
-            rows = torch.tensor(order).to(inflight.tokens.device, non_blocking=True)
-        return lists, batch, rows
-
-    def _apply(self, lists: StepLists, out: SamplerOutput) -> list[SampleEvent]:
+    def apply(self, lists: StepLists, out: SamplerOutput) -> list[SampleEvent]:
         """Appends each sampled token (filling the PENDING slot an overlapped step left for it),
         applies the stop rules and makes the events. (This loop runs for every running sample every
         step, so it reads each request's fields once and skips the logprobs unless some were taken.)"""

@@ -10,8 +10,6 @@ a tree node's several children tried in turn."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
