@@ -110,7 +110,8 @@ def _run_serve(args: argparse.Namespace) -> int:
               "debug_fail_token_id": args.debug_fail_token_id, "nnodes": args.nnodes,
               "dist_init_addr": args.dist_init_addr, **speculative}
     if args.disaggregation_mode != "null":  # refused before any process starts
-        from kiln.server.launch import ServeConfig, check_disaggregation
+        from kiln.server.launch import check_disaggregation
+        from kiln.server.serve_config import ServeConfig
 
         check_disaggregation(str(artifact), ServeConfig(engine=engine, dp=args.dp,
                                                         lora_modules=dict(args.lora_modules)))
@@ -121,7 +122,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     if started is None:
         exit_now(1)
     with startup.phase("server_imports"):
-        from kiln.server.launch import ServeConfig, serve
+        from kiln.server.launch import serve
+        from kiln.server.serve_config import ServeConfig
         from kiln.server.tokenizer_manager import Admission
     config = ServeConfig(
         host=args.host, port=args.port, api_key=args.api_key,

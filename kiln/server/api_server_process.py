@@ -6,7 +6,7 @@
 
 The launcher (API server 0, ``launch.py``) starts it once the model is ready, with its listening
 socket (FD, inherited; see ``api_servers.py``) and the API key in the environment. It serves the
-launcher's HTTP app (``launch.run_http``) with its own tokenizer manager: its inbox is
+launcher's HTTP app (``http_process.run_http``) with its own tokenizer manager: its inbox is
 ``ipc.http_socket(j)``, it sends to the schedulers' inboxes and asks the other API servers what is
 the server's (``peers.py``). It says READY to the launcher once it listens, drains on SIGTERM and
 stops on SIGINT (the launcher passes both on), and stops when the launcher is gone.
@@ -30,7 +30,8 @@ from kiln.runtime.text.tokenizer import Tokenizer
 from kiln.server import ipc
 from kiln.server.api_servers import API_KEY_ENV, peer_sockets, samples_in_flight
 from kiln.server.children import CHILD_POLL_S
-from kiln.server.launch import ProcessTies, ServeConfig, run_http
+from kiln.server.http_process import ProcessTies, run_http
+from kiln.server.serve_config import ServeConfig
 from kiln.server.peers import Peers
 
 

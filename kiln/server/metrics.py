@@ -191,7 +191,7 @@ class ServerMetrics:
         self.router_prompt_tokens = Counter("kiln_router_prompt_tokens_total", "Prompt tokens the router routed")
         self.router_hit_tokens = Counter("kiln_router_prefix_hit_tokens_total",
                                          "Prompt tokens whose prefix the router had sent to the chosen replica")
-        self.startup: StartupReport | None = None  # set once the server listens (launch.py)
+        self.startup: StartupReport | None = None  # set once the server listens (http_process.py)
 
     @property
     def engine_stats(self) -> Mapping[str, float]:

@@ -9,7 +9,7 @@ detokenizer's outputs arrive on (``ipc.http_socket``):
     ASK [token, asker, question, *args]   API server -> every other one
     ANSWER [token, answer]                the answer, back to the asker's inbox
     READY {"api_server": j}               API server j -> API server 0, once it listens
-    READY {"startup": report}             API server 0 -> the others once it listens (``launch.run_http``)
+    READY {"startup": report}             API server 0 -> the others once it listens (``http_process.run_http``)
 
 A question's handler runs on the answering process's event loop and returns plain data at once.
 With one API server there is no one to ask: ``ask_all`` returns at once.
