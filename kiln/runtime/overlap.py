@@ -32,16 +32,12 @@ class DecodeOverlap:
     def __init__(self, core: EngineCore, max_rows: int, device: torch.device) -> None:
         self.core = core
         self.inflight: InflightStep | None = None
-        # Whether the in-flight step's tokens are the decode graph's argmax of every row: then so
-        # are its follow-ups', which run the same requests.
-        self._by_argmax = False
         self._readback = TokenReadback(max_rows, device)
         self.steps = 0  # follow-up steps launched while another was in flight
 
     def hold(self, lists: StepLists, tokens: torch.Tensor, by_argmax: bool) -> None:
         """Leaves a launched decode step in flight: its tokens are read during the next step."""
-        self.inflight = self._launch_readback(lists, tokens)
-        self._by_argmax = by_argmax
+        self.inflight = self._launch_readback(lists, tokens, by_argmax)
 
     def continue_step(self) -> list[SampleEvent]:
         """Launches the step after the in-flight one when nothing else needs scheduling (its input
@@ -56,8 +52,8 @@ class DecodeOverlap:
             tokens = inflight.tokens if rows is None else inflight.tokens.index_select(0, rows)
             result = core.worker.forward(lists, tokens_from=tokens)
             core.scheduler.complete_step(batch)
-            if self._by_argmax:
-                self.inflight = self._launch_readback(lists, result.greedy)
+            if inflight.by_argmax:
+                self.inflight = self._launch_readback(lists, result.greedy, by_argmax=True)
             else:
                 # Grammar masks need the in-flight tokens accepted first, and the sampler the rows'
                 # step indices once the in-flight slots are filled: both come after apply (below).
@@ -69,10 +65,10 @@ class DecodeOverlap:
             self.inflight = self._launch_readback(lists, core.device_tokens(lists.requests, logits, greedy))
         return events
 
-    def _launch_readback(self, lists: StepLists, tokens: torch.Tensor) -> InflightStep:
+    def _launch_readback(self, lists: StepLists, tokens: torch.Tensor, by_argmax: bool = False) -> InflightStep:
         """Starts bringing a launched step's tokens to the host (nothing to copy when the step's
         graph wrote them there itself)."""
-        return self._readback.launch(lists, tokens, self.core.worker.host_mirror(tokens))
+        return self._readback.launch(lists, tokens, self.core.worker.host_mirror(tokens), by_argmax)
 
     def _follow_up(self, inflight: InflightStep) -> tuple[StepLists, ScheduleBatch, torch.Tensor | None] | None:
         """The next decode step of exactly the in-flight requests (with the in-flight tokens' row

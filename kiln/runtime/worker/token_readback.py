@@ -22,12 +22,15 @@ from ..scheduler.batch import StepLists
 class InflightStep:
     """A launched decode step whose tokens the host has not read yet. ``tokens`` is the step's
     device output (valid until the next step is launched: the next step reads its input ids from
-    it); ``host`` fills in when ``ready`` completes."""
+    it); ``host`` fills in when ``ready`` completes. ``by_argmax``: the tokens are the decode graph's
+    argmax of every row (nothing to mask or sample), so its follow-up steps', which run the same
+    requests, are too."""
 
     lists: StepLists
     tokens: torch.Tensor
     host: torch.Tensor
     ready: torch.cuda.Event | None
+    by_argmax: bool = False
 
     def host_tokens(self) -> torch.Tensor:
         if self.ready is not None:
@@ -45,19 +48,20 @@ class TokenReadback:
         self._buffers: dict[torch.dtype, list[torch.Tensor]] = {}
         self._turn = 0
 
-    def launch(self, lists: StepLists, tokens: torch.Tensor, mirror: torch.Tensor | None = None) -> InflightStep:
+    def launch(self, lists: StepLists, tokens: torch.Tensor, mirror: torch.Tensor | None = None,
+               by_argmax: bool = False) -> InflightStep:
         """Starts copying ``tokens`` (the step's device output) to the host, behind the step; or,
         given ``mirror`` (host memory the step itself writes the same tokens to), only marks where
         they are complete."""
         if mirror is not None:
-            return InflightStep(lists, tokens, mirror, self._mark())
+            return InflightStep(lists, tokens, mirror, self._mark(), by_argmax)
         if tokens.dtype not in self._buffers:
             self._buffers[tokens.dtype] = [torch.empty(self._max_batch, dtype=tokens.dtype, pin_memory=self._on_gpu)
                                            for _ in range(2)]
         host = self._buffers[tokens.dtype][self._turn][:tokens.numel()]
         self._turn ^= 1
         host.copy_(tokens, non_blocking=self._on_gpu)
-        return InflightStep(lists, tokens, host, self._mark())
+        return InflightStep(lists, tokens, host, self._mark(), by_argmax)
 
     def _mark(self) -> torch.cuda.Event | None:
         """An event behind everything queued so far on the current stream (None on a CPU)."""
