@@ -13,7 +13,8 @@ bandwidth measured in the same run.
 bf16 weights) from the same random weights and measures each in the same run; HF runs once per batch
 (its weights are bf16 whatever kiln's). Each kiln row's roofline is one read of its own artifact's
 weight bytes (the quantized bytes and their scales), and ``x none`` is its decode rate over the bf16
-row's. ``--kernel-config NAME=VALUE`` and ``--skip-pass NAME`` go into kiln's compile (a variant under test).
+row's. A method named with ``+lm_head`` (``fp8+lm_head``) quantizes the lm_head too (``--quantize-lm-head``).
+``--kernel-config NAME=VALUE`` and ``--skip-pass NAME`` go into kiln's compile (a variant under test).
 """
 
 from __future__ import annotations
@@ -89,13 +90,16 @@ def rates(timer, batch: int, prompt_len: int, new_tokens: int) -> dict:
 
 def bench_kiln(source, quantization: str, prompts: dict[int, list[list[int]]], args: argparse.Namespace,
                bandwidth: float) -> list[dict]:
-    """kiln's rows for one quantization method (``none``: bf16) of one shape, one per batch."""
+    """kiln's rows for one quantization method (``none``: bf16; ``METHOD+lm_head``: the lm_head too) of
+    one shape, one per batch."""
+    method, _, head = quantization.partition("+")
     buckets = tuple(sorted(set(args.batches)))
     with tempfile.TemporaryDirectory() as tmp:
         artifact = compile_model(source, Path(tmp) / "model.kiln", CompileOptions(
             dtype="bf16", backend="triton", max_batch_tokens=max(max(args.batches) * args.prompt_len, 2048),
             max_batch_size=max(buckets), max_seq_len=args.prompt_len + args.new_tokens + 16, page_size=16,
-            quantization=None if quantization == "none" else quantization, **tuning_options(args)))
+            quantization=None if method == "none" else method, quantize_lm_head=head == "lm_head",
+            **tuning_options(args)))
         weight_bytes = (artifact / weights_file(0)).stat().st_size
         core = EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=max(buckets) * 1024,
                                                        enable_prefix_cache=False, decode_buckets=buckets))
@@ -105,6 +109,10 @@ def bench_kiln(source, quantization: str, prompts: dict[int, list[list[int]]], a
         rows.append({"quantization": quantization, "batch": batch, "weights_GB": weight_bytes / 1e9,
                      "roofline_ms": 1e3 * weight_bytes / bandwidth,
                      "kiln": rates(lambda n: run_core(core, ids, n), batch, args.prompt_len, args.new_tokens)})
+        # As soon as measured: a run cut short by a time limit still shows what it got.
+        kiln = rows[-1]["kiln"]
+        print(f"kiln {quantization} batch {batch}: {kiln['decode_tok_s']:.0f} tok/s, {kiln['ms_per_step']:.3f} "
+              f"ms/step (roofline {rows[-1]['roofline_ms']:.3f} ms)", flush=True)
     del core
     torch.cuda.empty_cache()
     return rows
@@ -163,8 +171,10 @@ def main() -> None:
     parser.add_argument("--static-batches", nargs="*", type=int, default=[1])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--quantization", nargs="+", default=["none"], choices=["none", *METHODS],
-                        help="kiln's weights: none (bf16) and/or quantization methods, each compiled and measured")
+    parser.add_argument("--quantization", nargs="+", default=["none"],
+                        choices=["none", *METHODS, *(f"{m}+lm_head" for m in METHODS)],
+                        help="kiln's weights: none (bf16) and/or quantization methods, each compiled and measured "
+                             "(METHOD+lm_head: the lm_head quantized too)")
     parser.add_argument("--out", type=Path, default=None)
     add_tuning_options(parser)
     args = parser.parse_args()

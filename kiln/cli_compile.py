@@ -38,6 +38,9 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens (default 16)")
     p.add_argument("--quantization", default=None, type=quantization_name, metavar="SCHEME",
                    help="quantize the GEMMs' weights: fp8, w8a8_int8, w8a16_int8 or mxfp4 (default: none)")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="with --quantization (or a pre-quantized checkpoint): quantize the lm_head too, which "
+                        "otherwise stays in the model's dtype (a tied one gets a quantized copy)")
     p.add_argument("--tp", type=_rank_count("--tp"), default=1,
                    help="tensor-parallel ranks: the artifact holds one weights shard per rank, and serving it "
                         "starts every rank; auto: the planner's choice for the GPUs (kiln plan) (default 1)")
@@ -154,7 +157,8 @@ def compile_options_from(args: argparse.Namespace):
     return CompileOptions(dtype=args.dtype, backend=backend, max_batch_tokens=args.max_batch_tokens,
                           max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                           max_logit_rows=args.max_logit_rows, page_size=args.page_size,
-                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, tp=tp, pp=pp,
+                          quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
+                          kv_cache_dtype=args.kv_cache_dtype, tp=tp, pp=pp,
                           ep=args.ep, expert_placement=_expert_placement(args),
                           max_loras=max_loras, max_lora_rank=args.max_lora_rank,
                           lora_target_modules=tuple(args.lora_target_modules))

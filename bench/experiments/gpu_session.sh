@@ -95,7 +95,7 @@ for stage in "$@"; do
             --drafters oracle ngram --out "$out/spec.json" 2>&1 | grep -v Warning | tee -a "$out/spec.log" ;;
     quant) python3 -m pytest tests/e2e/test_gpu_quantized.py -m gpu -q -p no:cacheprovider 2>&1 | tail -3 | tee "$out/quant.log"
            timeout 540 python3 bench/decode.py --shapes llama3-8b --batches 1 64 --static-batches \
-             --quantization none fp8 mxfp4 w8a8_int8 --out "$out/quant.json" 2>&1 | grep -v "^{" | tee -a "$out/quant.log" ;;
+             --quantization none fp8 mxfp4 w8a8_int8 fp8+lm_head --out "$out/quant.json" 2>&1 | grep -v "^{" | tee -a "$out/quant.log" ;;
     moe) python3 -m pytest tests/e2e/test_gpu_moe.py -m gpu -q -p no:cacheprovider 2>&1 | tail -3 | tee "$out/moe.log"
          timeout 420 python3 bench/moe_decode.py --shapes qwen3-30b-a3b mixtral-8x7b --batches 1 64 \
            --out "$out/moe.json" 2>&1 | grep -v Warning | tee -a "$out/moe.log" ;;

@@ -30,7 +30,7 @@ from .passes.count_expert_load import PREFIX as EXPERT_LOAD
 from .passes.quantize_kv_cache import KV_CACHE_DTYPES
 from .passes.split_pipeline import stage_layers
 from .pipeline import run_pipeline
-from .quantization import QuantizationMethod, get_method
+from .quantization import METHODS, QuantizationMethod, get_method
 from .sources.hf import ModelSource, load_hf_dir
 from .weights import WeightStore
 
@@ -64,11 +64,12 @@ def compile_model(model: str | Path | ModelSource, out: str | Path, options: Com
         "N": options.max_logit_rows or options.max_batch_size,
         "P": -(-max_seq_len // options.page_size),
     }
-    quantization = _quantization(options.quantization, source)
+    quantization = _quantization(options.quantization, source, options.quantize_lm_head)
     stages = []
     for stage in range(options.pp):  # one run of the passes per pipeline stage (passes/split_pipeline.py)
         ctx = PassContext(backend=options.backend, symbol_bounds=bounds, recipes=list(built.recipes),
-                          quantization=quantization, tp=options.tp, pp=options.pp, stage=stage, ep=options.ep,
+                          quantization=quantization, quantize_lm_head=options.quantize_lm_head, tp=options.tp,
+                          pp=options.pp, stage=stage, ep=options.ep,
                           expert_placement=options.expert_placement, kv_cache_dtype=options.kv_cache_dtype,
                           kv_cache_scales=options.kv_cache_scales, lora=options.lora_layout(),
                           step_outputs=options.step_outputs, aux_hidden_layers=options.aux_hidden_layers)
@@ -188,11 +189,14 @@ def _generated_kernels(stages: list[_Stage]) -> dict[str, tuple[str, str]]:
     return kernels
 
 
-def _quantization(requested: str | None, source: ModelSource) -> QuantizationMethod | None:
+def _quantization(requested: str | None, source: ModelSource, quantize_lm_head: bool) -> QuantizationMethod | None:
     """The method the quantize pass applies: the one asked for, or a pre-quantized checkpoint's own
     (asking for another would requantize its weights, which kiln refuses)."""
     checkpoint = source.quantization
     if checkpoint is None:
+        if requested is None and quantize_lm_head:
+            raise ValueError(f"quantize_lm_head: the lm_head is quantized by the model's quantization method, and "
+                             f"none was given; give quantization too ({', '.join(METHODS)})")
         return None if requested is None else get_method(requested)
     if requested not in (None, checkpoint.method.name):
         raise ValueError(f"{source.path}: the checkpoint is already quantized ({checkpoint.description}); "

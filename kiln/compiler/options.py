@@ -36,6 +36,8 @@ class CompileOptions:
     kernel_config: KernelConfig = DEFAULTS  # the kernels' tunables, recorded in the manifest
     skip_passes: tuple[str, ...] = ()  # pipeline passes left out, for experiments (pipeline.run_pipeline)
     quantization: str | None = None  # a method of kiln.compiler.quantization.METHODS (fp8, w8a8_int8, ...)
+    # The lm_head quantized too, by the same method (passes/quantize.py; plain by default).
+    quantize_lm_head: bool = False
     tp: int = 1  # tensor-parallel ranks: the artifact holds one weights file per rank (passes/shard_tp.py)
     # Pipeline stages, each holding its share of the layers on tp ranks of its own (passes/split_pipeline.py).
     pp: int = 1

@@ -70,11 +70,13 @@ def test_each_method_runs_near_the_unquantized_logits(source, tmp_path, method):
     assert error > 0  # the weights really were quantized
 
 
-def test_the_engine_compiles_with_a_quantization(source, tmp_path, monkeypatch):
+def test_the_engine_compiles_with_a_quantization_and_its_lm_head(source, tmp_path, monkeypatch):
     from kiln import Engine, SamplingParams
 
     monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
-    with Engine(str(source), device="cpu", max_seq_len=64, kv_cache_tokens=256, quantization="mxfp4") as engine:
+    with Engine(str(source), device="cpu", max_seq_len=64, kv_cache_tokens=256, quantization="mxfp4",
+                quantize_lm_head=True) as engine:
         manifest = json.loads((engine.artifact_path / "manifest.json").read_text())
         assert len(engine.generate([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=4)).token_ids) == 4
-    assert manifest["options"]["quantization"] == "mxfp4"
+    assert manifest["options"]["quantization"] == "mxfp4" and manifest["options"]["quantize_lm_head"] is True
+    assert "@lm_head.weight.q: u8" in (engine.artifact_path / "graph.txt").read_text()

@@ -59,6 +59,17 @@ def test_compile_takes_a_quantization(tmp_path):
     unknown = kiln("compile", str(source), "-o", str(tmp_path / "q4.kiln"), "--quantization", "q4_k")
     assert unknown.returncode == 2 and "Traceback" not in unknown.stderr
     assert "unknown quantization 'q4_k'; supported: fp8, w8a8_int8, w8a16_int8, mxfp4" in unknown.stderr
+    head = tmp_path / "head.kiln"
+    result = kiln("compile", str(source), "-o", str(head), "--backend", "torch", "--quantization", "fp8",
+                  "--quantize-lm-head")
+    assert result.returncode == 0, result.stderr
+    assert json.loads((head / "manifest.json").read_text())["options"]["quantize_lm_head"] is True
+    graph = (head / "graph.txt").read_text()
+    assert "param @lm_head.weight.q: f8e4m3" in graph and "param @lm_head.weight:" not in graph
+    alone = kiln("compile", str(source), "-o", str(tmp_path / "alone.kiln"), "--quantize-lm-head")
+    assert alone.returncode == 2 and "Traceback" not in alone.stderr
+    assert "quantize_lm_head: the lm_head is quantized by the model's quantization method, and none was given" \
+        in alone.stderr
 
 
 def test_compile_takes_max_logit_rows_for_speculation(tmp_path):

@@ -20,10 +20,10 @@ from tests.support.stepping import PagedRun
 pytestmark = pytest.mark.gpu
 
 
-def _compile(source, tmp_path: Path, backend: str, quantization: str | None) -> Path:
-    return compile_model(source, tmp_path / f"{backend}-{quantization}.kiln", CompileOptions(
+def _compile(source, tmp_path: Path, backend: str, quantization: str | None, lm_head: bool = False) -> Path:
+    return compile_model(source, tmp_path / f"{backend}-{quantization}-{lm_head}.kiln", CompileOptions(
         dtype="bf16", backend=backend, max_batch_tokens=512, max_batch_size=8, max_logit_rows=512,
-        max_seq_len=256, page_size=16, quantization=quantization))
+        max_seq_len=256, page_size=16, quantization=quantization, quantize_lm_head=lm_head))
 
 
 def _logits(core: EngineCore, prompts: list[list[int]]) -> torch.Tensor:
@@ -32,16 +32,18 @@ def _logits(core: EngineCore, prompts: list[list[int]]) -> torch.Tensor:
     return run.step(prompts, all_logits=True).float()
 
 
-@pytest.mark.parametrize("quantization", ["fp8", "w8a8_int8", "w8a16_int8", "mxfp4"])
-def test_quantized_triton_engine_matches_the_references(tmp_path, quantization):
+@pytest.mark.parametrize("quantization, lm_head", [("fp8", False), ("w8a8_int8", False), ("w8a16_int8", False),
+                                                    ("mxfp4", False), ("fp8", True)])
+def test_quantized_triton_engine_matches_the_references(tmp_path, quantization, lm_head):
+    """``lm_head``: the lm_head quantized too (quantize_lm_head), a GEMV over the whole vocabulary."""
     from models import random_model  # bench/ is on sys.path through tests.e2e.test_gpu
 
     if quantization == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability 8.9 or later")
     _, source = random_model("llama3-8b", torch.bfloat16, 2)
-    fast = EngineCore(str(_compile(source, tmp_path, "triton", quantization)),
+    fast = EngineCore(str(_compile(source, tmp_path, "triton", quantization, lm_head)),
                       EngineOptions(device="cuda", kv_cache_tokens=4096, decode_buckets=BUCKETS))
-    reference = EngineCore(str(_compile(source, tmp_path, "torch", quantization)),
+    reference = EngineCore(str(_compile(source, tmp_path, "torch", quantization, lm_head)),
                            EngineOptions(device="cuda", kv_cache_tokens=4096))
     unquantized = EngineCore(str(_compile(source, tmp_path, "torch", None)),
                              EngineOptions(device="cuda", kv_cache_tokens=4096))

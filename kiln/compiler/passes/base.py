@@ -23,6 +23,7 @@ class PassContext:
     symbol_bounds: dict[str, int] = field(default_factory=dict)
     recipes: list[Recipe] = field(default_factory=list)
     quantization: QuantizationMethod | None = None  # what the quantize pass applies (None: nothing)
+    quantize_lm_head: bool = False  # the quantize pass also quantizes the lm_head (a copy of a tied one)
     tp: int = 1  # tensor-parallel ranks the shard_tp pass shards for
     pp: int = 1  # pipeline stages, and the one this run of the passes compiles (split_pipeline)
     stage: int = 0
