@@ -85,6 +85,12 @@ class OpDef:
     def min_inputs(self) -> int:
         return sum(1 for name in self.inputs if not name.endswith("?"))
 
+    def input_named(self, node_inputs: Sequence[str], name: str) -> str | None:
+        """The value a node of this op passes as its input ``name`` (``node.inputs``; an optional input
+        the node leaves out: None)."""
+        index = [declared.rstrip("?") for declared in self.inputs].index(name)
+        return node_inputs[index] if index < len(node_inputs) else None
+
     def normalize_attrs(self, attrs: Mapping[str, Any]) -> dict[str, Any]:
         """Checks ``attrs`` against the schema and fills in defaults (but a None default: then the
         attribute is left out); lists become tuples."""

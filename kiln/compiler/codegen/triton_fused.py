@@ -19,7 +19,7 @@ from typing import Sequence
 
 from kiln import __version__
 from kiln.artifact_format import GENERATED_KERNEL_PREFIX
-from kiln.ir import DType, Node, TensorType
+from kiln.ir import DType, Node, TensorType, get_op
 
 
 def _pow2(n: int) -> int:
@@ -37,12 +37,13 @@ def generated_kernel(node: Node, types: Sequence[TensorType]) -> tuple[str, str]
     kv_heads, rot = k.shape[1], cos_sin.shape[1]
     if not all(isinstance(d, int) for d in (heads, head_dim, kv_heads, rot)):
         return None
+    has_norm = get_op(node.op).input_named(node.inputs, "q_norm") is not None  # Qwen3's q/k norms
     source = _ROPE_KV_STORE.format(
         version=__version__, heads=heads, kv_heads=kv_heads, head_dim=head_dim, rot=rot, half=rot // 2,
         heads_p2=_pow2(heads), kv_heads_p2=_pow2(kv_heads), half_p2=_pow2(rot // 2),
         rest=head_dim - rot, rest_p2=_pow2(max(head_dim - rot, 1)), head_dim_p2=_pow2(head_dim),
-        has_norm=len(node.inputs) == 10, eps=float(node.attrs["eps"]), dtype=q.dtype,
-        norm_note=", after RMSNorm of each q and k head" if len(node.inputs) == 10 else "")
+        has_norm=has_norm, eps=float(node.attrs["eps"]), dtype=q.dtype,
+        norm_note=", after RMSNorm of each q and k head" if has_norm else "")
     digest = hashlib.sha256(source.encode()).hexdigest()[:10]
     return f"{GENERATED_KERNEL_PREFIX}rope_kv_store_{digest}", source
 

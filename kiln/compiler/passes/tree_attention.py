@@ -14,7 +14,7 @@ Runs before the fusions: ``fuse_rope_attention`` carries the mask into ``rope_kv
 
 from __future__ import annotations
 
-from kiln.ir import Graph, make_node
+from kiln.ir import Graph, get_op, make_node
 from kiln.step_schema import TREE_MASK
 
 from .base import PassContext
@@ -26,7 +26,7 @@ def tree_attention(graph: Graph, ctx: PassContext) -> Graph:
     types = graph.value_types()
     nodes = []
     for node in graph.nodes:
-        if node.op == "paged_attention" and len(node.inputs) == 7:
+        if node.op == "paged_attention" and get_op(node.op).input_named(node.inputs, "tree_mask") is None:
             inputs = [*node.inputs, TREE_MASK.name]
             node = make_node(node.op, inputs, node.outputs, [types[i] for i in inputs], node.attrs)
         nodes.append(node)
