@@ -33,6 +33,12 @@ BEFORE = dedent("""
     }
 """)
 
+# BEFORE with an lm_head of its own, as the models build it: the final norm joined to the head, then a
+# cast of its output to f32.
+UNTIED = BEFORE.replace("param @ln1: f32[32]", "param @ln1: f32[32]\n  param @head: f32[40, 32]").replace(
+    "%logits = linear(%r2, @emb) : f32[T, 40]",
+    "%lm = rmsnorm_linear(%r2, @ln1, @head) {eps=1e-05} : f32[T, 40]\n  %logits = cast(%lm) {dtype=\"f32\"} : f32[T, 40]")
+
 EXPECTED_W8A8 = dedent("""
     graph g {
       input %ids: i32[T]
@@ -84,11 +90,7 @@ def test_weight_only_methods_set_no_act_quant_and_mxfp4_packs_two_values_a_byte(
 
 
 def test_an_untied_lm_head_stays_plain_and_rows_mxfp4_cannot_hold_too():
-    # As the models build it: the final norm joined to the head, then a cast of its output to f32.
-    untied = BEFORE.replace("param @ln1: f32[32]", "param @ln1: f32[32]\n  param @head: f32[40, 32]").replace(
-        "%logits = linear(%r2, @emb) : f32[T, 40]",
-        "%lm = rmsnorm_linear(%r2, @ln1, @head) {eps=1e-05} : f32[T, 40]\n  %logits = cast(%lm) {dtype=\"f32\"} : f32[T, 40]")
-    after = run_pass(quantize, untied, PassContext(quantization=get_method("fp8")))
+    after = run_pass(quantize, UNTIED, PassContext(quantization=get_method("fp8")))
     assert "%lm = rmsnorm_linear(%r2, @ln1, @head) {eps=1e-05} : f32[T, 40]" in after
     # 48 in-features are no whole number of MX blocks of 32: @wd stays plain, the rest is quantized.
     odd = BEFORE.replace("@wd: f32[32, 64]", "@wd: f32[32, 48]").replace("@wgu: f32[128, 32]", "@wgu: f32[96, 32]") \
@@ -130,11 +132,8 @@ def test_quantize_lm_head_quantizes_a_copy_of_a_tied_head_and_the_untied_head_it
     ctx = PassContext(quantization=get_method("fp8"), quantize_lm_head=True)
     assert run_pass(quantize, BEFORE, ctx) == EXPECTED_FP8_WITH_HEAD
     assert [r.output for r in ctx.recipes] == ["wqkv.q", "wo.q", "wgu.q", "wd.q", "emb.q"]
-    # Untied (the final norm joined to the head, its output cast to f32): the plain head goes.
-    untied = BEFORE.replace("param @ln1: f32[32]", "param @ln1: f32[32]\n  param @head: f32[40, 32]").replace(
-        "%logits = linear(%r2, @emb) : f32[T, 40]",
-        "%lm = rmsnorm_linear(%r2, @ln1, @head) {eps=1e-05} : f32[T, 40]\n  %logits = cast(%lm) {dtype=\"f32\"} : f32[T, 40]")
-    after = run_pass(quantize, untied, PassContext(quantization=get_method("mxfp4"), quantize_lm_head=True))
+    # Untied: the plain head goes.
+    after = run_pass(quantize, UNTIED, PassContext(quantization=get_method("mxfp4"), quantize_lm_head=True))
     assert "%lm = rmsnorm_linear(%r2, @ln1, @head.q) {eps=1e-05} : f32[T, 40]" in after
     assert "param @head:" not in after and "param @head.q: u8[40, 16] format=mxfp4(@head.q.scale)" in after
 
