@@ -70,9 +70,15 @@ def test_torch_matches_xgrammar(vocab_size):
     assert torch.equal(ours[[0, 2]], logits[[0, 2]])  # rows not listed are untouched
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("vocab_size", VOCAB_SIZES)
-@pytest.mark.parametrize("words_per_program", [32, 2])
+# Every vocabulary in every dtype, one and many programs a row; but SmolLM2's whole vocabulary with two
+# words a program (hundreds of programs a row) takes ~19 s a dtype under the interpreter, so it runs in
+# bf16 only: the dtypes' loads and stores are the same code at every smaller vocabulary.
+KERNEL_CASES = [(vocab_size, dtype, words) for words in (32, 2) for vocab_size in VOCAB_SIZES
+                for dtype in (torch.float32, torch.bfloat16, torch.float16)
+                if not (words == 2 and vocab_size == VOCAB_SIZES[-1] and dtype != torch.bfloat16)]
+
+
+@pytest.mark.parametrize("vocab_size, dtype, words_per_program", KERNEL_CASES)
 def test_triton_kernel_matches_torch(vocab_size, dtype, words_per_program):
     logits, bitmask = random_case(4, vocab_size, seed=vocab_size + 1, dtype=dtype)
     config = KernelConfig(bitmask_words_per_program=words_per_program)
