@@ -6,7 +6,7 @@ plus a short question of its own; all are submitted at once to ``kiln.Engine`` a
 with ``ignore_eos`` so both runs do the same work. The table reports wall time, output and total token
 rates, and how many prompt tokens the cache served. For a mixture-of-experts model a second table gives
 each sparse layer's load over the timed run without the cache: the tokens its router sent to each
-expert (counted on the device by the ``count_experts`` ops), and how far the busiest expert is above
+expert (counted on the device by the ``count_experts`` ops, in the routers' launches), and how far the busiest expert is above
 the mean (1.0: perfectly even).
 
 ``--workload random``: ``--num-requests`` prompts of ``--input-len`` random token ids, each generating

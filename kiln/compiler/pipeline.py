@@ -8,7 +8,8 @@ the model wrote it (its patterns are the model's primitive ops); the pipeline sp
 one stage's layers: the compiler runs the list once per stage), so no fusion joins ops of two stages;
 then expert-parallel sharding of the ``moe`` ops tensor parallelism leaves whole (after their experts
 are laid in slots, when a placement asks for copies) and the expert-load counters after each router
-(before the fusions, which leave them alone), so the fusions see the sharded
+(before the fusions, of which only ``fuse_router_count`` joins each counter to its router), so the
+fusions see the sharded
 GEMMs and the collectives between them; the linear fusions must see the unfused projections,
 silu·mul must see the split the gate/up fusion made, the residual adds must join their GEMMs
 before silu·mul joins the down GEMM and the norms join theirs, LoRA hooks go on the GEMMs after the
@@ -42,6 +43,7 @@ from .passes.fuse_linears import fuse_linears
 from .passes.fuse_norm_linear import fuse_norm_linear
 from .passes.fuse_rope_attention import fuse_rope_attention
 from .passes.fuse_rope_kv_store import fuse_rope_kv_store
+from .passes.fuse_router_count import fuse_router_count
 from .passes.fuse_silu_mul import fuse_silu_mul
 from .passes.fuse_silu_mul_linear import fuse_silu_mul_linear
 from .passes.insert_lora import insert_lora
@@ -70,6 +72,7 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("place_experts", place_experts),
     ("shard_ep", shard_ep),
     ("count_expert_load", count_expert_load),
+    ("fuse_router_count", fuse_router_count),
     ("fuse_linears", fuse_linears),
     ("fuse_silu_mul", fuse_silu_mul),
     ("fuse_linear_residual", fuse_linear_residual),

@@ -46,10 +46,11 @@ def _router_topk(t: Types, a: Attrs) -> tuple[TensorType, ...]:
     return (TensorType((rows, a["top_k"]), DType.f32), TensorType((rows, a["top_k"]), DType.i32))
 
 
+ROUTER_ATTRS = {"top_k": AttrSpec("int"), "renormalize": AttrSpec("bool", False),
+                "scoring": AttrSpec("str", "softmax")}
+
 register_op(OpDef(
-    "router_topk", ("logits",),
-    {"top_k": AttrSpec("int"), "renormalize": AttrSpec("bool", False), "scoring": AttrSpec("str", "softmax")},
-    _router_topk, num_outputs=2,
+    "router_topk", ("logits",), ROUTER_ATTRS, _router_topk, num_outputs=2,
     doc="p = softmax(f32(logits)) over experts; returns (weights, ids) of the top_k largest p per row, "
         "weights divided by their sum when renormalize (f32; ids i32, largest first)",
 ))
@@ -138,6 +139,22 @@ register_op(OpDef(
     "count_experts", ("counts", "ids", "slots"), {}, _count_experts, aliases=(0,), has_effect=True,
     doc="counts[e] += the choices of expert e in ids, over rows whose slot is >= 0 (padding rows store no KV "
         "and count nothing); returns counts",
+))
+
+
+def _router_topk_count(t: Types, a: Attrs) -> tuple[TensorType, ...]:
+    logits, counts, slots = t
+    weights, ids = _router_topk((logits,), a)
+    return (weights, ids) + _count_experts((counts, ids, slots), a)
+
+
+# A router and its layer's load counter in one op (compiler/passes/fuse_router_count.py): at decode
+# the count is one more launch of a few hundred bytes a sparse layer.
+register_op(OpDef(
+    "router_topk_count", ("logits", "counts", "slots"), ROUTER_ATTRS, _router_topk_count, num_outputs=3,
+    aliases=(None, None, 1), has_effect=True,
+    doc="weights, ids = router_topk(logits); counts = count_experts(counts, ids, slots); returns (weights, "
+        "ids, counts)",
 ))
 
 

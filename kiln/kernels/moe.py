@@ -1,6 +1,7 @@
 """Mixture-of-experts kernels, torch side: the router's top-k, the routed experts (``moe``, and
 ``moe_residual`` with the residual add after them) and the
-shared expert's gate (``sigmoid``, ``scale_rows``), the tokens per expert (``count_experts``), a choice's physical copy
+shared expert's gate (``sigmoid``, ``scale_rows``), the tokens per expert (``count_experts``, and
+``router_topk_count`` with the router), a choice's physical copy
 (``place_experts``); the ``ref_`` versions the Triton kernels
 (``moe_align.py``, ``moe_gemm.py``) are tested against.
 
@@ -87,6 +88,11 @@ def _count_experts(counts, ids, slots):
     return counts
 
 
+def _router_topk_count(logits, counts, slots, *, out, top_k, renormalize=False, scoring="softmax"):
+    _router_topk(logits, out=out, top_k=top_k, renormalize=renormalize, scoring=scoring)
+    return _count_experts(counts, out[1], slots)
+
+
 def _place_experts(ids, table, *, out):
     out.copy_(ref_place_experts(ids, table))  # gathers on the device: nothing read back, capturable
 
@@ -103,6 +109,7 @@ register_impl("router_topk", "torch", _router_topk)
 register_impl("moe", "torch", _moe, reads_device=True)
 register_impl("moe_residual", "torch", _moe_residual, reads_device=True)
 register_impl("count_experts", "torch", _count_experts)
+register_impl("router_topk_count", "torch", _router_topk_count)
 register_impl("place_experts", "torch", _place_experts)
 register_impl("sigmoid", "torch", _sigmoid)
 register_impl("scale_rows", "torch", _scale_rows)

@@ -1,16 +1,18 @@
-"""The MoE routing ops as Triton kernels: ``router_topk`` and ``count_experts``, one launch each.
+"""The MoE routing ops as Triton kernels: ``router_topk``, and ``router_topk_count`` (the router and its
+layer's load counter), one launch each.
 
 Their torch versions (``moe.py``) are chains of small kernels: softmax, topk, sum, divide, casts and
 copies for the router (about seven launches a sparse layer), compare, cast, expand and index-add for
 the counter. At decode every one of them is a launch of a few microseconds on a few hundred bytes,
-so a layer's routing took longer than reading its experts' weights. Here each is one launch with
+so a layer's routing took longer than reading its experts' weights. Here it is one launch with
 programmatic dependent launch.
 
-- ``router_topk``: one program per row holds the row's logits (every expert), takes the softmax in
-  f32 as the reference does, then picks the top-k by k rounds of max (the lowest index among equal
-  probabilities), largest first, and renormalizes the picked weights when asked.
-- ``count_experts``: each program counts a chunk of the (row, choice) pairs against every expert and
-  adds its counts to the state with integer atomics (exact, so the order does not matter).
+One program per row holds the row's logits (every expert), takes the softmax in f32 as the reference
+does, then picks the top-k by k rounds of max (the lowest index among equal probabilities), largest
+first, and renormalizes the picked weights when asked. ``router_topk_count`` then adds the row's
+choices (distinct experts) to the counters with integer atomics, exact in any order, unless the row
+is padding (slot -1). ``count_experts`` alone has no Triton kernel: the pipeline always fuses it
+into its router (``passes/fuse_router_count.py``), and the torch one serves a graph that skips that pass.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from .triton_support import IR_FLOATS, await_previous_kernel, pdl_launch, pow2, 
 
 
 @triton.jit
-def _router_topk_kernel(logits_ptr, weights_ptr, ids_ptr, experts, logits_st, TOP_K: tl.constexpr,
-                        RENORMALIZE: tl.constexpr, E_POW2: tl.constexpr, K_POW2: tl.constexpr, PDL: tl.constexpr):
+def _router_topk_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, slots_ptr, experts, logits_st,
+                        TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, COUNT: tl.constexpr, E_POW2: tl.constexpr,
+                        K_POW2: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_POW2)
     await_previous_kernel(PDL)
@@ -51,23 +54,31 @@ def _router_topk_kernel(logits_ptr, weights_ptr, ids_ptr, experts, logits_st, TO
         weights = weights / tl.sum(weights, axis=0)  # slots past TOP_K hold 0
     tl.store(weights_ptr + row * TOP_K + slot, weights, mask=slot < TOP_K)
     tl.store(ids_ptr + row * TOP_K + slot, ids, mask=slot < TOP_K)
-
-
-@triton.jit
-def _count_experts_kernel(counts_ptr, ids_ptr, slots_ptr, experts, pairs, top_k, E_POW2: tl.constexpr,
-                          CHUNK: tl.constexpr, PDL: tl.constexpr):
-    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    e = tl.arange(0, E_POW2)
-    await_previous_kernel(PDL)
-    slot = tl.load(slots_ptr + offs // top_k, mask=offs < pairs, other=-1)
-    ids = tl.load(ids_ptr + offs, mask=slot >= 0, other=-1)
-    counts = tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0).to(tl.int64)
-    tl.atomic_add(counts_ptr + e, counts, mask=(e < experts) & (counts > 0), sem="relaxed")
+    if COUNT:  # router_topk_count: the row's choices (distinct experts) added to the counters
+        real = tl.load(slots_ptr + row) >= 0
+        tl.atomic_add(counts_ptr + ids, tl.full([K_POW2], 1, tl.int64), mask=(slot < TOP_K) & real, sem="relaxed")
 
 
 def triton_router_topk(logits: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor], top_k: int,
                        renormalize: bool = False, scoring: str = "softmax", config: KernelConfig = DEFAULTS) -> None:
-    kernel = "triton.router_topk"
+    _launch_router("triton.router_topk", logits, out, top_k, renormalize, scoring, config)
+
+
+def triton_router_topk_count(logits: torch.Tensor, counts: torch.Tensor, slots: torch.Tensor, *,
+                             out: tuple[torch.Tensor, torch.Tensor], top_k: int, renormalize: bool = False,
+                             scoring: str = "softmax", config: KernelConfig = DEFAULTS) -> torch.Tensor:
+    """``triton_router_topk``, also adding each real row's choices to ``counts`` in place (returned:
+    the op aliases it)."""
+    require(counts.dtype == torch.int64 and counts.is_contiguous() and slots.is_contiguous(),
+            "triton.router_topk_count", lambda: f"counts must be a contiguous int64 and slots contiguous, got {counts.dtype}")
+    _launch_router("triton.router_topk_count", logits, out, top_k, renormalize, scoring, config, (counts, slots))
+    return counts
+
+
+def _launch_router(kernel: str, logits: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor], top_k: int,
+                   renormalize: bool, scoring: str, config: KernelConfig,
+                   counting: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """One program a row; ``counting``: the (counts, slots) the row's choices are added to."""
     weights, ids = out
     require_float(kernel, "logits", logits)
     require(scoring == "softmax", kernel, lambda: f"scoring {scoring!r} is not supported; supported: softmax")
@@ -75,31 +86,17 @@ def triton_router_topk(logits: torch.Tensor, *, out: tuple[torch.Tensor, torch.T
             lambda: f"logits must be a row-major [T, E], got shape {tuple(logits.shape)} strides {logits.stride()}")
     require(weights.is_contiguous() and ids.is_contiguous() and ids.dtype == torch.int32, kernel,
             lambda: f"outputs must be contiguous, ids int32; got {ids.dtype}")
-    require_device(kernel, logits, weights, ids)
+    counts, slots = counting if counting is not None else (ids, ids)  # unread without counting
+    require_device(kernel, logits, weights, ids, counts, slots)
     rows, experts = logits.shape
     if rows == 0:
         return
     # The k rounds of max are the kernel's whole critical path: in one warp each is a few shuffles,
     # with no trip through shared memory and no barrier (up to 512 experts, 16 a thread).
-    _router_topk_kernel[(rows,)](logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
-                                 RENORMALIZE=renormalize, E_POW2=pow2(experts), K_POW2=pow2(top_k),
-                                 num_warps=1 if experts <= 512 else 4, **pdl_launch(logits, config.pdl))
-
-
-def triton_count_experts(counts: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, *,
-                         config: KernelConfig = DEFAULTS, chunk: int = 64) -> torch.Tensor:
-    """Adds the step's choices per expert to ``counts`` in place and returns it (the op aliases it)."""
-    kernel = "triton.count_experts"
-    require(counts.dtype == torch.int64 and counts.is_contiguous(), kernel,
-            lambda: f"counts must be a contiguous int64, got {counts.dtype}")
-    require(ids.is_contiguous() and slots.is_contiguous(), kernel, lambda: "ids and slots must be contiguous")
-    require_device(kernel, counts, ids, slots)
-    pairs = ids.numel()
-    if pairs:
-        _count_experts_kernel[(triton.cdiv(pairs, chunk),)](
-            counts, ids, slots, counts.numel(), pairs, ids.shape[1], E_POW2=pow2(counts.numel()), CHUNK=chunk,
-            num_warps=4, **pdl_launch(counts, config.pdl))
-    return counts
+    _router_topk_kernel[(rows,)](logits, weights, ids, counts, slots, experts, logits.stride(0), TOP_K=top_k,
+                                 RENORMALIZE=renormalize, COUNT=counting is not None, E_POW2=pow2(experts),
+                                 K_POW2=pow2(top_k), num_warps=1 if experts <= 512 else 4,
+                                 **pdl_launch(logits, config.pdl))
 
 
 def _router_checker(types: Sequence[TensorType], attrs: Mapping[str, Any]) -> bool:
@@ -107,4 +104,5 @@ def _router_checker(types: Sequence[TensorType], attrs: Mapping[str, Any]) -> bo
 
 
 register_impl("router_topk", "triton", triton_router_topk, checker=_router_checker, priority=10, wants_config=True)
-register_impl("count_experts", "triton", triton_count_experts, priority=10, wants_config=True)
+register_impl("router_topk_count", "triton", triton_router_topk_count, checker=_router_checker, priority=10,
+              wants_config=True)

@@ -81,7 +81,7 @@ def test_skipped_passes_are_recorded_and_the_pipeline_list_stays(qwen3, tmp_path
 
 
 def test_unknown_and_required_passes_are_refused():
-    with pytest.raises(ValueError, match="cannot skip fuse_everything: no such pass; passes: verify, expose_hidden_states, tree_attention, shard_tp, split_pipeline, place_experts, shard_ep, count_expert_load, fuse_linears, "):
+    with pytest.raises(ValueError, match="cannot skip fuse_everything: no such pass; passes: verify, expose_hidden_states, tree_attention, shard_tp, split_pipeline, place_experts, shard_ep, count_expert_load, fuse_router_count, fuse_linears, "):
         CompileOptions(skip_passes=("fuse_everything",)).validate()
     for name in sorted(REQUIRED):
         with pytest.raises(ValueError, match=f"cannot skip {name}: every artifact needs it; skippable passes: place_experts, count_expert_load, fuse_"):

@@ -34,7 +34,7 @@ NEW_TOKENS = [6, 10]
 # q/k norms go into a generated rope/KV-store kernel before paged attention, the others' rope and KV
 # store into decode attention itself).
 FUSED_GEMMS = ("triton.rmsnorm_linear", "triton.linear_residual", "triton.silu_mul_linear_residual")
-MOE = ("triton.linear", "triton.router_topk", "triton.count_experts", "triton.moe_residual")
+MOE = ("triton.linear", "triton.router_topk_count", "triton.moe_residual")
 # Ops that stay on torch in a triton artifact: they move or reinterpret data and compute nothing.
 DATA_MOVEMENT = ("torch.cast", "torch.embedding", "torch.gather_rows", "torch.reshape", "torch.split")
 

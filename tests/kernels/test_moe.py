@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from kiln.ir.types import DType, TensorType
-from kiln.kernels import select_impl
+from kiln.kernels import get_impl, select_impl
 from kiln.kernels.config import DEFAULTS, KernelConfig
 from kiln.kernels.moe import ref_count_experts, ref_moe, ref_router_topk
 from kiln.kernels.moe_align import ref_moe_align, triton_moe_align
 from kiln.kernels.moe_gemm import moe_decode, moe_grouped, triton_moe
-from kiln.kernels.moe_routing import triton_count_experts, triton_router_topk
+from kiln.kernels.moe_routing import triton_router_topk, triton_router_topk_count
 
 # (tokens, top_k, experts, hidden, intermediate); the decode path is for few pairs, so it gets the
 # small ones (the interpreter runs one program per pair and column tile).
@@ -64,16 +64,22 @@ def test_router_topk_matches_ref(device, tokens, experts, top_k, renormalize, dt
     torch.testing.assert_close(weights, expected_weights, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("tokens, top_k, experts", [(1, 8, 128), (70, 2, 8), (5, 1, 4), (3, 8, 60)])
-def test_count_experts_matches_ref(device, tokens, top_k, experts):
-    """Padding rows (slot -1) count nothing; 70 rows of 2 choices span three programs."""
-    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).int().to(device)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 128, 8), (9, 8, 2), (5, 60, 1), (0, 8, 2)])
+def test_router_topk_count_is_the_router_then_the_counter(device, backend, tokens, experts, top_k):
+    """The fused op's both implementations against the two references; every third row is padding."""
+    logits = torch.randn(tokens, experts, device=device)
     slots = torch.arange(tokens, dtype=torch.int32, device=device)
     slots[::3] = -1
     counts = torch.randint(0, 100, (experts,), device=device)
-    expected = ref_count_experts(counts, ids, slots)
-    assert triton_count_experts(counts, ids, slots) is counts
-    assert torch.equal(counts, expected)
+    expected_weights, expected_ids = ref_router_topk(logits, top_k, renormalize=True)
+    expected_counts = ref_count_experts(counts, expected_ids, slots)
+    weights = torch.full((tokens, top_k), float("nan"), device=device)
+    ids = torch.full((tokens, top_k), -1, dtype=torch.int32, device=device)
+    fused = get_impl("torch.router_topk_count").fn if backend == "torch" else triton_router_topk_count
+    assert fused(logits, counts, slots, out=(weights, ids), top_k=top_k, renormalize=True) is counts
+    assert torch.equal(ids, expected_ids) and torch.equal(counts, expected_counts)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("tokens, top_k, experts", [(1, 2, 8), (7, 2, 8), (33, 8, 16), (5, 1, 4), (0, 2, 4)])
@@ -201,8 +207,11 @@ def test_registry_picks_triton_for_float_moe_and_routing():
     assert select_impl("moe", types, {"expert_offset": 0}, "torch").name == "torch.moe"
     attrs = {"top_k": 2, "renormalize": False, "scoring": "softmax"}
     assert select_impl("router_topk", types[:1], attrs, "triton").name == "triton.router_topk"
+    # The counter alone stays on torch (fused into its router, it never runs alone in a pipeline's graph).
     counter = [TensorType((8,), DType.i64), TensorType(("T", 2), DType.i32), TensorType(("T",), DType.i32)]
-    assert select_impl("count_experts", counter, {}, "triton").name == "triton.count_experts"
+    assert select_impl("count_experts", counter, {}, "triton").name == "torch.count_experts"
+    fused = [types[0], counter[0], counter[2]]
+    assert select_impl("router_topk_count", fused, attrs, "triton").name == "triton.router_topk_count"
 
 
 def test_rejects_bad_inputs(device):

@@ -11,9 +11,9 @@ Rows whose slot is -1 (the padding of graph buckets) count nothing. ``layer`` is
 (the number of attentions before the router, less one), found by structure, so a model whose first
 layers are dense (Qwen2-MoE's ``mlp_only_layers``) labels its sparse layers by their own index. The
 router is replicated under expert parallelism, so every rank counts every token; the runtime reads
-rank 0's. The cost is one small index-add a sparse layer a step; nothing is read back to the host
-until someone asks (``/metrics``, ``kiln bench``). Runs after sharding, before the fusions (which
-do not touch it), and changes nothing in a model without experts.
+rank 0's. The cost is a few atomic adds a row in the router's launch (``fuse_router_count`` joins the
+two ops); nothing is read back to the host until someone asks (``/metrics``, ``kiln bench``). Runs
+after sharding, before the fusions, and changes nothing in a model without experts.
 """
 
 from __future__ import annotations
