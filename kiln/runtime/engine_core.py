@@ -33,8 +33,8 @@ from .device_support import uses_references
 from .kvcache.pool import pages_for_mem_fraction, pages_for_tokens, pool_dtype
 from .kvcache.radix import RadixCache
 from .lora.registry import LoraRegistry
-from .overlap import DecodeOverlap
 from .outputs import EXPERT_TOKENS, INTERNAL_ERROR, SampleEvent, TokenLogprob
+from .overlap import DecodeOverlap
 from .sampling import SamplerOutput, SamplingBatch, SamplingParams, SamplingRow, child_seed, masked_argmax, new_seed
 from .scheduler.batch import StepLists, build_step_lists
 from .scheduler.request import PENDING, Request, RequestState
