@@ -72,6 +72,20 @@ def test_compile_takes_a_quantization(tmp_path):
         in alone.stderr
 
 
+def test_quantize_lm_head_takes_a_prequantized_checkpoints_method(tmp_path):
+    # The checkpoint's GEMMs arrive quantized and its lm_head plain: the head gets the checkpoint's method.
+    from tests.compiler.sources.test_prequantized import FP8_TENSOR, _write_checkpoint
+
+    source = make_hf_model("llama3", tmp_path / "src", vocab_size=64, hidden_size=128, intermediate_size=256)
+    checkpoint, _ = _write_checkpoint(source, tmp_path / "fp8", "fp8_tensor", FP8_TENSOR)
+    out = tmp_path / "head.kiln"
+    result = kiln("compile", str(checkpoint), "-o", str(out), "--backend", "torch", "--quantize-lm-head")
+    assert result.returncode == 0, result.stderr
+    graph = (out / "graph.txt").read_text()
+    assert "param @lm_head.weight.q: f8e4m3[64, 128] format=fp8_channel" in graph
+    assert "param @lm_head.weight:" not in graph
+
+
 def test_compile_takes_max_logit_rows_for_speculation(tmp_path):
     source = make_hf_model("llama3", tmp_path / "src")
     out = tmp_path / "m.kiln"
