@@ -177,12 +177,14 @@ def test_sigterm_drains_both_api_servers_and_leaves_no_process(server):
 
     def stream() -> None:
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True}
-        finish = None
+        finish, first = None, True
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=server.headers,
                           timeout=120) as response:
             for line in response.iter_lines():
                 if line.startswith("data: {"):
-                    started.release()
+                    if first:  # once a stream: SIGTERM waits for all eight to be in flight
+                        started.release()
+                        first = False
                     finish = json.loads(line[6:])["choices"][0]["finish_reason"] or finish
         finished.append(finish)
 
