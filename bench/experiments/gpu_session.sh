@@ -11,7 +11,7 @@
 # prefill (bench/experiments/prefill_breakdown.py: host and GPU time of a prefill, graphs and eager), decode (bench/decode.py; extra arguments in $DECODE_ARGS, e.g. "--batches 1 --kernel-config NAME=VALUE").
 # The open issues' figures, each stage its GPU tests first (a failing test does not stop the stage's benchmark):
 #   lora (#23, ~4 min), spec (#24, ~3 min), quant (#27, ~6 min), moe (#22, ~4 min), startup and serving (#29,
-#   ~2 and ~6 min; need $TOKENIZER_DIR), structured (#29). Each step has its own time limit.
+#   ~2 and ~6 min; need $TOKENIZER_DIR; $SERVING_SHAPES picks the shapes), structured (#29). Each step has its own time limit.
 set -uo pipefail
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -86,20 +86,20 @@ for stage in "$@"; do
                   tail -4 "$out/structured_profile.log" ;;
     decode) python3 bench/decode.py --shapes smollm2-135m llama3-8b --batches 1 8 64 --static-batches 1 \
               --out "$out/decode.json" ${DECODE_ARGS:-} 2>&1 | tee "$out/decode.log" | grep -v "^{" ;;
-    lora) python3 -m pytest tests/e2e/test_gpu_lora.py -m gpu -q -p no:cacheprovider 2>&1 | tail -3 | tee "$out/lora.log"
+    lora) python3 -m pytest tests/e2e/test_gpu_lora.py -m gpu -q -rfE --tb=line -p no:cacheprovider 2>&1 | tail -15 | tee "$out/lora.log"
           timeout 420 python3 bench/lora_decode.py --shape llama3-8b --batches 1 64 --out "$out/lora.json" 2>&1 \
             | grep -v Warning | tee -a "$out/lora.log"
           timeout 240 python3 bench/experiments/lora_profile.py --layers 8 2>&1 | tail -40 >> "$out/lora.log" ;;
-    spec) python3 -m pytest tests/e2e/test_gpu_speculative.py -m gpu -q -p no:cacheprovider 2>&1 | tail -3 | tee "$out/spec.log"
+    spec) python3 -m pytest tests/e2e/test_gpu_speculative.py -m gpu -q -rfE --tb=line -p no:cacheprovider 2>&1 | tail -15 | tee "$out/spec.log"
           timeout 420 python3 bench/spec_decode.py --shape llama3-8b --batch 1 --draft-tokens 4 8 --new-tokens 256 \
             --drafters oracle ngram --out "$out/spec.json" 2>&1 | grep -v Warning | tee -a "$out/spec.log" ;;
-    quant) python3 -m pytest tests/e2e/test_gpu_quantized.py -m gpu -q -p no:cacheprovider 2>&1 | tail -3 | tee "$out/quant.log"
+    quant) python3 -m pytest tests/e2e/test_gpu_quantized.py -m gpu -q -rfE --tb=line -p no:cacheprovider 2>&1 | tail -15 | tee "$out/quant.log"
            timeout 540 python3 bench/decode.py --shapes llama3-8b --batches 1 64 --static-batches \
              --quantization none fp8 mxfp4 w8a8_int8 fp8+lm_head --out "$out/quant.json" 2>&1 | grep -v "^{" | tee -a "$out/quant.log" ;;
-    moe) python3 -m pytest tests/e2e/test_gpu_moe.py -m gpu -q -p no:cacheprovider 2>&1 | tail -3 | tee "$out/moe.log"
+    moe) python3 -m pytest tests/e2e/test_gpu_moe.py -m gpu -q -rfE --tb=line -p no:cacheprovider 2>&1 | tail -15 | tee "$out/moe.log"
          timeout 420 python3 bench/moe_decode.py --shapes qwen3-30b-a3b mixtral-8x7b --batches 1 64 \
            --out "$out/moe.json" 2>&1 | grep -v Warning | tee -a "$out/moe.log" ;;
-    startup) python3 -m pytest tests/e2e/test_gpu_kernel_cache.py -m gpu -q -p no:cacheprovider 2>&1 | tail -3 \
+    startup) python3 -m pytest tests/e2e/test_gpu_kernel_cache.py -m gpu -q -rfE --tb=line -p no:cacheprovider 2>&1 | tail -15 \
                | tee "$out/startup.log"
              for shape in smollm2-135m llama3-8b; do
                [ -d "/tmp/$shape.kiln" ] || timeout 300 python3 bench/offline.py --shape "$shape" --tokenizer-dir \
@@ -108,7 +108,7 @@ for stage in "$@"; do
                timeout 300 python3 bench/startup.py --artifact "/tmp/$shape.kiln" --runs 3 --fresh-triton-cache \
                  --out "$out/startup_$shape.json" 2>&1 | tail -8 | tee -a "$out/startup.log"
              done ;;
-    serving) for shape in smollm2-135m llama3-8b; do serving_figures "$shape"; done 2>&1 | tee "$out/serving.log" ;;
+    serving) for shape in ${SERVING_SHAPES:-smollm2-135m llama3-8b}; do serving_figures "$shape"; done 2>&1 | tee "$out/serving.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
