@@ -20,6 +20,7 @@ row's. A method named with ``+lm_head`` (``fp8+lm_head``) quantizes the lm_head 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -114,6 +115,7 @@ def bench_kiln(source, quantization: str, prompts: dict[int, list[list[int]]], a
         print(f"kiln {quantization} batch {batch}: {kiln['decode_tok_s']:.0f} tok/s, {kiln['ms_per_step']:.3f} "
               f"ms/step (roofline {rows[-1]['roofline_ms']:.3f} ms)", flush=True)
     del core
+    gc.collect()  # the core's reference cycles hold its weights and KV pages until collected
     torch.cuda.empty_cache()
     return rows
 

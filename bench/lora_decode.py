@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -117,11 +118,15 @@ def main(argv: list[str] | None = None) -> dict:
                "adapters": args.adapters, "device": torch.cuda.get_device_name() if on_gpu else "cpu", "rows": []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        engine = EngineOptions(device=args.device, kv_cache_tokens=batch * seq_len + 1024, enable_prefix_cache=False)
         base = compile_model(source, tmp / "base.kiln", CompileOptions(**common))
+        cores = {"base": EngineCore(str(base), engine)}
+        # The core holds its weights now: two Llama-3-8B artifacts at once (32 GB) filled the GPU
+        # machine's disk, so the base one goes before the LoRA one is written.
+        shutil.rmtree(base)
         lora = compile_model(source, tmp / "lora.kiln", CompileOptions(**common, max_loras=args.adapters,
                                                                            max_lora_rank=args.rank))
-        engine = EngineOptions(device=args.device, kv_cache_tokens=batch * seq_len + 1024, enable_prefix_cache=False)
-        cores = {"base": EngineCore(str(base), engine), "lora": EngineCore(str(lora), engine)}
+        cores["lora"] = EngineCore(str(lora), engine)
         names = [f"adapter{i}" for i in range(args.adapters)]
         for i, name in enumerate(names):
             cores["lora"].load_lora(name, str(write_adapter(tmp / name, source.config, args.rank, seed=i)))

@@ -6,9 +6,14 @@
   off a plain run first, so every draft is accepted: the machinery's ceiling) and with n-gram drafts,
   against non-speculative decoding (the bar: the oracle at least 3x at batch 1).
 
-Every speculative run's tokens are checked against the plain run's (greedy: identical). The oracle
-takes the n-gram drafter's place in an n-gram speculator (its one proposal method), so the verify
-path, the scheduler and the graphs are the ones n-gram and EAGLE use.
+Every speculative run's tokens are compared with the plain run's: on the CPU (f32) they must be
+identical; in bf16 on the GPU a verify step (extend attention over k + 1 rows) and a decode step sum
+in other orders, so a near tie of random weights may flip one token and the two continuations part
+there. Each row records where its tokens first differ from the plain run's (``first_difference``,
+None when identical). An oracle whose run parted from its answer is run again with that run's own
+tokens as the answer (up to three rounds), so the timed run accepts every draft. The oracle takes
+the n-gram drafter's place in an n-gram speculator (its one proposal method), so the verify path,
+the scheduler and the graphs are the ones n-gram and EAGLE use.
 
     python bench/spec_decode.py --shape llama3-8b --draft-tokens 4 8 --new-tokens 256 --out spec.json
 """
@@ -79,31 +84,48 @@ def measure(artifact: Path, prompts: list[list[int]], new_tokens: int, draft_tok
     options = dict(device=device, kv_cache_tokens=len(prompts) * (len(prompts[0]) + new_tokens + 64),
                    enable_prefix_cache=False)
 
-    def run(drafter: str, k: int | None, expected: list[list[int]] | None) -> dict:
+    def run(drafter: str, k: int | None, answer: list[list[int]] | None) -> tuple[dict, list[list[int]]]:
         spec = {} if drafter == "plain" else dict(speculative_algorithm="ngram", speculative_num_draft_tokens=k)
         core = EngineCore(str(artifact), EngineOptions(**options, **spec))
-        if drafter == "oracle":
-            core.speculator.drafter = OracleDrafter([p + t for p, t in zip(prompts, expected)], k)
-        timed_run(core, prompts, min(new_tokens, 8))  # warm-up: graphs captured, kernels compiled
-        result = timed_run(core, prompts, new_tokens)
-        if expected is not None and result["tokens"] != expected:
-            raise AssertionError(f"{drafter} k={k}: speculative greedy tokens differ from plain decoding")
+        rounds = 0
+        while True:
+            rounds += 1
+            if drafter == "oracle":
+                core.speculator.drafter = OracleDrafter([p + t for p, t in zip(prompts, answer)], k)
+            timed_run(core, prompts, min(new_tokens, 8))  # warm-up: graphs captured, kernels compiled
+            result = timed_run(core, prompts, new_tokens)
+            if drafter != "oracle" or result["tokens"] == answer or rounds == 3:
+                break
+            answer = result["tokens"]
         stats = core.stats()
         row = {"drafter": drafter, "draft_tokens": k, **{key: result[key] for key in
                                                           ("decode_steps", "step_ms", "tokens_per_s")}}
         if drafter != "plain":
             row["mean_accept_length"] = stats["spec_mean_accept_length"]
+        if drafter == "oracle":
+            row["oracle_rounds"] = rounds
         return row, result["tokens"]
 
     plain, expected = run("plain", None, None)
     rows = [plain]
     for drafter in drafters:
         for k in draft_tokens:
-            row, _ = run(drafter, k, expected)
+            row, tokens = run(drafter, k, expected)
+            row["first_difference"] = first_difference(tokens, expected)
+            if device == "cpu" and row["first_difference"] is not None:
+                raise AssertionError(f"{drafter} k={k}: speculative greedy tokens differ from plain decoding in f32")
             row["step_vs_plain"] = row["step_ms"] / plain["step_ms"]
             row["speedup"] = row["tokens_per_s"] / plain["tokens_per_s"]
             rows.append(row)
     return rows
+
+
+def first_difference(tokens: list[list[int]], expected: list[list[int]]) -> int | None:
+    """The first output position where any request's tokens differ from ``expected``'s; None if none."""
+    positions = [next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None if got == want
+                      else min(len(got), len(want))) for got, want in zip(tokens, expected)]
+    differing = [p for p in positions if p is not None]
+    return min(differing) if differing else None
 
 
 def compile_random(shape: str, layers: int | None, vocab_size: int | None, device: str, out: Path, batch: int,

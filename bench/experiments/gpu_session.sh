@@ -18,6 +18,7 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # Printed, not saved: a call brings back at most 8 files, which the stages' logs and figures already take.
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+df -h /tmp "$PWD" | tail -n +2
 # Issue 29's served-vs-offline rows for one shape: the offline engine at 64 and 256 running (the first
 # run also writes the artifact), then one server and the load generator at 1, 64 and 256 concurrent
 # and 1024 with a queue limit (refused requests are 503s, none lost).

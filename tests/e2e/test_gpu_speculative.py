@@ -22,7 +22,7 @@ from tests.support.hf_models import make_hf_model
 
 pytestmark = pytest.mark.gpu
 
-OPTIONS = CompileOptions(dtype="f32", page_size=16, max_batch_tokens=256, max_batch_size=8, max_seq_len=128)
+OPTIONS = CompileOptions(dtype="f32", backend="triton", page_size=16, max_batch_tokens=256, max_batch_size=8, max_seq_len=128)
 ENGINE = dict(device="cuda", kv_cache_tokens=4096, decode_buckets=(1, 2, 4, 8), prefill_graphs=True)
 # Looping prompts, so the n-gram drafts hit; two lengths of batch (1 and 4).
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 3], [11, 12, 13, 14, 15, 11, 12, 13, 14, 15, 11], [40, 41, 40]]
