@@ -42,6 +42,7 @@ from ..sampling import SamplerKernels
 from ..scheduler.batch import StepLists
 from ..startup import StartupTimer
 from .executor import Executor, StepInputs, StepResult
+from .graph_capture import capture_graph
 from .step_buffers import StepLayout
 
 # What the k-tokens-a-sequence layout fixes: rows k*i.. are sequence i's tokens and logits rows.
@@ -231,7 +232,7 @@ class DecodeGraphs:
                 torch.cuda.current_stream().synchronize()
                 warmup += time.time() - warmup_began
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with capture_graph(graph, pool):
                     outputs = self.executor.run(inputs, self.kv_views)
                     # torch's argmax reduces each row in one thread block (~28 us for a 128k
                     # vocabulary on an H200); the Triton kernel spreads every row over the SMs.

@@ -29,6 +29,7 @@ from kiln.step_schema import TOKEN
 from ..scheduler.batch import StepLists
 from .executor import Executor, StepInputs, StepResult
 from .expert_load import counted_once
+from .graph_capture import capture_graph
 from .step_buffers import StepLayout
 
 MIN_TOKEN_BUCKET = 16
@@ -121,6 +122,6 @@ class PrefillGraphs:
                 self.executor.run(inputs, self.kv_views)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with capture_graph(graph, self._pool):
             outputs = self.executor.run(inputs, self.kv_views)
         return graph, outputs
