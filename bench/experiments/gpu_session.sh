@@ -41,7 +41,7 @@ for _ in range(1200):
   for c in 1 64 256 1024; do
     local n=$(( c == 1 ? 16 : (c == 1024 ? 1024 : 512) ))
     timeout 300 python3 bench/serving.py --base-url http://127.0.0.1:$port --model m --num-prompts $n \
-      --input-len 256 --output-len 128 --ignore-eos --max-concurrency $c --workers 4 \
+      --input-len 256 --output-len 128 --ignore-eos --max-concurrency $c --workers $(( c < 4 ? c : 4 )) \
       --out "$out/served_${shape}_$c.json" 2>&1 | tail -12
   done
   kill $server; wait $server

@@ -62,6 +62,10 @@ class Artifact:
         name = self.manifest.get("tokenizer")
         return self.path / name if name else None
 
+    def weight_bytes(self, rank: int = 0) -> int:
+        """The size of ``rank``'s weights file: what loading them puts on its device."""
+        return (self.path / self.manifest["weights"][rank]).stat().st_size
+
     def load_weights(self, device: torch.device | str, rank: int = 0) -> dict[str, torch.Tensor]:
         file = self.path / self.manifest["weights"][rank]
         try:

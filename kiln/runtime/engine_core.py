@@ -163,8 +163,9 @@ class EngineCore:
         if self.options.kv_cache_tokens is not None:
             return pages_for_tokens(self.options.kv_cache_tokens, rt["page_size"])
         if device.type == "cuda":
+            # Sized before the weights load: rank 0's share (every rank's on one GPU each) still to come.
             return pages_for_mem_fraction(self.options.mem_fraction, device, rt["num_layers"], rt["num_kv_heads"],
-                                          rt["head_dim"], pool_dtype(rt), rt["page_size"])
+                                          rt["head_dim"], pool_dtype(rt), rt["page_size"], self.artifact.weight_bytes())
         return pages_for_tokens(max(DEFAULT_CPU_KV_TOKENS, rt["max_seq_len"]), rt["page_size"])
 
     # ---- requests --------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def kiln(*args: str, stdin: str | None = None, home: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     if home is not None:
         env["KILN_HOME"] = str(home)
     return subprocess.run([sys.executable, "-m", "kiln", *args], input=stdin, capture_output=True, text=True,

@@ -54,9 +54,10 @@ def test_a_second_start_compiles_no_triton_kernel(tmp_path):
 def test_compile_warm_ships_the_kernels_for_this_gpu(tmp_path):
     from tests.e2e.test_cli import kiln
 
-    _, source = __import__("models").random_model("smollm2-135m", torch.bfloat16, 2)
-    out = tmp_path / "m.kiln"
-    done = kiln("compile", str(source), "-o", str(out), "--max-seq-len", "256", "--warm")
+    model, _ = __import__("models").random_model("smollm2-135m", torch.bfloat16, 2)
+    checkpoint, out = tmp_path / "hf", tmp_path / "m.kiln"
+    model.save_pretrained(checkpoint)
+    done = kiln("compile", str(checkpoint), "-o", str(out), "--max-seq-len", "256", "--warm")
     assert done.returncode == 0, done.stderr
     major, minor = torch.cuda.get_device_capability()
     shipped = out / "kernels" / f"triton-{__import__('triton').__version__}-sm_{major}{minor}"

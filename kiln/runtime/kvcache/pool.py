@@ -12,7 +12,9 @@ Sizing, three ways:
 - ``pages_for_budget``: however many pages fit in a byte budget;
 - ``pages_for_mem_fraction``: SGLang's ``--mem-fraction-static`` rule on a CUDA device: weights and
   KV together may use ``mem_fraction`` of the device's total memory, so the KV budget is what is
-  free now minus the ``1 - mem_fraction`` share left for activations, CUDA graphs and other users.
+  free now, less the weights still to be loaded (the pool is sized before they reach the device,
+  because every rank receives its page count with its start-up settings), less the
+  ``1 - mem_fraction`` share left for activations, CUDA graphs and other users.
 """
 
 from __future__ import annotations
@@ -53,25 +55,28 @@ def pages_for_budget(bytes_available: int, num_layers: int, kv_heads: int, head_
     return max(0, bytes_available) // bytes_per_page(num_layers, kv_heads, head_dim, dtype, page_size)
 
 
-def kv_budget_bytes(mem_fraction: float, free_bytes: int, total_bytes: int) -> int:
-    """The KV budget under ``mem_fraction``, measured after the weights are loaded (they are no longer free)."""
+def kv_budget_bytes(mem_fraction: float, free_bytes: int, total_bytes: int, weight_bytes: int = 0) -> int:
+    """The KV budget under ``mem_fraction``: ``free_bytes`` measured now, ``weight_bytes`` of weights
+    still to come onto the device."""
     if not 0.0 < mem_fraction <= 1.0:
         raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction}")
-    return int(free_bytes - total_bytes * (1.0 - mem_fraction))
+    return int(free_bytes - weight_bytes - total_bytes * (1.0 - mem_fraction))
 
 
 def pages_for_mem_fraction(mem_fraction: float, device: torch.device | str, num_layers: int, kv_heads: int,
-                           head_dim: int, dtype: torch.dtype, page_size: int) -> int:
-    """The page count for a CUDA device under ``mem_fraction``; call it once the weights are on the device."""
+                           head_dim: int, dtype: torch.dtype, page_size: int, weight_bytes: int) -> int:
+    """The page count for a CUDA device under ``mem_fraction``, before ``weight_bytes`` of weights
+    are loaded onto it."""
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"a memory fraction sizes CUDA pools only; on {device.type} give an explicit token count")
     free_bytes, total_bytes = torch.cuda.mem_get_info(device)
-    budget = kv_budget_bytes(mem_fraction, free_bytes, total_bytes)
+    budget = kv_budget_bytes(mem_fraction, free_bytes, total_bytes, weight_bytes)
     num_pages = pages_for_budget(budget, num_layers, kv_heads, head_dim, dtype, page_size)
     if num_pages < 2:
         raise ValueError(f"mem_fraction {mem_fraction} leaves {budget} bytes for the KV cache "
-                         f"({free_bytes} free of {total_bytes}): not even one page; raise it")
+                         f"({free_bytes} free of {total_bytes}, {weight_bytes} of weights to load): "
+                         f"not even one page; raise it")
     return num_pages
 
 

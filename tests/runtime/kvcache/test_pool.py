@@ -68,6 +68,8 @@ def test_kv_budget_follows_mem_fraction_static() -> None:
     gib = 1 << 30
     # 80 GiB device, weights took 16 GiB: 64 GiB free; 0.9 leaves 8 GiB for everything else.
     assert kv_budget_bytes(0.9, 64 * gib, 80 * gib) == 56 * gib
+    # The same before the weights are loaded: 80 GiB free, 16 GiB of them to come.
+    assert kv_budget_bytes(0.9, 80 * gib, 80 * gib, weight_bytes=16 * gib) == 56 * gib
     assert kv_budget_bytes(0.1, 64 * gib, 80 * gib) < 0
     with pytest.raises(ValueError):
         kv_budget_bytes(1.5, 64 * gib, 80 * gib)
@@ -75,7 +77,7 @@ def test_kv_budget_follows_mem_fraction_static() -> None:
 
 def test_mem_fraction_needs_a_cuda_device() -> None:
     with pytest.raises(ValueError, match="explicit token count"):
-        pages_for_mem_fraction(0.9, "cpu", 30, 3, 64, torch.bfloat16, 16)
+        pages_for_mem_fraction(0.9, "cpu", 30, 3, 64, torch.bfloat16, 16, weight_bytes=0)
 
 
 def test_pool_needs_a_usable_page() -> None:
