@@ -80,7 +80,7 @@ def act_scale(amax, ACT: tl.constexpr):
 
 
 @triton.jit
-def _row_amax(x_rows, nw_ptr, row_mask, K, rstd, PROLOGUE: tl.constexpr, dtype: tl.constexpr,
+def row_amax(x_rows, nw_ptr, row_mask, K, rstd, PROLOGUE: tl.constexpr, dtype: tl.constexpr,
               BLOCK_K: tl.constexpr):
     # The largest magnitude of the row of the GEMM's input (the prologue applied, rounded as in the
     # unfused graph), for rows wider than one tile.
@@ -118,7 +118,7 @@ def _quantize_rows_kernel(x_ptr, nw_ptr, q_ptr, s_ptr, K, eps, x_st, q_st, PROLO
     else:
         if PROLOGUE == NORM:
             rstd = row_rstd(x_rows, row_mask, K, eps, 1, BLOCK_K)
-        scale = act_scale(_row_amax(x_rows, nw_ptr, row_mask, K, rstd, PROLOGUE, dtype, BLOCK_K), ACT)
+        scale = act_scale(row_amax(x_rows, nw_ptr, row_mask, K, rstd, PROLOGUE, dtype, BLOCK_K), ACT)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + offs
             xk, partner = input_tile(x_rows, nw_ptr, row_mask, k, K, PROLOGUE)

@@ -119,12 +119,6 @@ class KernelConfig:
     values of 1-byte weights, 8 KB a step at 16 columns (105 registers at 8 warps for fp8 in an sm_90
     compile). MXFP4 takes a quarter as many values: its decoded pairs and x's two strided halves
     took 171-255 registers at 256. Not yet tuned on a GPU."""
-    quantized_w8a8_one_row_dot: bool = True
-    """W8A8 GEMVs (fp8, w8a8_int8) take the tl.dot path at one row too, the row padded to 16: the
-    tensor cores multiply int8 as int8 and e4m3 in f16 (one conversion per two weights), where the
-    broadcast product converts every weight to f32 (e4m3 -> f16 -> f32: 1.5 conversions a weight, at
-    sm_90's 16 conversions a clock per SM about 70% of the HBM stream's rate, before other work).
-    Reasoned from sm_90 instruction counts, not yet measured: A/B it with false."""
     quantized_gemv_num_warps: int = 8
     """Warps per program of the quantized GEMV up to 16 rows: at 8 the one-row tiles took 80 (fp8) and
     95 (MXFP4) registers in sm_90 compiles, where 4 warps took 127 and 119."""
@@ -265,6 +259,7 @@ def _literal(name: str, text: str) -> Any:
 # Fields that no kernel reads any more, which manifests of older artifacts still record: dropped
 # when a manifest is read, so those artifacts still load (name: why it went).
 _RETIRED = {
+    "quantized_w8a8_one_row_dot": "one row takes gemv_quantized_row's broadcast product, weights decoded by bit moves",
     "moe_gemv_block_n": "the per-pair MoE GEMVs take gemv_config's tiles",
     "moe_gemv_block_k": "the per-pair MoE GEMVs take gemv_config's tiles",
 }

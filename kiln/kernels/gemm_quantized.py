@@ -28,8 +28,9 @@ from kiln.ir.weights import QuantScheme
 
 from .act_quant_triton import quantize_rows
 from .config import DEFAULTS, KernelConfig
-from .gemv_quantized import MXFP4, PER_CHANNEL, decode_pairs, load_weight
+from .gemv_quantized import decode_pairs, load_weight
 from .linear_fused import composed_linear_residual, composed_rmsnorm_linear, composed_silu_mul_linear_residual
+from .quant_decode import MXFP4, PER_CHANNEL
 from .triton_support import pow2
 
 SCALED_MM, INT_MM, DEQUANTIZED = "scaled_mm", "int_mm", "dequantized"

@@ -1,4 +1,4 @@
-"""The quantized GEMV: ``gemv.py``'s fused decode GEMV reading 8-bit or MXFP4 weights, for any rows.
+"""The quantized GEMV: ``gemv.py``'s fused decode GEMV reading 8-bit or MXFP4 weights, for 2 or more rows.
 
 Decode at small batch reads every weight once per step, so a quantized GEMM is fast only if it reads
 the quantized bytes and little else: this kernel loads the stored values (int8, fp8 e4m3, or MXFP4
@@ -13,22 +13,20 @@ bf16 GEMV's fusions (the RMSNorm or SiLU·mul prologue, the bias or residual epi
   ``act_quant_triton`` (which applies the prologue), and the GEMV reads the quantized rows (int8, or
   e4m3 values held in f16, which the tensor cores take without a conversion) and multiplies the
   accumulator by each row's scale in the epilogue. Quantizing inside the GEMV would redo the
-  row's magnitude pass and the rounding in every one of its N / BLOCK_N programs.
+  rows' magnitude pass and the rounding in every one of its N / BLOCK_N programs (at one row that
+  pass is cheaper than a launch: ``gemv_quantized_row`` does it).
 
 MXFP4 is decoded without moving values between threads: a byte's low nibble is an even-indexed value
-and its high nibble the next one, so the low nibbles multiply x's even elements and the high nibbles
-its odd ones instead of interleaving the decoded values (the weight tile is 8-16x larger than x's).
-At one row the bytes load as [BLOCK_N, blocks, 16], x as [blocks, 16, 2] split into its even and odd
-halves in registers, and each block's 16-byte partial sums take its scale, once a block rather than
-once a value; the tl.dot path loads x at stride 2 and takes two products over K/2 (even, odd) with
-each value scaled. The e2m1 decode is bit moves and a multiply (``e2m1_pair``), no conversions.
+and its high nibble the next one, so the low nibbles multiply x's even elements (loaded at stride 2)
+and the high nibbles its odd ones instead of interleaving the decoded values (the weight tile is 8-16x
+larger than x's). The e2m1 decode is bit moves and a multiply (``quant_decode.e2m1_pair``).
 
-Rows: 1 multiplies by broadcasting (W8A8 pads it to 16 for ``tl.dot`` instead, see
-``KernelConfig.quantized_w8a8_one_row_dot``); 2-16 pad to 16 for ``tl.dot``, whose operands are W8A8's
-8-bit values as they are (``_channel_dot``) or the decoded values in the activation dtype (int8 and
-scaled e2m1 values are exact in bf16); more are cut into blocks of ``quantized_gemv_block_t`` (the
-first grid axis) with a GEMM's tile of ``quantized_gemm_block_n`` columns, so that each row block of x
-read from L2 serves many weight rows.
+Rows: one row is ``gemv_quantized_row``'s kernel (a broadcast product, W8A8's activations quantized in
+it). 2-16 rows pad to 16 for ``tl.dot``, whose operands are W8A8's 8-bit values as they are
+(``_channel_dot``) or the decoded values in the activation dtype (int8 and scaled e2m1 values are
+exact in bf16); more are cut into blocks of ``quantized_gemv_block_t`` (the first grid axis) with a
+GEMM's tile of ``quantized_gemm_block_n`` columns, so that each row block of x read from L2 serves
+many weight rows.
 """
 
 from __future__ import annotations
@@ -46,34 +44,8 @@ from .act_quant_triton import ACT_FP8, ACT_INT8, ACT_KINDS, ACT_NONE, quantize_r
 from .config import DEFAULTS, KernelConfig
 from .gemv import GEMV_MAX_ROWS, NORM, RAW, SILU_MUL, gemv_config, gemv_epilogue, input_tile, row_rstd, tile_input, \
     tile_product
+from .quant_decode import MX_BLOCK, MXFP4, PER_CHANNEL, e2m1_pair, mx_factor
 from .triton_support import await_previous_kernel, dot_in_f32, pdl_launch, pow2, sm_count
-
-# Weight kinds the kernel knows (constexprs).
-PER_CHANNEL = tl.constexpr(0)
-MXFP4 = tl.constexpr(1)
-MX_BLOCK = 32
-
-
-@triton.jit
-def e2m1_pair(w):
-    """MXFP4 bytes as their two e2m1 values in f32, (low nibble, high nibble), decoded by bit moves: a
-    code ``s e1 e0 m`` placed at f32's sign and at the lowest exponent bits and top mantissa bit
-    reads as the code's value times 2^-126 (f32's exponent bias is 127, e2m1's 1; exponent 0 is
-    subnormal in both), and one multiply by 2^126 restores it. Integer and f32 operations only: a
-    conversion per value (f16 -> f32) would saturate the conversion units, which do 16 a clock per
-    SM where an SM must take in about 30 values a clock to keep up with HBM."""
-    b = w.to(tl.int32)
-    low = (((b & 0x8) << 28) | ((b & 0x7) << 22)).to(tl.float32, bitcast=True)
-    high = (((b & 0x80) << 24) | ((b & 0x70) << 18)).to(tl.float32, bitcast=True)
-    return low * 8.507059173023462e37, high * 8.507059173023462e37  # 2^126
-
-
-@triton.jit
-def mx_factor(s):
-    """An e8m0 scale as the f32 power of two 2^(e - 127), from its bits (e = 0, 2^-127, reads as 0: a
-    block below 2^-124 in magnitude)."""
-    return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-
 
 @triton.jit
 def load_weight(w_ptr, s_ptr, cols, N, w_st, s_st, k0, K, WEIGHT: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -106,35 +78,15 @@ def decode_pairs(w, s):
 
 
 @triton.jit
-def _load_mx_blocks(w_ptr, s_ptr, cols, N, w_st, s_st, k0, K, BLOCK_K: tl.constexpr):
-    # The one-row MXFP4 tile by blocks: bytes [BLOCK_N, BLOCK_K / 32, 16] and scales [BLOCK_N, BLOCK_K / 32].
-    blocks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    col_mask = (cols < N)[:, None]
-    block_mask = col_mask & (blocks < K // 32)[None, :]
-    kb = blocks[:, None] * 16 + tl.arange(0, 16)[None, :]
-    w = tl.load(w_ptr + cols.to(tl.int64)[:, None, None] * w_st + kb[None, :, :], mask=block_mask[:, :, None], other=0)
-    s = tl.load(s_ptr + cols.to(tl.int64)[:, None] * s_st + blocks[None, :], mask=block_mask, other=127)
-    return w, s
-
-
-@triton.jit
-def _mx_product(w, s, xe, xo, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, DOT_IN_DTYPE: tl.constexpr,
-                dtype: tl.constexpr):
-    # This step's [BLOCK_T, BLOCK_N] sums. One row: x's pairs are [1, blocks, 16] like the bytes, and
-    # a block's scale multiplies its partial sum. More: two tl.dots over K / 2 with scaled values.
-    if USE_DOT:
-        even, odd = decode_pairs(w, s)
-        if DOT_IN_DTYPE:
-            xe = xe.to(dtype)
-            xo = xo.to(dtype)
-            even = even.to(dtype)
-            odd = odd.to(dtype)
-        out = tile_product(xe, even, USE_DOT, DOT_F32) + tile_product(xo, odd, USE_DOT, DOT_F32)
-    else:
-        low, high = e2m1_pair(w)
-        partial = tl.sum(low * xe.to(tl.float32) + high * xo.to(tl.float32), axis=2)
-        out = tl.sum(partial * mx_factor(s), axis=1)[None, :]
-    return out
+def _mx_product(w, s, xe, xo, DOT_F32: tl.constexpr, DOT_IN_DTYPE: tl.constexpr, dtype: tl.constexpr):
+    # This step's [BLOCK_T, BLOCK_N] sums: two tl.dots over K / 2 (even and odd values), each value scaled.
+    even, odd = decode_pairs(w, s)
+    if DOT_IN_DTYPE:
+        xe = xe.to(dtype)
+        xo = xo.to(dtype)
+        even = even.to(dtype)
+        odd = odd.to(dtype)
+    return tile_product(xe, even, True, DOT_F32) + tile_product(xo, odd, True, DOT_F32)
 
 
 @triton.jit
@@ -156,7 +108,7 @@ def _channel_dot(xin, w, ACT: tl.constexpr, dtype: tl.constexpr):
 @triton.jit
 def _qgemv_kernel(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N, K, eps, x_st, w_st, s_st, r_st,
                   y_st, WEIGHT: tl.constexpr, ACT: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  HAS_RESIDUAL: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
+                  HAS_RESIDUAL: tl.constexpr, DOT_F32: tl.constexpr,
                   DOT_IN_DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   PASS_K: tl.constexpr, PDL: tl.constexpr):
     # Program (q, p) computes rows q*BLOCK_T.. of output columns p*BLOCK_N..: the row blocks of one
@@ -169,17 +121,9 @@ def _qgemv_kernel(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_st
-    if WEIGHT == MXFP4:
-        if USE_DOT:
-            pairs = tl.arange(0, BLOCK_K // 2)
-            w, s = load_weight(w_ptr, s_ptr, cols, N, w_st, s_st, 0, K, WEIGHT, BLOCK_K)
-        else:  # [blocks, 16, 2]: the byte tile's shape, each byte's two values in a contiguous pair
-            pairs = (tl.arange(0, BLOCK_K // 32)[:, None, None] * 32 + tl.arange(0, 16)[None, :, None] * 2
-                     + tl.arange(0, 2)[None, None, :])
-            w, s = _load_mx_blocks(w_ptr, s_ptr, cols, N, w_st, s_st, 0, K, BLOCK_K)
-    else:
-        offs_k = tl.arange(0, BLOCK_K)
-        w, s = load_weight(w_ptr, s_ptr, cols, N, w_st, s_st, 0, K, WEIGHT, BLOCK_K)
+    pairs = tl.arange(0, BLOCK_K // 2)
+    offs_k = tl.arange(0, BLOCK_K)
+    w, s = load_weight(w_ptr, s_ptr, cols, N, w_st, s_st, 0, K, WEIGHT, BLOCK_K)
     await_previous_kernel(PDL)
     rstd = tl.zeros([BLOCK_T], tl.float32)
     if PROLOGUE == NORM:
@@ -189,17 +133,13 @@ def _qgemv_kernel(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N
         # x's pairs load in the step, after the next weight tile's loads went out: they come from L2,
         # and held a step ahead they would take as many registers as the bytes they multiply.
         for k0 in range(0, K, BLOCK_K):
-            if USE_DOT:  # x's even and odd elements at stride 2
-                w_next, s_next = load_weight(w_ptr, s_ptr, cols, N, w_st, s_st, k0 + BLOCK_K, K, WEIGHT, BLOCK_K)
-                xe, pe = input_tile(x_rows, nw_ptr, row_mask, k0 + 2 * pairs, K, PROLOGUE)
-                xo, po = input_tile(x_rows, nw_ptr, row_mask, k0 + 2 * pairs + 1, K, PROLOGUE)
-                x_even = tile_input(xe, pe, rstd, PROLOGUE, dtype)
-                x_odd = tile_input(xo, po, rstd, PROLOGUE, dtype)
-            else:  # one contiguous load (wide vectors), split into even and odd in registers
-                w_next, s_next = _load_mx_blocks(w_ptr, s_ptr, cols, N, w_st, s_st, k0 + BLOCK_K, K, BLOCK_K)
-                xk, partner = input_tile(x_rows, nw_ptr, row_mask, k0 + pairs, K, PROLOGUE)
-                x_even, x_odd = tl.split(tile_input(xk, partner, rstd, PROLOGUE, dtype))
-            acc += _mx_product(w, s, x_even, x_odd, USE_DOT, DOT_F32, DOT_IN_DTYPE, dtype)
+            # x's even and odd elements at stride 2
+            w_next, s_next = load_weight(w_ptr, s_ptr, cols, N, w_st, s_st, k0 + BLOCK_K, K, WEIGHT, BLOCK_K)
+            xe, pe = input_tile(x_rows, nw_ptr, row_mask, k0 + 2 * pairs, K, PROLOGUE)
+            xo, po = input_tile(x_rows, nw_ptr, row_mask, k0 + 2 * pairs + 1, K, PROLOGUE)
+            x_even = tile_input(xe, pe, rstd, PROLOGUE, dtype)
+            x_odd = tile_input(xo, po, rstd, PROLOGUE, dtype)
+            acc += _mx_product(w, s, x_even, x_odd, DOT_F32, DOT_IN_DTYPE, dtype)
             w = w_next
             s = s_next
     else:
@@ -211,7 +151,7 @@ def _qgemv_kernel(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N
             if DOT_IN_DTYPE:
                 acc += _channel_dot(xin, w, ACT, dtype)
             else:
-                acc += tile_product(xin, w, USE_DOT, DOT_F32)
+                acc += tile_product(xin, w, True, DOT_F32)
             w = w_next
             xk = x_next
             partner = partner_next
@@ -222,7 +162,7 @@ def _qgemv_kernel(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N
 
 
 @functools.lru_cache(maxsize=None)
-def _gemv_tiling(config: KernelConfig, pack: int) -> KernelConfig:
+def gemv_tiling(config: KernelConfig, pack: int) -> KernelConfig:
     # The bf16 GEMV's tiling with the quantized tile sizes, counted in weight bytes at one row: ``pack``
     # values a byte (replace() validates every field: once per config and pack); MXFP4's tl.dot step
     # is a quarter as many values (see quantized_gemv_dot_block_k).
@@ -232,18 +172,16 @@ def _gemv_tiling(config: KernelConfig, pack: int) -> KernelConfig:
                    gemv_dot_block_k=max(16, config.quantized_gemv_dot_block_k // pack ** 2))
 
 
-def quantized_gemv_tiles(rows: int, n: int, k: int, sms: int, pack: int, w8a8: bool,
+def quantized_gemv_tiles(rows: int, n: int, k: int, sms: int, pack: int,
                          config: KernelConfig = DEFAULTS) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_N, BLOCK_K, num_warps) of the quantized GEMV for ``rows`` rows of an [n, k]
-    weight stored ``pack`` values a byte (2: MXFP4), ``w8a8`` when x holds 8-bit rows too."""
-    if w8a8 and config.quantized_w8a8_one_row_dot:
-        rows = max(rows, 2)  # the tl.dot path's tiles
+    """(BLOCK_T, BLOCK_N, BLOCK_K, num_warps) of the quantized GEMV for ``rows`` (2 or more) rows of an
+    [n, k] weight stored ``pack`` values a byte (2: MXFP4)."""
     if rows > GEMV_MAX_ROWS:
         block_t = max(16, min(pow2(rows), config.quantized_gemv_block_t))
         block_n, block_k = config.quantized_gemm_block_n, min(config.quantized_gemm_block_k, pow2(k, 16))
         warps = config.quantized_gemm_num_warps
     else:
-        cfg = gemv_config(rows, n, k, sms, _gemv_tiling(config, pack))
+        cfg = gemv_config(rows, n, k, sms, gemv_tiling(config, pack))
         block_t, block_n, block_k = cfg.block_t, cfg.block_n, cfg.block_k
         warps = config.quantized_gemv_num_warps
     # An MX tile holds whole blocks of 32; a tl.dot needs 16 of K at least (block_k is a power of two).
@@ -257,8 +195,9 @@ def launch_quantized_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
                           config: KernelConfig = DEFAULTS) -> None:
     """``out = epilogue(act(prologue(x)) @ dequantize(weight).T)`` for checked operands
     (``linear_quantized_triton`` checks them): ``weight`` [N, K / pack] in ``scheme``'s storage,
-    ``weight_scale`` its one scale tensor, the prologue and epilogue as ``gemv.launch_gemv``'s. With
-    ``act_quant`` two launches: the quantized rows (prologue applied), then the GEMV on them."""
+    ``weight_scale`` its one scale tensor, the prologue and epilogue as ``gemv.launch_gemv``'s, for 2 or
+    more rows (one row is ``gemv_quantized_row``'s). With ``act_quant`` two launches: the quantized rows
+    (prologue applied), then the GEMV on them."""
     rows, n, k = x.shape[0], weight.shape[0], weight.shape[1] * scheme.pack
     if rows == 0 or n == 0:
         return
@@ -270,8 +209,7 @@ def launch_quantized_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
         x, x_scale = quantize_rows(x, act_quant, norm_weight=norm_weight, gated=gated, eps=eps, as_f16=True,
                                    config=config)
         prologue, norm_weight = RAW, None
-    block_t, block_n, block_k, warps = quantized_gemv_tiles(rows, n, k, sm_count(x), scheme.pack,
-                                                            act_quant is not None, config)
+    block_t, block_n, block_k, warps = quantized_gemv_tiles(rows, n, k, sm_count(x), scheme.pack, config)
     res = residual if residual is not None else out
     grid = (triton.cdiv(rows, block_t), triton.cdiv(n, block_n))
     _qgemv_kernel[grid](
@@ -279,7 +217,6 @@ def launch_quantized_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
         bias if bias is not None else out, res, out, rows, n, k, eps, x.stride(0), weight.stride(0),
         weight_scale.stride(0), res.stride(0), out.stride(0), WEIGHT=MXFP4 if mx else PER_CHANNEL,
         ACT=ACT_KINDS[act_quant], PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        USE_DOT=block_t > 1, DOT_F32=dot_f32, DOT_IN_DTYPE=block_t > 1 and not dot_f32, BLOCK_T=block_t,
-        BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_F32=dot_f32, DOT_IN_DTYPE=not dot_f32, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
         PASS_K=min(pow2(k, 16), max(16, config.gemv_norm_pass_elements // block_t)),
         num_warps=warps, num_stages=config.gemv_num_stages, **pdl_launch(x, config.pdl))

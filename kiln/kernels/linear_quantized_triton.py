@@ -8,7 +8,8 @@ stays capturable in a CUDA graph:
 
 - few rows (``KernelConfig.quantized_gemv_max_rows`` with activations quantized per token,
   ``quantized_weight_only_max_rows`` weight-only), or no library GEMM fits, or under Triton's
-  interpreter: the quantized GEMV (``gemv_quantized``), any row count, the prologue and epilogue fused;
+  interpreter: the quantized GEMV, the prologue and epilogue fused: ``gemv_quantized_row`` at one row
+  (one launch, W8A8's activations quantized in it), ``gemv_quantized`` at more;
 - more rows on the GPU: ``gemm_quantized``'s library GEMMs (``_scaled_mm``, ``_int_mm``, or the
   weight dequantized for cuBLAS).
 
@@ -32,6 +33,7 @@ from .act_quant_triton import ACT_KINDS
 from .config import DEFAULTS, KernelConfig
 from .gemm_quantized import device_capability, library_gemm, library_path
 from .gemv_quantized import launch_quantized_gemv
+from .gemv_quantized_row import launch_quantized_row_gemv
 from .registry import Checker, register_impl
 from .triton_support import INTERPRET, IR_FLOATS, require, require_device, require_float, require_unit_last_stride
 
@@ -87,7 +89,10 @@ def _run(kernel: str, x: torch.Tensor, weight: torch.Tensor, scales: Scales, out
            **{name: value for name, value in fused.items() if name != "eps"})
     most = config.quantized_gemv_max_rows if act_quant is not None else config.quantized_weight_only_max_rows
     path = library_path(x, weight, scheme, act_quant) if x.shape[0] > most else None
-    if path is None:
+    if x.shape[0] == 1:
+        launch_quantized_row_gemv(x, weight, scales[0], out, scheme=scheme, act_quant=act_quant, config=config,
+                                  **fused)
+    elif path is None:
         launch_quantized_gemv(x, weight, scales[0], out, scheme=scheme, act_quant=act_quant, config=config, **fused)
     else:
         library_gemm(path, x, weight, scales[0], out, scheme=scheme, act_quant=act_quant, config=config, **fused)

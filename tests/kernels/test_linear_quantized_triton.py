@@ -98,12 +98,14 @@ def test_gemm_tile_matches_reference(op, scheme, act_quant):
     _assert_matches(op, scheme, act_quant, args, scales)
 
 
-@pytest.mark.parametrize("scheme,act_quant", [c for c in CASES if c[1] is not None])
-@pytest.mark.parametrize("op", OPS)
-def test_w8a8_broadcast_product_at_one_row(op, scheme, act_quant):
-    # quantized_w8a8_one_row_dot off: one W8A8 row by the broadcast product instead of a padded tl.dot.
-    args, scales = _operands(op, scheme, 1, 37, torch.float32)
-    _assert_matches(op, scheme, act_quant, args, scales, KernelConfig(quantized_w8a8_one_row_dot=False))
+@pytest.mark.parametrize("n,k", [(5, 32), (37, 416), (70, 1088)])
+@pytest.mark.parametrize("scheme,act_quant", CASES)
+def test_one_row_gemv_at_odd_shapes(scheme, act_quant, n, k):
+    # gemv_quantized_row: N not a multiple of its column tile, K of one 16-byte run (one MX block) to
+    # several K tiles (quantized_gemv_product_elements 256 bytes), the last one partial.
+    args, scales = _operands("rmsnorm_linear", scheme, 1, n, torch.float32, k=k)
+    _assert_matches("rmsnorm_linear", scheme, act_quant, args, scales,
+                    KernelConfig(quantized_gemv_product_elements=256, gemv_one_step_max_k=256))
 
 
 @pytest.mark.parametrize("rows", [1, 5])
@@ -223,14 +225,11 @@ def test_library_gemms_match_reference_on_gpu(op, scheme, act_quant, path, rows)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("one_row_dot", [True, False])
 @pytest.mark.parametrize("rows", [1, 7, 64])
 @pytest.mark.parametrize("scheme,act_quant", CASES)
-def test_gemv_at_llama_shapes_on_gpu(scheme, act_quant, rows, one_row_dot):
+def test_gemv_at_llama_shapes_on_gpu(scheme, act_quant, rows):
     # Llama-3-8B's down projection (K 14336) compiled for the GPU: the tiles gemv_config picks there
-    # (64 rows in the GEMV's GEMM tile, W8A8 included; one W8A8 row by tl.dot and by the broadcast).
-    if not one_row_dot and (rows != 1 or act_quant is None):
-        pytest.skip("quantized_w8a8_one_row_dot only changes W8A8 at one row")
+    # (64 rows in the GEMV's GEMM tile, W8A8 included; one row in gemv_quantized_row).
     if "fp8" in scheme and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability 8.9 or later")
     n, k = 512, 14336
@@ -239,5 +238,5 @@ def test_gemv_at_llama_shapes_on_gpu(scheme, act_quant, rows, one_row_dot):
     x, residual = torch.randn(rows, k, device="cuda").bfloat16(), torch.randn(rows, n, device="cuda").bfloat16()
     args = (x, stored.cuda(), residual)
     _assert_matches("linear_residual", scheme, act_quant, args, tuple(s.cuda() for s in scales),
-                    KernelConfig(quantized_gemv_max_rows=64, quantized_w8a8_one_row_dot=one_row_dot))
+                    KernelConfig(quantized_gemv_max_rows=64))
 

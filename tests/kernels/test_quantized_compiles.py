@@ -2,8 +2,8 @@
 
 The interpreter runs a kernel's Python, not Triton's compiler (see test_kernels_compile_for_hopper.py): every
 variant the quantized linear ops launch is compiled here ahead of time, down to the cubin, in a
-process of its own, with the tiles and warps ``quantized_gemv_tiles`` picks for Llama-3-8B's shapes
-on an H100: the GEMV at one row (per-channel values; MXFP4 by blocks), at 16 rows (tl.dot), the GEMM
+process of its own, with the tiles and warps ``row_tiles`` and ``quantized_gemv_tiles`` pick for Llama-3-8B's shapes
+on an H100: the one-row GEMV (each scheme, W8A8 quantizing in it), at 16 rows (tl.dot), the GEMM
 tile at 64 rows, each prologue and epilogue; the activation quantizer from one tile and from several passes;
 the dequantizer of the library path.
 """
@@ -19,11 +19,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kiln.kernels import act_quant_triton, gemm_quantized, gemv_quantized
+from kiln.kernels import act_quant_triton, gemm_quantized, gemv_quantized, gemv_quantized_row
 from kiln.kernels.act_quant_triton import ACT_FP8, ACT_INT8, ACT_NONE
-from kiln.kernels.config import DEFAULTS, KernelConfig
+from kiln.kernels.config import DEFAULTS
 from kiln.kernels.gemv import NORM, RAW, SILU_MUL
 from kiln.kernels.gemv_quantized import quantized_gemv_tiles
+from kiln.kernels.quant_decode import MXFP4, PER_CHANNEL
 
 HOPPER = GPUTarget("cuda", 90, 32)
 H100_SMS = 132
@@ -32,7 +33,7 @@ _WEIGHTS = {"int8": ("*i8", "*fp32"), "fp8": ("*fp8e4nv", "*fp32"), "mxfp4": ("*
 _ACT_X = {ACT_NONE: "*bf16", ACT_INT8: "*i8", ACT_FP8: "*fp16"}  # as the GEMV reads x
 
 
-def _compile(kernel, pointers: dict[str, str], constants: dict, num_warps: int = 4) -> None:
+def _compile(kernel, pointers: dict[str, str], constants: dict, num_warps: int = 4):
     """Compiles ``kernel`` for sm_90 with ``constants``: ``pointers`` names each pointer argument's
     type, ``eps`` is f32 and the rest i32 scalars, each non-constant 16-divisible as Triton
     specializes them at launch."""
@@ -44,19 +45,31 @@ def _compile(kernel, pointers: dict[str, str], constants: dict, num_warps: int =
     compiled = triton.compile(ASTSource(kernel, signature, constants, divisible), target=HOPPER,
                               options=dict(num_warps=num_warps))
     assert compiled.asm["cubin"]
+    return compiled
 
 
-def _gemv(weight: str, act, prologue, rows: int, n: int, k: int, bias: bool, residual: bool,
-          config: KernelConfig = DEFAULTS) -> None:
-    """The GEMV as ``launch_quantized_gemv`` launches it for ``rows`` rows of an [n, k] weight."""
+def _row_gemv(weight: str, act, prologue, n: int, k: int, bias: bool, residual: bool):
+    """The one-row GEMV as ``launch_quantized_row_gemv`` launches it for an [n, k] weight."""
     w_type, s_type = _WEIGHTS[weight]
-    block_t, block_n, block_k, warps = quantized_gemv_tiles(rows, n, k, H100_SMS, 2 if weight == "mxfp4" else 1,
-                                                            act != ACT_NONE, config)
+    mx = weight == "mxfp4"
+    block_n, block_k, warps = gemv_quantized_row.row_tiles(n, k, H100_SMS, 2 if mx else 1)
+    pointers = dict(x_ptr="*bf16", nw_ptr="*bf16", w_ptr=w_type, s_ptr=s_type, b_ptr="*bf16", r_ptr="*bf16",
+                    y_ptr="*bf16")
+    return _compile(gemv_quantized_row._qgemv_row_kernel, pointers, dict(
+        WEIGHT=MXFP4 if mx else PER_CHANNEL, FP8=weight == "fp8", ACT=act, PROLOGUE=prologue, HAS_BIAS=bias,
+        HAS_RESIDUAL=residual, HARDWARE=True, X_FACTOR=2.0 ** 60, OUT_FACTOR=2.0 ** 60, BLOCK_N=block_n,
+        BLOCK_K=block_k, PASS_K=4096, PDL=True), warps)
+
+
+def _gemv(weight: str, act, prologue, rows: int, n: int, k: int, bias: bool, residual: bool) -> None:
+    """The GEMV as ``launch_quantized_gemv`` launches it for ``rows`` (2 or more) rows of an [n, k] weight."""
+    w_type, s_type = _WEIGHTS[weight]
+    block_t, block_n, block_k, warps = quantized_gemv_tiles(rows, n, k, H100_SMS, 2 if weight == "mxfp4" else 1)
     pointers = dict(x_ptr=_ACT_X[act], xs_ptr="*fp32", nw_ptr="*bf16", w_ptr=w_type, s_ptr=s_type, b_ptr="*bf16",
                     r_ptr="*bf16", y_ptr="*bf16")
     _compile(gemv_quantized._qgemv_kernel, pointers, dict(
-        WEIGHT=gemv_quantized.MXFP4 if weight == "mxfp4" else gemv_quantized.PER_CHANNEL, ACT=act, PROLOGUE=prologue,
-        HAS_BIAS=bias, HAS_RESIDUAL=residual, USE_DOT=block_t > 1, DOT_F32=False, DOT_IN_DTYPE=block_t > 1,
+        WEIGHT=MXFP4 if weight == "mxfp4" else PER_CHANNEL, ACT=act, PROLOGUE=prologue,
+        HAS_BIAS=bias, HAS_RESIDUAL=residual, DOT_F32=False, DOT_IN_DTYPE=True,
         BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, PASS_K=max(16, 4096 // block_t), PDL=True), warps)
 
 
@@ -64,14 +77,14 @@ def compile_all() -> None:
     # Llama-3-8B's qkv (RMSNorm prologue) and down projection (SiLU·mul prologue, residual epilogue),
     # and a plain GEMM with a bias at one row; W8A8 GEMVs read quantized rows (no prologue; at 64 rows
     # the GPU runs _scaled_mm / _int_mm unless quantized_gemv_max_rows says otherwise).
-    for rows in (1, 16, 64):
-        for weight, act in (("fp8", ACT_FP8), ("int8", ACT_INT8), ("int8", ACT_NONE), ("mxfp4", ACT_NONE)):
-            for (n, k), prologue, residual in (((6144, 4096), NORM, False), ((4096, 14336), SILU_MUL, True)):
+    for weight, act in (("fp8", ACT_FP8), ("int8", ACT_INT8), ("int8", ACT_NONE), ("mxfp4", ACT_NONE)):
+        for (n, k), prologue, residual in (((6144, 4096), NORM, False), ((4096, 14336), SILU_MUL, True)):
+            _row_gemv(weight, act, prologue, n, k, False, residual)
+            for rows in (16, 64):
                 _gemv(weight, act, prologue if act == ACT_NONE else RAW, rows, n, k, False, residual)
+    _row_gemv("mxfp4", ACT_NONE, RAW, 4096, 4096, True, False)
+    for rows in (16, 64):
         _gemv("mxfp4", ACT_NONE, RAW, rows, 4096, 4096, True, False)
-    # W8A8 at one row by the broadcast product (quantized_w8a8_one_row_dot off).
-    for weight, act in (("fp8", ACT_FP8), ("int8", ACT_INT8)):
-        _gemv(weight, act, RAW, 1, 4096, 14336, False, True, KernelConfig(quantized_w8a8_one_row_dot=False))
     for act, q_type in ((ACT_FP8, "*fp8e4nv"), (ACT_FP8, "*fp16"), (ACT_INT8, "*i8")):
         for prologue, one_tile in ((NORM, True), (SILU_MUL, True), (RAW, False)):
             _compile(act_quant_triton._quantize_rows_kernel,
@@ -81,7 +94,7 @@ def compile_all() -> None:
     for weight in ("fp8", "mxfp4"):
         w_type, s_type = _WEIGHTS[weight]
         _compile(gemm_quantized._dequantize_kernel, dict(w_ptr=w_type, s_ptr=s_type, out_ptr="*bf16"),
-                 dict(WEIGHT=gemv_quantized.MXFP4 if weight == "mxfp4" else gemv_quantized.PER_CHANNEL,
+                 dict(WEIGHT=MXFP4 if weight == "mxfp4" else PER_CHANNEL,
                       BLOCK_N=16, BLOCK_K=256))
 
 
