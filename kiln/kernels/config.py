@@ -176,6 +176,17 @@ class KernelConfig:
     SMs, but a split shorter than this costs more in its plane than it saves."""
     lora_max_splits: int = 64
     """Most K splits of a LoRA shrink: the last split of a block of h adds every plane."""
+    lora_shrink_programs_per_sm: int = 2
+    """Shrink programs an SM the K split aims for (``lora_triton.split_k``): at decode a tile's
+    program walks its split a few blocks in flight at a time, so more, shorter splits shorten that
+    chain; each split adds a plane to the merge."""
+    lora_shrink_stages: int = 4
+    """Software-pipeline stages of the tile shrink's loop over K (Triton's ``num_stages``): blocks of x
+    and A in flight while one is multiplied. At decode a split is a few blocks, so with enough
+    stages all of it is requested at once."""
+    lora_merge_planes: int = 16
+    """Planes of partial sums the merge of a split shrink loads at once (unrolled): the unit's last
+    split waits one L2 round trip per this many planes."""
     lora_tile_block_n: int = 128
     """Output columns per loop step of the tile expand."""
     lora_expand_steps: int = 4

@@ -23,15 +23,15 @@ from .triton_support import await_previous_kernel, pdl_launch, pow2, semaphore_c
 @triton.jit
 def _shrink_row(x_ptr, a_ptr, h_ptr, part_ptr, counter_ptr, rows_ptr, tiles_ptr, norm_ptr, eps, K, NR, K_PER_SPLIT,
                 x_stride, a_slot_stride, part_split_stride, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                NORM_BLOCK: tl.constexpr, PROLOGUE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+                NORM_BLOCK: tl.constexpr, PROLOGUE: tl.constexpr, SPLIT: tl.constexpr, PLANE_BLOCK: tl.constexpr,
+                PDL: tl.constexpr):
     # Every program waits first, before any early return, so that this kernel's end still implies
     # the previous kernel's (the next PDL kernel relies on it); PDL overlaps the launch itself.
     await_previous_kernel(PDL)
     r_block, split = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(tiles_ptr)
+    slot, row = tl.load(tiles_ptr), tl.load(rows_ptr).to(tl.int64)  # (both before the branch: one round trip)
     if slot < 0:
         return
-    row = tl.load(rows_ptr).to(tl.int64)
     offs_r = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < NR
     a_base = a_ptr + slot.to(tl.int64) * a_slot_stride
@@ -55,7 +55,7 @@ def _shrink_row(x_ptr, a_ptr, h_ptr, part_ptr, counter_ptr, rows_ptr, tiles_ptr,
     if SPLIT:
         tl.store(part_ptr + split.to(tl.int64) * part_split_stride + row * NR + offs_r, acc, mask=r_ok)
         if _last_split(counter_ptr + r_block, tl.num_programs(1)):
-            acc = _sum_planes(part_ptr, row * NR + offs_r, r_ok, tl.num_programs(1), part_split_stride)
+            acc = _sum_planes(part_ptr, row * NR + offs_r, r_ok, tl.num_programs(1), part_split_stride, PLANE_BLOCK)
             tl.store(h_ptr + row * NR + offs_r, acc, mask=r_ok)
     else:
         tl.store(h_ptr + row * NR + offs_r, acc, mask=r_ok)
@@ -66,10 +66,9 @@ def _expand_row(y_ptr, h_ptr, b_ptr, rows_ptr, tiles_ptr, N, R, END0, END1, b_sl
                 BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SLICES: tl.constexpr, PDL: tl.constexpr):
     await_previous_kernel(PDL)  # (first, as in _shrink_row)
     n_program = tl.program_id(0)
-    slot = tl.load(tiles_ptr)
+    slot, row = tl.load(tiles_ptr), tl.load(rows_ptr).to(tl.int64)  # (as in _shrink_row)
     if slot < 0:
         return
-    row = tl.load(rows_ptr).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < R
     h_row = h_ptr + row * SLICES * R
@@ -78,13 +77,13 @@ def _expand_row(y_ptr, h_ptr, b_ptr, rows_ptr, tiles_ptr, N, R, END0, END1, b_sl
     n_end = tl.minimum(n_first + N_PER_PROGRAM, N)
     for n0 in range(n_first, n_end, BLOCK_N):
         offs_n, n_ok, piece = _column_block(n0, n_end, END0, END1, BLOCK_N)
+        y = tl.load(y_ptr + row * N + offs_n, mask=n_ok, other=0.0)  # (before B's loads, as in _expand_tile)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for i in tl.static_range(SLICES):
             h = tl.load(h_row + i * R + offs_r, mask=r_ok, other=0.0)
             w = tl.load(b_base + offs_n[:, None] * R + offs_r[None, :],
                         mask=(n_ok & (piece == i))[:, None] & r_ok[None, :], other=0.0)
             acc += tl.sum(w.to(tl.float32) * h[None, :], axis=1)
-        y = tl.load(y_ptr + row * N + offs_n, mask=n_ok, other=0.0)
         tl.store(y_ptr + row * N + offs_n, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -103,7 +102,7 @@ def launch_row(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: t
     _shrink_row[(r_blocks, splits)](
         x, lora_a, h, planes, counters, rows, tiles, norm, eps, k, nr, per_split, x.stride(0), lora_a.stride(0),
         h.numel(), BLOCK_R=block_r, BLOCK_K=config.lora_row_block_k, NORM_BLOCK=min(pow2(k), config.lora_norm_block),
-        PROLOGUE=prologue, SPLIT=splits > 1, **pdl)
+        PROLOGUE=prologue, SPLIT=splits > 1, PLANE_BLOCK=config.lora_merge_planes, **pdl)
     block_r2 = pow2(r, 16)
     block_n = max(64, min(256, 4096 // block_r2))
     per_program = column_runs(n, block_n, 1, sms, config)

@@ -7,6 +7,17 @@ splits K so that the tiles in use still fill the SMs; the last split of a tile's
 planes into h. Under the RMSNorm prologue a tile's rows are scaled by 1/rms after the sum (one number
 a row), so the squares are summed in the same pass, per split, and the merge applies it. The expand
 walks runs of output columns (axis 1).
+
+At decode the data is small and the time is latency. Llama-3-8B, batch 64 over 8 adapters (8 rows
+each, so 8 tiles in use of the 12 launched), rank 16, H100: the q/k/v shrink reads 3 MB of A and
+0.5 MB of x (about 1 us at 3 TB/s) in a grid of 12 tiles x 16 splits of 256 in-features, one
+program an SM; the down shrink (K = 14336) 12 x 28 splits of 512 (two an SM, ``split_k``). A program
+is a chain of dependent round trips (a few hundred ns each): slot and rows, its split of x and A
+(``lora_shrink_stages`` blocks in flight), its plane, the ticket (a fence and an atomic), and for the
+last split the merge of the planes (``lora_merge_planes`` at a time) and h. The expand (q/k/v: 12 x
+24 programs of 256 columns; gate/up: 12 x 56 of 512) reads 1.5-7 MB of B and reads and writes the
+tile rows of y; each column block is one round trip once y's load overlaps B's. So each launch
+should cost its launch and a handful of round trips (about 3-6 us), the gate/up expand its 14 MB.
 """
 
 from __future__ import annotations
@@ -25,17 +36,20 @@ from .triton_support import await_previous_kernel, dot_in_f32, pdl_launch, pow2,
 
 
 @triton.jit
-def _tile_rows(rows_ptr, tile, TOKENS, BLOCK_M: tl.constexpr):
-    """A tile's token rows (int64) and which of them are rows (the rest pad the tile)."""
+def _tile(rows_ptr, tiles_ptr, tile, TOKENS, BLOCK_M: tl.constexpr):
+    """A tile's slot, its token rows (int64) and which of them are rows (the rest pad the tile). Both
+    are loaded before the caller returns on slot -1: one round trip where loading the rows after the
+    branch made two before the first load of x or B (a decode program's chain is a few round trips)."""
+    slot = tl.load(tiles_ptr + tile)
     rows = tl.load(rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-    return rows.to(tl.int64), rows < TOKENS
+    return slot, rows.to(tl.int64), rows < TOKENS
 
 
 @triton.jit
 def _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, sq_ptr, counter_ptr, rows_ptr, tiles_ptr, norm_ptr, eps, K, NR,
                  TOKENS, K_PER_SPLIT, x_stride, a_slot_stride, part_split_stride, BLOCK_M: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PROLOGUE: tl.constexpr,
-                 DOT_F32: tl.constexpr, PDL: tl.constexpr):
+                 PLANE_BLOCK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
     """A tile (axis 0), a block of h's columns and a split of K (axis 1: r_block * splits + split);
     the squares of split s of block r_block in row ``r_block * splits + s`` of ``sq``."""
     # Every program waits first, before any early return, so that this kernel's end still implies
@@ -44,10 +58,9 @@ def _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, sq_ptr, counter_ptr, rows_ptr, t
     tile, rs = tl.program_id(0), tl.program_id(1)
     splits = tl.num_programs(1) // tl.cdiv(NR, BLOCK_R)
     r_block, split = rs // splits, rs % splits
-    slot = tl.load(tiles_ptr + tile)
+    slot, rows, m_ok = _tile(rows_ptr, tiles_ptr, tile, TOKENS, BLOCK_M)
     if slot < 0:
         return
-    rows, m_ok = _tile_rows(rows_ptr, tile, TOKENS, BLOCK_M)
     offs_r = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < NR
     a_base = a_ptr + slot.to(tl.int64) * a_slot_stride
@@ -79,9 +92,10 @@ def _shrink_tile(x_ptr, a_ptr, h_ptr, part_ptr, sq_ptr, counter_ptr, rows_ptr, t
         if PROLOGUE == 1:
             tl.store(sq_ptr + rs.to(tl.int64) * TOKENS + rows, squares, mask=m_ok)
         if _last_split(counter_ptr + tile * tl.cdiv(NR, BLOCK_R) + r_block, splits):
-            acc = _sum_planes(part_ptr, offsets, mask, splits, part_split_stride)
+            acc = _sum_planes(part_ptr, offsets, mask, splits, part_split_stride, PLANE_BLOCK)
             if PROLOGUE == 1:
-                squares = _sum_planes(sq_ptr + (r_block * splits).to(tl.int64) * TOKENS, rows, m_ok, splits, TOKENS)
+                squares = _sum_planes(sq_ptr + (r_block * splits).to(tl.int64) * TOKENS, rows, m_ok, splits, TOKENS,
+                                      PLANE_BLOCK)
                 acc *= tl.rsqrt(squares / K + eps)[:, None]
             tl.store(h_ptr + offsets, acc, mask=mask)
     else:
@@ -106,10 +120,9 @@ def _expand_tile(y_ptr, h_ptr, b_ptr, rows_ptr, tiles_ptr, N, R, END0, END1, TOK
     """A tile (axis 0) and a run of output columns (axis 1)."""
     await_previous_kernel(PDL)  # (first, as in _shrink_tile)
     tile, n_program = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(tiles_ptr + tile)
+    slot, rows, m_ok = _tile(rows_ptr, tiles_ptr, tile, TOKENS, BLOCK_M)
     if slot < 0:
         return
-    rows, m_ok = _tile_rows(rows_ptr, tile, TOKENS, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < R
     # Each slice's h, loaded once for the whole run of columns (unrolled by hand: a loop over the
@@ -127,14 +140,16 @@ def _expand_tile(y_ptr, h_ptr, b_ptr, rows_ptr, tiles_ptr, N, R, END0, END1, TOK
     n_end = tl.minimum(n_first + N_PER_PROGRAM, N)
     for n0 in range(n_first, n_end, BLOCK_N):
         offs_n, n_ok, piece = _column_block(n0, n_end, END0, END1, BLOCK_N)
+        y_ptrs = y_ptr + rows[:, None] * N + offs_n[None, :]
+        mask = m_ok[:, None] & n_ok[None, :]
+        # y is loaded before B's products so that its round trip overlaps B's (loaded after them, it
+        # was a second round trip a column block: the pipeliner only runs ahead the loads of tl.dot).
+        y = tl.load(y_ptrs, mask=mask, other=0.0)
         acc = _slice_product(h0, b_base, offs_n, n_ok & (piece == 0), offs_r, r_ok, R, DOT_F32)
         if SLICES > 1:
             acc += _slice_product(h1, b_base, offs_n, n_ok & (piece == 1), offs_r, r_ok, R, DOT_F32)
         if SLICES > 2:
             acc += _slice_product(h2, b_base, offs_n, n_ok & (piece == 2), offs_r, r_ok, R, DOT_F32)
-        y_ptrs = y_ptr + rows[:, None] * N + offs_n[None, :]
-        mask = m_ok[:, None] & n_ok[None, :]
-        y = tl.load(y_ptrs, mask=mask, other=0.0)
         tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -160,7 +175,8 @@ def launch_tiles(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b:
     _shrink_tile[(grid_tiles, r_blocks * splits)](
         x, lora_a, h, planes, squares, counters, rows, tiles, norm, eps, k, nr, tokens, per_split, x.stride(0),
         lora_a.stride(0), h.numel(), BLOCK_M=TILE_ROWS, BLOCK_R=block_r, BLOCK_K=config.lora_tile_block_k, SPLIT=split,
-        PROLOGUE=prologue, DOT_F32=dot_f32, **pdl)
+        PROLOGUE=prologue, PLANE_BLOCK=config.lora_merge_planes, DOT_F32=dot_f32,
+        num_stages=config.lora_shrink_stages, **pdl)
     block_n = config.lora_tile_block_n
     per_program = column_runs(n, block_n, busy, sms, config)
     ends = slice_ends(slices, n)

@@ -64,11 +64,17 @@ def _last_split(counter_ptr, SPLITS):
 
 
 @triton.jit
-def _sum_planes(part_ptr, offsets, mask, SPLITS, split_stride):
-    """The sum over ``SPLITS`` planes (``split_stride`` apart) of the elements at ``offsets``."""
+def _sum_planes(part_ptr, offsets, mask, SPLITS, split_stride, PLANE_BLOCK: tl.constexpr):
+    """The sum over ``SPLITS`` planes (``split_stride`` apart) of the elements at ``offsets``, added
+    in plane order. The merge is the tail of the shrink's critical path (one program a unit, after
+    every split), so the loads of ``PLANE_BLOCK`` planes are issued together, unrolled and
+    independent: one round trip to L2 for them all where a loop of one load a plane made one each
+    (a rolled loop waits for each load before the next, as the add needs it)."""
     total = tl.load(part_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
-    for s in range(1, SPLITS):
-        total += tl.load(part_ptr + s * split_stride + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+    for s0 in range(1, SPLITS, PLANE_BLOCK):
+        for j in tl.static_range(PLANE_BLOCK):
+            total += tl.load(part_ptr + (s0 + j) * split_stride + offsets, mask=mask & (s0 + j < SPLITS), other=0.0,
+                             cache_modifier=".cg")
     return total
 
 
@@ -88,10 +94,13 @@ def slice_ends(slices: tuple[int, ...], n: int) -> list[int]:
 
 
 def split_k(k: int, step: int, programs: int, sms: int, config: KernelConfig) -> tuple[int, int]:
-    """(splits, in-features a split): K split so that ``programs`` programs a split about fill the
-    SMs, each split a whole number of ``step`` blocks."""
+    """(splits, in-features a split): K split so that ``programs`` programs a split make about
+    ``lora_shrink_programs_per_sm`` programs an SM, each split a whole number of ``step`` blocks.
+    More than one an SM: a program's loop over its split is a chain of round trips (a few blocks in
+    flight at a time), so shorter splits shorten the kernel as long as the merge's planes stay few."""
     k_blocks = triton.cdiv(k, step)
-    splits = max(1, min(k_blocks, config.lora_max_splits, sms // max(programs, 1)))
+    wanted = sms * config.lora_shrink_programs_per_sm // max(programs, 1)
+    splits = max(1, min(k_blocks, config.lora_max_splits, wanted))
     per_split = triton.cdiv(k_blocks, splits) * step
     return triton.cdiv(k, per_split), per_split
 

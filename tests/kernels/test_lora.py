@@ -131,6 +131,8 @@ DECODE_CASES = [
     (6, [0, -1, 0, 0, -1, 0], [40, 24], 700, 16, 1),                # one adapter's tile, K split in planes
     (50, [i % 2 if i % 5 else -1 for i in range(50)], [33], 600, 8, 2),  # two tiles an adapter
     (20, [0] * 19 + [-1], [33, 33, 20], 600, 8, 1),                 # two tiles of one adapter, K split
+    (64, [i % 8 for i in range(64)], [96, 32, 32], 1000, 16, 8),    # 8 adapters interleaved, 8 rows each
+    (64, [(i % 4) * 2 for i in range(64)], [150], 1000, 16, 8),     # slots 1, 3, 5, 7 without rows
 ]
 
 
@@ -171,7 +173,11 @@ def test_decode_split_rmsnorm_in_bf16(device, assert_matches):
 @pytest.mark.parametrize("lengths,slots", [([1], [0]), ([1] * 21, [i % 3 - 1 for i in range(21)]), ([9, 14], [1, 0])])
 @pytest.mark.parametrize("settings", [dict(lora_max_splits=1, lora_expand_steps=1),
                                       dict(lora_tile_block_k=16, lora_tile_block_n=32, lora_min_split_k=16,
-                                           lora_row_block_k=32, lora_norm_block=64, lora_expand_programs_per_sm=8)])
+                                           lora_row_block_k=32, lora_norm_block=64, lora_expand_programs_per_sm=8),
+                                      # 19 splits, merged 4 planes at a time (the last group cut short)
+                                      dict(lora_tile_block_k=16, lora_min_split_k=16, lora_row_block_k=16,
+                                           lora_shrink_programs_per_sm=16, lora_merge_planes=4,
+                                           lora_shrink_stages=2)])
 def test_kernel_config_reshapes_the_launches_not_the_update(lengths, slots, settings, device, assert_matches):
     """The LoRA knobs of KernelConfig (no split and one block a program; small blocks, many splits)."""
     y, x, a, b, rows, tiles = _inputs(lengths, slots, [40, 24], 300, 8, 2, torch.float32, device)
