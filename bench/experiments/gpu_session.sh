@@ -11,7 +11,8 @@
 # prefill (bench/experiments/prefill_breakdown.py: host and GPU time of a prefill, graphs and eager), decode (bench/decode.py; extra arguments in $DECODE_ARGS, e.g. "--batches 1 --kernel-config NAME=VALUE").
 # The open issues' figures, each stage its GPU tests first (a failing test does not stop the stage's benchmark):
 #   lora (#23, ~4 min), spec (#24, ~3 min), quant (#27, ~6 min), moe (#22, ~4 min), startup and serving (#29,
-#   ~2 and ~6 min; need $TOKENIZER_DIR; $SERVING_SHAPES picks the shapes), structured (#29). Each step has its own time limit.
+#   ~2 and ~6 min; need $TOKENIZER_DIR; $SERVING_SHAPES picks the shapes, $SERVE_ARGS adds
+#   kiln serve flags, e.g. "--api-server-count 4"), structured (#29). Each step has its own time limit.
 set -uo pipefail
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -29,7 +30,7 @@ serving_figures() {
     --out "$out/offline_${shape}_64.json" | tail -1
   timeout 200 python3 bench/offline.py --model "$art" --workload random --num-requests 512 --input-len 256 \
     --output-len 128 --max-running 256 --out "$out/offline_${shape}_256.json" | tail -1
-  python3 -m kiln serve "$art" --port $port --mem-fraction 0.5 --served-model-name m --max-queued-requests 512 \
+  python3 -m kiln serve "$art" --port $port --mem-fraction 0.5 --served-model-name m --max-queued-requests 512 ${SERVE_ARGS:-} \
     > "$out/serve_$shape.log" 2>&1 &
   local server=$!
   python3 -c "import time, httpx

@@ -2,6 +2,11 @@
 serving the base model (slot -1 everywhere) and a batch spread over adapters.
 
     python bench/experiments/lora_profile.py --shape llama3-8b --layers 8 --batches 1 64
+    python bench/experiments/lora_profile.py --layers 8 --kernel-config pdl=false
+
+The table's "GPU busy" sums the kernels' durations: with programmatic dependent launch a kernel
+starts while the one before it runs and waits inside itself, so its duration includes part of its
+predecessor's; ``pdl=false`` gives durations that do not overlap.
 
 ``bench/lora_decode.py`` gives the step times; this says which kernels make the difference.
 """
@@ -20,6 +25,7 @@ from lora_decode import write_adapter  # noqa: E402
 from models import SHAPES, random_model  # noqa: E402
 from step_breakdown import kernel_table, trace  # noqa: E402
 
+from kiln.cli_compile import add_tuning_options, tuning_options  # noqa: E402
 from kiln.compiler.compile import compile_model  # noqa: E402
 from kiln.compiler.options import CompileOptions  # noqa: E402
 from kiln.runtime.engine_core import EngineCore  # noqa: E402
@@ -36,6 +42,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--top", type=int, default=14)
+    add_tuning_options(parser, skip_pass=False)  # --kernel-config NAME=VALUE, e.g. pdl=false: no launch overlap
     args = parser.parse_args()
     _, source = random_model(args.shape, dtype=torch.bfloat16, layers=args.layers, device="cuda")
     batch, seq_len = max(args.batches), 128 + args.steps + 64
@@ -43,7 +50,8 @@ def main() -> None:
         tmp = Path(tmp)
         artifact = compile_model(source, tmp / "lora.kiln", CompileOptions(
             dtype="bf16", backend="triton", max_batch_tokens=max(512, batch * 128), max_batch_size=batch,
-            max_seq_len=seq_len, max_loras=args.adapters, max_lora_rank=args.rank))
+            max_seq_len=seq_len, max_loras=args.adapters, max_lora_rank=args.rank,
+            kernel_config=tuning_options(args)["kernel_config"]))
         core = EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=batch * seq_len + 1024,
                                                        enable_prefix_cache=False))
         names = [f"adapter{i}" for i in range(args.adapters)]
