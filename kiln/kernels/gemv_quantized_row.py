@@ -144,6 +144,22 @@ def row_tiles(n: int, k: int, sms: int, pack: int, config: KernelConfig = DEFAUL
     return cfg.block_n, max(cfg.block_k, RUN_BYTES * pack), config.quantized_gemv_num_warps
 
 
+def row_constants(n: int, k: int, sms: int, *, pack: int, fp8: bool, act_quant: str | None, prologue: int,
+                  config: KernelConfig = DEFAULTS) -> tuple[dict, int]:
+    """The kernel's tiling and decode constexprs for an [n, k] weight stored ``pack`` values a byte
+    (``fp8``: e4m3 values), and its warps (the flags for the bias, residual and launch are the caller's)."""
+    block_n, block_k, warps = row_tiles(n, k, sms, pack, config)
+    if pack == 2:
+        x_factor, out_factor = 2.0 ** MX_X_SHIFT, 1.0
+    elif fp8:
+        x_factor, out_factor = 2.0 ** FP8_X_SHIFT, 2.0 ** (E4M3_BITS_SHIFT - FP8_X_SHIFT)
+    else:
+        x_factor, out_factor = 1.0, 1.0
+    return dict(WEIGHT=MXFP4 if pack == 2 else PER_CHANNEL, FP8=fp8, ACT=ACT_KINDS[act_quant], PROLOGUE=prologue,
+                X_FACTOR=x_factor, OUT_FACTOR=out_factor, BLOCK_N=block_n, BLOCK_K=block_k,
+                PASS_K=min(pow2(k, 16), config.gemv_norm_pass_elements)), warps
+
+
 def launch_quantized_row_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out: torch.Tensor,
                               *, scheme: QuantScheme, act_quant: str | None, norm_weight: torch.Tensor | None = None,
                               gated: bool = False, bias: torch.Tensor | None = None,
@@ -153,20 +169,12 @@ def launch_quantized_row_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scal
     n, k = weight.shape[0], weight.shape[1] * scheme.pack
     if n == 0:
         return
-    mx = scheme.block is not None
-    fp8 = weight.dtype == torch.float8_e4m3fn
-    block_n, block_k, warps = row_tiles(n, k, sm_count(x), scheme.pack, config)
-    if mx:
-        x_factor, out_factor = 2.0 ** MX_X_SHIFT, 1.0
-    elif fp8:
-        x_factor, out_factor = 2.0 ** FP8_X_SHIFT, 2.0 ** (E4M3_BITS_SHIFT - FP8_X_SHIFT)
-    else:
-        x_factor, out_factor = 1.0, 1.0
-    _qgemv_row_kernel[(triton.cdiv(n, block_n),)](
+    constants, warps = row_constants(n, k, sm_count(x), pack=scheme.pack, fp8=weight.dtype == torch.float8_e4m3fn,
+                                     act_quant=act_quant,
+                                     prologue=NORM if norm_weight is not None else SILU_MUL if gated else RAW,
+                                     config=config)
+    _qgemv_row_kernel[(triton.cdiv(n, constants["BLOCK_N"]),)](
         x, norm_weight if norm_weight is not None else x, weight, weight_scale, bias if bias is not None else out,
         residual if residual is not None else out, out, n, k, eps, weight.stride(0), weight_scale.stride(0),
-        WEIGHT=MXFP4 if mx else PER_CHANNEL, FP8=fp8, ACT=ACT_KINDS[act_quant],
-        PROLOGUE=NORM if norm_weight is not None else SILU_MUL if gated else RAW, HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None, HARDWARE=HARDWARE_FP8, X_FACTOR=x_factor, OUT_FACTOR=out_factor,
-        BLOCK_N=block_n, BLOCK_K=block_k, PASS_K=min(pow2(k, 16), config.gemv_norm_pass_elements),
-        num_warps=warps, num_stages=config.gemv_num_stages, **pdl_launch(x, config.pdl))
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, HARDWARE=HARDWARE_FP8,
+        num_warps=warps, num_stages=config.gemv_num_stages, **constants, **pdl_launch(x, config.pdl))
