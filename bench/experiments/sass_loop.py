@@ -49,7 +49,7 @@ def compile_sass(scheme: str, n: int, k: int, act: str | None, prologue: str, co
     warps and registers a thread."""
     w_type, s_type, pack, _ = SCHEMES[scheme]
     constants, warps = row.row_constants(n, k, H100_SMS, pack=pack, fp8=scheme == "fp8", act_quant=act,
-                                         prologue=PROLOGUES[prologue], config=config)
+                                         prologue=PROLOGUES[prologue], x_bytes=2, config=config)
     constants.update(HAS_BIAS=False, HAS_RESIDUAL=False, HARDWARE=True, PDL=True)
     pointers = dict(x_ptr="*bf16", nw_ptr="*bf16", w_ptr=w_type, s_ptr=s_type, b_ptr="*bf16", r_ptr="*bf16",
                     y_ptr="*bf16")

@@ -44,8 +44,6 @@ from .quant_decode import E2M1_BITS_SHIFT, E4M3_BITS_SHIFT, MX_BLOCK, MXFP4, PER
     int8_value
 from .triton_support import await_previous_kernel, pdl_launch, pow2, sm_count
 
-# Stored bytes one thread sums in registers before the accumulator: a 16-byte vector, one MX block.
-RUN_BYTES = 16
 # The powers of two ``e4m3_bits`` (2^-120) and ``e2m1_bits`` (2^-126) leave out, split between x and
 # the result so that neither overflows: x times 2^60 (2^63) holds any |x| below 2^68 (2^65), and the
 # products stay normal f32 for |x| above 2^-60.
@@ -58,27 +56,36 @@ MX_VALUES = tl.constexpr(MX_BLOCK)
 
 
 @triton.jit
-def _load_tile(w_ptr, s_ptr, cols, N, w_st, s_st, k0, K, WEIGHT: tl.constexpr, BLOCK_K: tl.constexpr):
+def _load_tile(w_ptr, s_ptr, cols, N, w_st, s_st, k0, K, WEIGHT: tl.constexpr, BLOCK_K: tl.constexpr,
+               VEC: tl.constexpr):
     # The stored bytes for K offsets k0..k0+BLOCK_K of weight rows ``cols`` ([BLOCK_N, BLOCK_K / pack]),
-    # zeros past N or K; for MXFP4 also the tile's block scales [BLOCK_N, BLOCK_K / 32].
+    # zeros past N or K; for MXFP4 also the scale of each thread's vector [BLOCK_N, BLOCK_K / VEC]
+    # (VEC / 2 bytes of one block: the threads of a block read the same byte, one sector).
+    # The pointers are declared contiguous in runs of a vector only, so that the load's layout gives each
+    # thread the VEC / pack bytes that multiply its VEC values of x (16 bytes of x) and nothing moves
+    # between threads in the loop.
     col_mask = (cols < N)[:, None]
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * w_st
     if WEIGHT == MXFP4:
         kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        w = tl.load(w_rows + kb[None, :], mask=col_mask & (kb < K // 2)[None, :], other=0)
-        blocks = k0 // MX_VALUES + tl.arange(0, BLOCK_K // MX_VALUES)
-        s = tl.load(s_ptr + cols.to(tl.int64)[:, None] * s_st + blocks[None, :],
-                    mask=col_mask & (blocks < K // MX_VALUES)[None, :], other=127)
+        w = tl.load(tl.max_contiguous(w_rows + kb[None, :], [1, VEC // 2]), mask=col_mask & (kb < K // 2)[None, :], other=0)
+        # Loaded as [vectors, rows] and transposed: the scale bytes are not contiguous either way, and
+        # so laid out the load gives each thread its vectors' scales, where [rows, vectors] would
+        # spread the rows over threads and move the scales between threads in the loop.
+        blocks = (k0 + VEC * tl.arange(0, BLOCK_K // VEC)) // MX_VALUES
+        s = tl.trans(tl.load(s_ptr + cols.to(tl.int64)[None, :] * s_st + blocks[:, None],
+                             mask=col_mask.T & (blocks < K // MX_VALUES)[:, None], other=127))
     else:
         k = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_rows + k[None, :], mask=col_mask & (k < K)[None, :], other=0.0)
+        w = tl.load(tl.max_contiguous(w_rows + k[None, :], [1, VEC]), mask=col_mask & (k < K)[None, :], other=0.0)
         s = w
     return w, s
 
 
 @triton.jit
 def _run_sums(products, BLOCK_N: tl.constexpr, RUNS: tl.constexpr, RUN: tl.constexpr):
-    # Sums of each thread's contiguous RUN values of a [BLOCK_N, RUNS * RUN] tile: [BLOCK_N, RUNS].
+    # Sums of each thread's contiguous RUN values of a [BLOCK_N, RUNS * RUN] tile: [BLOCK_N, RUNS],
+    # summed in order within the thread (a multiply and RUN - 1 fused multiply-adds).
     return tl.sum(tl.reshape(products, [BLOCK_N, RUNS, RUN]), axis=2)
 
 
@@ -87,7 +94,11 @@ def _qgemv_row_kernel(x_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, N, K, ep
                       WEIGHT: tl.constexpr, FP8: tl.constexpr, ACT: tl.constexpr, PROLOGUE: tl.constexpr,
                       HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HARDWARE: tl.constexpr,
                       X_FACTOR: tl.constexpr, OUT_FACTOR: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, PASS_K: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_K: tl.constexpr, VEC: tl.constexpr, PASS_K: tl.constexpr, PDL: tl.constexpr):
+    # x's tile [1, BLOCK_K] takes VEC values (16 bytes) a thread, every thread along K (BLOCK_K is at
+    # least VEC times the threads), and the weight tile [BLOCK_N, BLOCK_K] the same columns: a
+    # thread's x values multiply its own weight bytes in every row, so the loop moves nothing between
+    # threads, and x's prologue and rounding are paid once per BLOCK_N weights.
     dtype = y_ptr.dtype.element_ty
     rows = tl.arange(0, 1)
     row_mask = rows < 1
@@ -96,7 +107,7 @@ def _qgemv_row_kernel(x_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, N, K, ep
     col_mask = cols < N
     offs_k = tl.arange(0, BLOCK_K)
     # The first weight tile goes out before the wait (weights are never written during a step).
-    w, s = _load_tile(w_ptr, s_ptr, cols, N, w_st, s_st, 0, K, WEIGHT, BLOCK_K)
+    w, s = _load_tile(w_ptr, s_ptr, cols, N, w_st, s_st, 0, K, WEIGHT, BLOCK_K, VEC)
     await_previous_kernel(PDL)
     rstd = tl.zeros([1], tl.float32)
     if PROLOGUE == NORM:
@@ -105,20 +116,22 @@ def _qgemv_row_kernel(x_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, N, K, ep
     if ACT != ACT_NONE:
         x_scale = act_scale(row_amax(x_rows, nw_ptr, row_mask, K, rstd, PROLOGUE, dtype, PASS_K), ACT)
     if WEIGHT == MXFP4:
-        acc = tl.zeros([BLOCK_N, BLOCK_K // MX_VALUES], tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w_next, s_next = _load_tile(w_ptr, s_ptr, cols, N, w_st, s_st, k0 + BLOCK_K, K, WEIGHT, BLOCK_K)
+        w_next, s_next = _load_tile(w_ptr, s_ptr, cols, N, w_st, s_st, k0 + BLOCK_K, K, WEIGHT, BLOCK_K, VEC)
         xk, partner = input_tile(x_rows, nw_ptr, row_mask, k0 + offs_k, K, PROLOGUE)
         xin = tile_input(xk, partner, rstd, PROLOGUE, dtype).to(tl.float32)
         if ACT != ACT_NONE:
             xin = quantize_act(tl.math.div_rn(xin, x_scale[:, None]), ACT, HARDWARE).to(tl.float32)
-        xin = xin * X_FACTOR  # the power of two the bit decode leaves out (a few values, not a tile's)
+        xin = xin * X_FACTOR  # the power of two the bit decode leaves out (once per BLOCK_N weights)
         if WEIGHT == MXFP4:
+            # A thread's VEC / 2 bytes are VEC values of one block: their sum takes the block's scale.
             low, high = e2m1_bits(w)
             x_even, x_odd = tl.split(tl.reshape(xin, [1, BLOCK_K // 2, 2]))
-            sums = _run_sums(low * x_even + high * x_odd, BLOCK_N, BLOCK_K // MX_VALUES, MX_VALUES // 2)
+            sums = _run_sums(low * x_even, BLOCK_N, BLOCK_K // VEC, VEC // 2) + \
+                _run_sums(high * x_odd, BLOCK_N, BLOCK_K // VEC, VEC // 2)
             acc += sums * ((s.to(tl.int32) + MX_SCALE_BIAS) << 23).to(tl.float32, bitcast=True)
         else:
             if FP8:
@@ -136,19 +149,27 @@ def _qgemv_row_kernel(x_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, N, K, ep
     gemv_epilogue(out, b_ptr, r_ptr, y_ptr, rows, cols, row_mask, col_mask, 0, 0, dtype, HAS_BIAS, HAS_RESIDUAL)
 
 
-def row_tiles(n: int, k: int, sms: int, pack: int, config: KernelConfig = DEFAULTS) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) of the one-row GEMV over an [n, k] weight stored ``pack`` values
-    a byte: the bf16 GEMV's tiling counted in weight bytes (``gemv_quantized.gemv_tiling``), at least
-    one run of ``RUN_BYTES`` bytes (one MX block) of K."""
+def row_tiles(n: int, k: int, sms: int, pack: int, x_bytes: int,
+              config: KernelConfig = DEFAULTS) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, VEC, num_warps) of the one-row GEMV over an [n, k] weight stored ``pack``
+    values a byte, for x of ``x_bytes`` bytes a value: the bf16 GEMV's column tiling counted in weight
+    bytes (``gemv_quantized.gemv_tiling``), VEC values of x a thread (16 bytes: one load), and K
+    steps of at least VEC values a thread so that every thread lies along K (``_qgemv_row_kernel``),
+    the rows cut down to keep the tile within ``quantized_gemv_product_elements`` bytes."""
+    warps = config.quantized_gemv_num_warps
+    vec = 16 // x_bytes
     cfg = gemv_config(1, n, k, sms, gemv_tiling(config, pack))
-    return cfg.block_n, max(cfg.block_k, RUN_BYTES * pack), config.quantized_gemv_num_warps
+    block_k = max(cfg.block_k, vec * 32 * warps)
+    block_n = max(1, min(cfg.block_n, config.quantized_gemv_product_elements * pack // block_k))
+    return block_n, block_k, vec, warps
 
 
 def row_constants(n: int, k: int, sms: int, *, pack: int, fp8: bool, act_quant: str | None, prologue: int,
-                  config: KernelConfig = DEFAULTS) -> tuple[dict, int]:
+                  x_bytes: int, config: KernelConfig = DEFAULTS) -> tuple[dict, int]:
     """The kernel's tiling and decode constexprs for an [n, k] weight stored ``pack`` values a byte
-    (``fp8``: e4m3 values), and its warps (the flags for the bias, residual and launch are the caller's)."""
-    block_n, block_k, warps = row_tiles(n, k, sms, pack, config)
+    (``fp8``: e4m3 values) and x of ``x_bytes`` a value, and its warps (the flags for the bias,
+    residual and launch are the caller's)."""
+    block_n, block_k, vec, warps = row_tiles(n, k, sms, pack, x_bytes, config)
     if pack == 2:
         x_factor, out_factor = 2.0 ** MX_X_SHIFT, 1.0
     elif fp8:
@@ -156,7 +177,7 @@ def row_constants(n: int, k: int, sms: int, *, pack: int, fp8: bool, act_quant: 
     else:
         x_factor, out_factor = 1.0, 1.0
     return dict(WEIGHT=MXFP4 if pack == 2 else PER_CHANNEL, FP8=fp8, ACT=ACT_KINDS[act_quant], PROLOGUE=prologue,
-                X_FACTOR=x_factor, OUT_FACTOR=out_factor, BLOCK_N=block_n, BLOCK_K=block_k,
+                X_FACTOR=x_factor, OUT_FACTOR=out_factor, BLOCK_N=block_n, BLOCK_K=block_k, VEC=vec,
                 PASS_K=min(pow2(k, 16), config.gemv_norm_pass_elements)), warps
 
 
@@ -172,7 +193,7 @@ def launch_quantized_row_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scal
     constants, warps = row_constants(n, k, sm_count(x), pack=scheme.pack, fp8=weight.dtype == torch.float8_e4m3fn,
                                      act_quant=act_quant,
                                      prologue=NORM if norm_weight is not None else SILU_MUL if gated else RAW,
-                                     config=config)
+                                     x_bytes=x.element_size(), config=config)
     _qgemv_row_kernel[(triton.cdiv(n, constants["BLOCK_N"]),)](
         x, norm_weight if norm_weight is not None else x, weight, weight_scale, bias if bias is not None else out,
         residual if residual is not None else out, out, n, k, eps, weight.stride(0), weight_scale.stride(0),

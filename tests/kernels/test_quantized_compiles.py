@@ -2,7 +2,7 @@
 
 The interpreter runs a kernel's Python, not Triton's compiler (see test_kernels_compile_for_hopper.py): every
 variant the quantized linear ops launch is compiled here ahead of time, down to the cubin, in a
-process of its own, with the tiles and warps ``row_tiles`` and ``quantized_gemv_tiles`` pick for Llama-3-8B's shapes
+process of its own, with the tiles and warps ``row_constants`` and ``quantized_gemv_tiles`` pick for Llama-3-8B's shapes
 on an H100: the one-row GEMV (each scheme, W8A8 quantizing in it), at 16 rows (tl.dot), the GEMM
 tile at 64 rows, each prologue and epilogue; the activation quantizer from one tile and from several passes;
 the dequantizer of the library path.
@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kiln.kernels import act_quant_triton, gemm_quantized, gemv_quantized, gemv_quantized_row
-from kiln.kernels.act_quant_triton import ACT_FP8, ACT_INT8, ACT_NONE
+from kiln.kernels.act_quant_triton import ACT_FP8, ACT_INT8, ACT_KINDS, ACT_NONE
 from kiln.kernels.config import DEFAULTS
 from kiln.kernels.gemv import NORM, RAW, SILU_MUL
 from kiln.kernels.gemv_quantized import quantized_gemv_tiles
@@ -49,16 +49,16 @@ def _compile(kernel, pointers: dict[str, str], constants: dict, num_warps: int =
 
 
 def _row_gemv(weight: str, act, prologue, n: int, k: int, bias: bool, residual: bool):
-    """The one-row GEMV as ``launch_quantized_row_gemv`` launches it for an [n, k] weight."""
+    """The one-row GEMV as ``launch_quantized_row_gemv`` launches it for an [n, k] weight and bf16 x."""
     w_type, s_type = _WEIGHTS[weight]
-    mx = weight == "mxfp4"
-    block_n, block_k, warps = gemv_quantized_row.row_tiles(n, k, H100_SMS, 2 if mx else 1)
+    act_quant = next(name for name, kind in ACT_KINDS.items() if kind == act)
+    constants, warps = gemv_quantized_row.row_constants(n, k, H100_SMS, pack=2 if weight == "mxfp4" else 1,
+                                                        fp8=weight == "fp8", act_quant=act_quant, prologue=prologue,
+                                                        x_bytes=2)
     pointers = dict(x_ptr="*bf16", nw_ptr="*bf16", w_ptr=w_type, s_ptr=s_type, b_ptr="*bf16", r_ptr="*bf16",
                     y_ptr="*bf16")
     return _compile(gemv_quantized_row._qgemv_row_kernel, pointers, dict(
-        WEIGHT=MXFP4 if mx else PER_CHANNEL, FP8=weight == "fp8", ACT=act, PROLOGUE=prologue, HAS_BIAS=bias,
-        HAS_RESIDUAL=residual, HARDWARE=True, X_FACTOR=2.0 ** 60, OUT_FACTOR=2.0 ** 60, BLOCK_N=block_n,
-        BLOCK_K=block_k, PASS_K=4096, PDL=True), warps)
+        constants, HAS_BIAS=bias, HAS_RESIDUAL=residual, HARDWARE=True, PDL=True), warps)
 
 
 def _gemv(weight: str, act, prologue, rows: int, n: int, k: int, bias: bool, residual: bool) -> None:
