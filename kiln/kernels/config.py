@@ -120,8 +120,11 @@ class KernelConfig:
     compile). MXFP4 takes a quarter as many values: its decoded pairs and x's two strided halves
     took 171-255 registers at 256. Not yet tuned on a GPU."""
     quantized_gemv_num_warps: int = 8
-    """Warps per program of the quantized GEMV up to 16 rows: at 8 the one-row tiles took 80 (fp8) and
-    95 (MXFP4) registers in sm_90 compiles, where 4 warps took 127 and 119."""
+    """Warps per program of the quantized GEMV up to 16 rows. The one-row GEMV's K step is at least 8
+    values of x a thread times the threads (2048 at 8 warps), so fewer warps give it more rows in a
+    tile of ``quantized_gemv_product_elements`` bytes (sm_90 compiles, ``bench/experiments/sass_loop.py``:
+    fp8 W8A8 8.1 instructions a weight at 8 warps, 6.5 at 4, where x's rounding is shared by 8 rows
+    instead of 4; 79 and 118 registers). Not yet timed on a GPU: sweep 4 and 8."""
     quantized_gemm_block_n: int = 64
     """Output columns per program of the quantized GEMV above 16 rows (weight-only schemes at large
     decode batches; W8A8 where no library GEMM fits): a GEMM tile, wide so that each program's rows of

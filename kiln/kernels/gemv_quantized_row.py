@@ -7,15 +7,18 @@ an H100 at ~3 TB/s must take in ~13 fp8 values or ~26 MXFP4 values a clock per S
 lane-instructions a clock (64 of them integer). So, per program (``BLOCK_N`` weight rows, stepping
 through K in ``BLOCK_K`` tiles with the next tile's loads in flight, as ``gemv.py``):
 
-- the weight tile loads as contiguous 16-byte vectors of stored bytes, decoded by bit moves
-  (``quant_decode``): two integer operations an fp8 value, three an e2m1 value, no conversions;
+- x's tile takes the weight tile's layout, not the reverse: each thread loads VEC values of x (16
+  bytes) and, in every row of the tile, the VEC / pack weight bytes they multiply, with every thread
+  along K (``row_tiles``), so the loop moves nothing between threads (no shared memory, barriers or
+  shuffles) and x's prologue and rounding cost once per BLOCK_N weights;
+- the weight bytes are decoded by bit moves (``quant_decode``): a few integer operations a value,
+  no conversions;
 - x multiplies by broadcasting in f32 (no tl.dot: a tensor-core MMA on one row wastes 15/16 of it and
   sends the weights through shared memory) into an accumulator of the tile's shape (per-channel) or of
-  its MX blocks (each thread's 16 bytes summed in registers first), reduced across threads once,
-  after the loop, not every step;
-- MXFP4: 16 bytes are one block of 32 values, so a block's partial sum takes its scale once (one
-  scale byte and one multiply a block); x is read contiguously and split into its even elements (the
-  low nibbles' partners) and odd ones in registers;
+  its thread vectors (MXFP4), reduced across threads once, after the loop, not every step;
+- MXFP4: a thread's VEC / 2 bytes lie in one 32-value block, so their partial sum takes the block's
+  scale once (one scale byte and one multiply a vector); x's VEC values split into its even elements
+  (the low nibbles' partners) and odd ones in registers;
 - the power of two the bit decodes leave out goes into x (a tile of x serves BLOCK_N weight rows)
   and the epilogue, never into each value;
 - W8A8 (``act_quant``): each program finds the row's scale itself (a pass over x, read from L2, as

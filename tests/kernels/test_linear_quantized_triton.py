@@ -101,11 +101,13 @@ def test_gemm_tile_matches_reference(op, scheme, act_quant):
 @pytest.mark.parametrize("n,k", [(5, 32), (37, 416), (70, 1088)])
 @pytest.mark.parametrize("scheme,act_quant", CASES)
 def test_one_row_gemv_at_odd_shapes(scheme, act_quant, n, k):
-    # gemv_quantized_row: N not a multiple of its column tile, K of one 16-byte run (one MX block) to
-    # several K tiles (quantized_gemv_product_elements 256 bytes), the last one partial.
+    # gemv_quantized_row: N not a multiple of its column tile, K of one MX block to several K tiles
+    # (one warp: K steps of 4 f32 values a thread, 128; quantized_gemv_product_elements 256 bytes),
+    # the last one partial.
     args, scales = _operands("rmsnorm_linear", scheme, 1, n, torch.float32, k=k)
     _assert_matches("rmsnorm_linear", scheme, act_quant, args, scales,
-                    KernelConfig(quantized_gemv_product_elements=256, gemv_one_step_max_k=256))
+                    KernelConfig(quantized_gemv_product_elements=256, gemv_one_step_max_k=256,
+                                 quantized_gemv_num_warps=1))
 
 
 @pytest.mark.parametrize("rows", [1, 5])
