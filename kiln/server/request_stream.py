@@ -1,11 +1,18 @@
 """What a submission gives back to its route: a ``RequestStream`` of ``SampleOutput`` deltas (text,
 token ids, logprobs, finish reason) in arrival order, and the ``Usage`` that is complete once it
 ends. The tokenizer manager fills the streams (``tokenizer_manager.py``); closing one aborts what is
-left of its requests."""
+left of its requests.
+
+A stream hands out, as one delta, every delta of the same sample that has arrived since its route
+last asked: a route that keeps up gets one delta a step, one that falls behind (the HTTP process's
+CPU is the server's limit at a GPU's token rates) gets several steps' tokens in one delta, so one
+SSE frame and one socket write instead of several. The text, token ids and logprobs are the same,
+only cut into fewer chunks, as OpenAI's own streams cut them freely."""
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -62,12 +69,14 @@ class RequestStream:
         self.rids: list[str] = []
         self.max_tokens_param = max_tokens_param
         self.usage = Usage()
-        self._queue: asyncio.Queue[SampleOutput | APIError] = asyncio.Queue()
+        self._items: deque[SampleOutput | APIError] = deque()
+        self._arrived = asyncio.Event()
         self._pending = samples
         self._prompts_counted: set[int] = set()
 
     def put(self, item: SampleOutput | APIError) -> None:
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        self._arrived.set()
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -75,10 +84,15 @@ class RequestStream:
     async def __anext__(self) -> SampleOutput:
         if self._pending == 0:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        while not self._items:
+            self._arrived.clear()
+            await self._arrived.wait()
+        item = self._items.popleft()
         if isinstance(item, APIError):
             self._pending = 0
             raise item
+        while item.finish_reason is None and self._items and _same_sample(item, self._items[0]):
+            item = _joined(item, self._items.popleft())
         self.usage.completion_tokens += len(item.token_ids)
         if item.finish_reason is not None:
             self._pending -= 1
@@ -95,3 +109,15 @@ class RequestStream:
     def close(self) -> None:
         """Ends the stream's requests: those still running are aborted (idempotent)."""
         self.manager.release(self)
+
+
+def _same_sample(item: SampleOutput, following: SampleOutput | APIError) -> bool:
+    return isinstance(following, SampleOutput) and (following.prompt_index, following.index) == \
+        (item.prompt_index, item.index)
+
+
+def _joined(first: SampleOutput, then: SampleOutput) -> SampleOutput:
+    """Two consecutive deltas of one sample as one (``first`` has no finish reason)."""
+    return SampleOutput(first.prompt_index, first.index, first.text + then.text, first.token_ids + then.token_ids,
+                        first.logprobs + then.logprobs, then.finish_reason,
+                        first.prompt_logprobs or then.prompt_logprobs, then.matched_stop)
