@@ -73,11 +73,12 @@ def random_model(shape: str, dtype: torch.dtype = torch.bfloat16, layers: int | 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments ``random_engine`` reads: the shape, its layers, the batch of prompts, and the
-    compile's kernel config and skipped passes."""
+    compile's quantization, kernel config and skipped passes."""
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, default=None, help="cut the shape to this many layers")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--quantization", default=None, help="compile with this quantization method (e.g. fp8)")
     add_tuning_options(parser)
 
 
@@ -89,7 +90,8 @@ def random_engine(args: argparse.Namespace, max_seq_len: int, **options) -> Engi
     with tempfile.TemporaryDirectory() as tmp:
         artifact = compile_model(source, Path(tmp) / "m.kiln", CompileOptions(
             dtype="bf16", backend="triton", max_batch_tokens=max(512, args.batch * args.prompt_len),
-            max_batch_size=args.batch, max_seq_len=max_seq_len, **tuning_options(args)))
+            max_batch_size=args.batch, max_seq_len=max_seq_len, quantization=args.quantization,
+            **tuning_options(args)))
         return EngineCore(str(artifact), EngineOptions(device="cuda", kv_cache_tokens=args.batch * 1024,
                                                        enable_prefix_cache=False, **options))
 

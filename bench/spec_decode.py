@@ -16,6 +16,10 @@ the n-gram drafter's place in an n-gram speculator (its one proposal method), so
 the scheduler and the graphs are the ones n-gram and EAGLE use.
 
     python bench/spec_decode.py --shape llama3-8b --draft-tokens 4 8 --new-tokens 256 --out spec.json
+
+``--profile N`` also prints, for each run, the GPU kernels of N engine steps in mid-decode
+(``bench/experiments/step_breakdown.py``'s table) beside the steps' wall time: whether a verify
+step's extra cost is kernels or host work.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Sequence
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent / "experiments")]
 from models import SHAPES, random_model  # noqa: E402
 
 from kiln.compiler.compile import compile_model  # noqa: E402
@@ -80,8 +84,26 @@ def timed_run(core: EngineCore, prompts: list[list[int]], new_tokens: int) -> di
             "step_ms": 1000 * seconds / max(steps, 1), "tokens_per_s": decoded / seconds}
 
 
+def profile_steps(core: EngineCore, prompts: list[list[int]], label: str, steps: int) -> None:
+    """Prints the GPU kernels of ``steps`` engine steps in mid-decode and the steps' wall time."""
+    from step_breakdown import kernel_table, trace
+
+    params = SamplingParams(temperature=0, max_new_tokens=4 * steps + 16, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"profile{i}", prompt, params)
+    for _ in range(4):
+        core.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    events = trace(core.step, steps)
+    wall_ms = 1000 * (time.perf_counter() - start) / steps
+    print(f"== {label}: {wall_ms:.3f} ms a step (wall, profiled)\n{kernel_table(events, steps, 14)}")
+    while core.has_work():
+        core.step()
+
+
 def measure(artifact: Path, prompts: list[list[int]], new_tokens: int, draft_tokens: Sequence[int], device: str,
-            drafters: Sequence[str]) -> list[dict]:
+            drafters: Sequence[str], profile: int = 0) -> list[dict]:
     options = dict(device=device, kv_cache_tokens=len(prompts) * (len(prompts[0]) + new_tokens + 64),
                    enable_prefix_cache=False)
 
@@ -98,6 +120,8 @@ def measure(artifact: Path, prompts: list[list[int]], new_tokens: int, draft_tok
             if drafter != "oracle" or result["tokens"] == answer or rounds == 3:
                 break
             answer = result["tokens"]
+        if profile:
+            profile_steps(core, prompts, f"{drafter} k={k}", profile)
         stats = core.stats()
         row = {"drafter": drafter, "draft_tokens": k, **{key: result[key] for key in
                                                           ("decode_steps", "step_ms", "tokens_per_s")}}
@@ -157,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drafters", nargs="+", default=["oracle", "ngram"], choices=["oracle", "ngram"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="also print each run's GPU kernels over this many mid-decode steps (CUDA only)")
     args = parser.parse_args(argv)
     generator = torch.Generator().manual_seed(0)
     vocab = args.vocab_size or SHAPES[args.shape]["vocab_size"]
@@ -164,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         artifact = compile_random(args.shape, args.layers, args.vocab_size, args.device, Path(tmp) / "m.kiln",
                                   args.batch, args.prompt_len, args.new_tokens, max(args.draft_tokens))
-        rows = measure(artifact, prompts, args.new_tokens, args.draft_tokens, args.device, args.drafters)
+        rows = measure(artifact, prompts, args.new_tokens, args.draft_tokens, args.device, args.drafters,
+                       args.profile)
     for row in rows:
         print(json.dumps(row))
     if args.out is not None:

@@ -313,7 +313,7 @@ class EngineCore:
         not ``_graph_argmax_serves``: the argmax under the grammar masks (filled on the CPU while the
         step runs) when all are greedy, else the sampler's draw."""
         mask = self.constraints.mask(requests, logits)
-        if all(_argmax_row(r) for r in requests):
+        if all(r.params.argmax_of_logits for r in requests):
             return greedy if mask is None else masked_argmax(logits, mask, self.runner.sampler_kernels)
         rows = [SamplingRow(r.params, r.seed, len(r.output_ids)) for r in requests]
         return self.worker.sample(logits, SamplingBatch.pack(rows, self.vocab_size, logits.device), mask).token_ids
@@ -410,11 +410,6 @@ def _score_prompt_rows(lists: StepLists, logits: torch.Tensor) -> None:
         request.prompt_logprobs.append(value)
 
 
-def _argmax_row(request: Request) -> bool:
-    """Greedy with nothing added to the logits: the (possibly grammar-masked) argmax is its token."""
-    return request.params.greedy and not request.params.logit_bias
-
-
 def _graph_argmax_serves(requests: list[Request]) -> bool:
     """The decode graph's in-graph argmax is every row's token: nothing to mask, add or sample."""
-    return all(_argmax_row(r) for r in requests) and not Constraints.any_constrained(requests)
+    return all(r.params.argmax_of_logits for r in requests) and not Constraints.any_constrained(requests)

@@ -73,6 +73,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def argmax_of_logits(self) -> bool:
+        """Greedy with nothing added to the logits (no logit_bias, no penalties): the next token is
+        the raw logits' argmax (under a grammar's mask, if the request has one)."""
+        return self.greedy and not self.logit_bias and self.repetition_penalty == 1 \
+            and not self.frequency_penalty and not self.presence_penalty
+
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``ValueError`` naming the first parameter out of range; ``vocab_size`` also bounds
         token ids (``logit_bias``, ``stop_token_ids``)."""

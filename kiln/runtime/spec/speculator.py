@@ -40,7 +40,7 @@ from .config import DRAFT_HEADS, SpecConfig
 from .eagle import EagleDrafter
 from .ngram import NgramDrafter
 from .tree import DraftTree
-from .verify import accept, row_choices
+from .verify import accept, argmax_choices, row_choices
 
 if TYPE_CHECKING:
     from ..engine_core import EngineCore
@@ -75,8 +75,8 @@ class Speculator:
         core = self.core
         trees, masks = self._drafts(batch)
         lists = build_verify_lists(batch, trees, core.page_size, self.tree_masks)
-        outputs = core.worker.forward(lists).outputs
-        logits = outputs["logits"]
+        result = core.worker.forward(lists)
+        outputs, logits = result.outputs, result.logits
         core.scheduler.complete_step(batch)
         # Each request's first logits row (its root's) and draft tree: the decoding requests', then
         # the prefill chunks' that reached their prompt's end (one row, no draft).
@@ -86,10 +86,15 @@ class Speculator:
             plan.append((request, row, tree))
             row += 1 + len(tree)
         plan.extend((request, first, NO_DRAFT) for first, request in enumerate(lists.requests[row:], start=row))
-        row_drafts = [[tree.tokens[n] for n in kids] for _, _, tree in plan for kids in tree.distinct_children()]
-        choices = row_choices(logits, self._sampling_batch(plan, logits.device),
-                              self._mask(plan, masks, len(lists.requests), logits.device), row_drafts,
-                              core.runner.sampler_kernels)
+        if result.greedy is not None and all(r.params.argmax_of_logits and GRAMMAR not in r.extras for r, _, _ in plan):
+            # Every row's pick is its logits' argmax, which the verify graph already took: no scores
+            # to adjust and no sampling rows to upload between the step and reading its picks.
+            choices = argmax_choices(result.greedy.tolist())
+        else:
+            row_drafts = [[tree.tokens[n] for n in kids] for _, _, tree in plan for kids in tree.distinct_children()]
+            choices = row_choices(logits, self._sampling_batch(plan, logits.device),
+                                  self._mask(plan, masks, len(lists.requests), logits.device), row_drafts,
+                                  core.runner.sampler_kernels)
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) \
             if any(r.params.logprobs or r.params.top_logprobs for r, _, _ in plan) else None
         events: list[SampleEvent] = []

@@ -57,16 +57,22 @@ class RowChoices:
     draw: list[int]       # a draw from p_i
 
 
+def argmax_choices(argmax: list[int]) -> RowChoices:
+    """The targets of rows that are all greedy over their raw logits (``SamplingParams.argmax_of_logits``,
+    no grammar), from each row's argmax (a verify graph takes it on the device)."""
+    return RowChoices([True] * len(argmax), argmax, [-1] * len(argmax), argmax, argmax)
+
+
 def row_choices(logits: torch.Tensor, batch: SamplingBatch, mask: torch.Tensor | None, drafts: list[list[int]],
                 kernels: SamplerKernels) -> RowChoices:
     """The targets of every logits row; ``drafts[r]``: the distinct draft tokens that row verifies
     (a tree node's children, in order; [] for none)."""
     scores = adjusted_scores(logits.float(), batch, mask, kernels)
     argmax = kernels.argmax_rows(scores).tolist()
+    if batch.all_greedy:
+        return argmax_choices(argmax)
     rows = len(drafts)
     greedy = batch.greedy.tolist()
-    if batch.all_greedy:
-        return RowChoices(greedy, argmax, [-1] * rows, argmax, argmax)
     vocab = scores.shape[1]
     filtered = ref_filtered_scores(scores, batch.temperature, batch.top_k, batch.top_p, batch.min_p,
                                    batch.use_top_k, batch.use_top_p, batch.use_min_p).double()
