@@ -109,6 +109,11 @@ class KernelConfig:
     takes more registers a byte than bf16 (sm_90 compiles of Llama-3-8B's fp8 tiles at 4 warps: 222-250
     registers at 16 KB, 127 at 8 KB; at 8 warps 8 KB tiles take 64-95), so that 2-3 programs share
     an SM. Not yet tuned on a GPU: sweep 4096-16384 with ``quantized_gemv_num_warps``."""
+    quantized_gemv_programs_per_sm: int = 2
+    """``gemv_programs_per_sm`` for the quantized one-row GEMV: its column tiles narrow until there
+    are this many per SM. Fewer, wider tiles share x's prologue and rounding among more weight rows
+    (the row kernel's cost past the weight stream; H100, Llama-3-8B's fp8 layer GEMVs at 16 KB tiles:
+    1 a SM took 122 us against 2 a SM at 8 KB tiles' 160 us, ``bench/kernel_bench.py``)."""
     quantized_gemv_block_k: tuple[int, int] = (64, 2048)
     """``gemv_block_k`` for the quantized one-row GEMV, in weight bytes as the above."""
     quantized_gemv_block_n: tuple[int, int] = (4, 16)

@@ -168,6 +168,7 @@ def gemv_tiling(config: KernelConfig, pack: int) -> KernelConfig:
     # is a quarter as many values (see quantized_gemv_dot_block_k).
     least_k, most_k = config.quantized_gemv_block_k
     return replace(config, gemv_product_elements=config.quantized_gemv_product_elements * pack,
+                   gemv_programs_per_sm=config.quantized_gemv_programs_per_sm,
                    gemv_block_n=config.quantized_gemv_block_n, gemv_block_k=(least_k, most_k * pack),
                    gemv_dot_block_k=max(16, config.quantized_gemv_dot_block_k // pack ** 2))
 
