@@ -8,7 +8,8 @@ The table's "GPU busy" sums the kernels' durations: with programmatic dependent 
 starts while the one before it runs and waits inside itself, so its duration includes part of its
 predecessor's; ``pdl=false`` gives durations that do not overlap.
 
-``bench/lora_decode.py`` gives the step times; this says which kernels make the difference.
+Each section also gives the engine step's wall time (steps are graph replays, so this is the step's
+GPU time plus its launch); ``bench/lora_decode.py`` gives them at full depth against a base artifact.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -57,7 +59,7 @@ def main() -> None:
         names = [f"adapter{i}" for i in range(args.adapters)]
         for i, name in enumerate(names):
             core.load_lora(name, str(write_adapter(tmp / name, source.config, args.rank, seed=i)))
-        params = SamplingParams(temperature=0, max_new_tokens=args.steps * 3 + 20, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_new_tokens=args.steps * 4 + 20, ignore_eos=True)
         for size in args.batches:
             for label, loras in (("base model", [None] * size),
                                  ("adapters", [names[i % len(names)] for i in range(size)])):
@@ -65,7 +67,13 @@ def main() -> None:
                     core.add_request(f"{label}-{size}-{i}", list(range(1 + i, 129 + i)), params, lora=lora)
                 for _ in range(args.steps):  # prefill, graphs captured, decode running
                     core.step()
-                print(f"\n## batch {size}, {label} ({args.layers} layers)")
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    core.step()
+                torch.cuda.synchronize()
+                step_ms = 1e3 * (time.perf_counter() - start) / args.steps
+                print(f"\n## batch {size}, {label} ({args.layers} layers): engine step {step_ms:.3f} ms")
                 print(kernel_table(trace(core.step, args.steps), args.steps, args.top))
                 while core.has_work():
                     core.step()

@@ -103,19 +103,20 @@ class KernelConfig:
     runs (prefill, where the GEMM is compute bound). Not yet tuned on a GPU."""
     quantized_gemv_block_t: int = 64
     """Rows one program of the quantized GEMV holds above 16 rows (its tl.dot path pads to 16 below)."""
-    quantized_gemv_product_elements: int = 8192
-    """``gemv_product_elements`` for the quantized one-row GEMV, counted in weight bytes (an MXFP4 tile
-    holds twice as many values). Half the bf16 GEMV's 16 KB tiles: decoding 1-byte and 4-bit values
-    takes more registers a byte than bf16 (sm_90 compiles of Llama-3-8B's fp8 tiles at 4 warps: 222-250
-    registers at 16 KB, 127 at 8 KB; at 8 warps 8 KB tiles take 64-95), so that 2-3 programs share
-    an SM. Not yet tuned on a GPU: sweep 4096-16384 with ``quantized_gemv_num_warps``."""
-    quantized_gemv_programs_per_sm: int = 2
+    quantized_gemv_product_elements: int = 16384
+    """``gemv_product_elements`` for the quantized one-row GEMV, in weight values (16 KB of fp8 or int8,
+    8 KB of MXFP4): 8 rows of its 2048-value K step at 8 warps, so x's prologue and rounding serve 8
+    weight rows (sm_90, ``bench/experiments/sass_loop.py``: fp8 W8A8 8.1 instructions a weight at 8
+    rows, 11.4 at 4; 127 registers). H100, Llama-3-8B's four layer GEMVs at one row with
+    ``quantized_gemv_programs_per_sm`` 1 (``bench/kernel_bench.py``), us a layer: fp8 122 at 16384
+    against 160 at 8192 values (with 2 programs an SM) and 126 at 32768 (16 rows, 217 registers);
+    w8a8_int8 131 against 181; MXFP4 101.5 at 16384 values against 112.6 at 32768."""
+    quantized_gemv_programs_per_sm: int = 1
     """``gemv_programs_per_sm`` for the quantized one-row GEMV: its column tiles narrow until there
-    are this many per SM. Fewer, wider tiles share x's prologue and rounding among more weight rows
-    (the row kernel's cost past the weight stream; H100, Llama-3-8B's fp8 layer GEMVs at 16 KB tiles:
-    1 a SM took 122 us against 2 a SM at 8 KB tiles' 160 us, ``bench/kernel_bench.py``)."""
+    are this many per SM. One keeps 8 rows a tile at Llama-3-8B's 4096 columns (512 tiles at 4096
+    columns by 8 rows, on 132 SMs), where 2 halved the tiles to 4 rows (see above)."""
     quantized_gemv_block_k: tuple[int, int] = (64, 2048)
-    """``gemv_block_k`` for the quantized one-row GEMV, in weight bytes as the above."""
+    """``gemv_block_k`` for the quantized one-row GEMV, in weight bytes."""
     quantized_gemv_block_n: tuple[int, int] = (4, 16)
     """``gemv_block_n`` for the quantized one-row GEMV: up to 16 weight rows a tile, so that fewer
     programs re-read x. Not yet tuned."""
@@ -127,9 +128,8 @@ class KernelConfig:
     quantized_gemv_num_warps: int = 8
     """Warps per program of the quantized GEMV up to 16 rows. The one-row GEMV's K step is at least 8
     values of x a thread times the threads (2048 at 8 warps), so fewer warps give it more rows in a
-    tile of ``quantized_gemv_product_elements`` bytes (sm_90 compiles, ``bench/experiments/sass_loop.py``:
-    fp8 W8A8 8.1 instructions a weight at 8 warps, 6.5 at 4, where x's rounding is shared by 8 rows
-    instead of 4; 79 and 118 registers). Not yet timed on a GPU: sweep 4 and 8."""
+    tile of ``quantized_gemv_product_elements`` values; but 4 warps at 32768 values (16 rows) took
+    Llama-3-8B's fp8 layer GEMVs 8x longer on an H100 than 8 warps (1,738 against 126 us)."""
     quantized_gemm_block_n: int = 64
     """Output columns per program of the quantized GEMV above 16 rows (weight-only schemes at large
     decode batches; W8A8 where no library GEMM fits): a GEMM tile, wide so that each program's rows of
@@ -184,10 +184,11 @@ class KernelConfig:
     SMs, but a split shorter than this costs more in its plane than it saves."""
     lora_max_splits: int = 64
     """Most K splits of a LoRA shrink: the last split of a block of h adds every plane."""
-    lora_shrink_programs_per_sm: int = 2
+    lora_shrink_programs_per_sm: int = 4
     """Shrink programs an SM the K split aims for (``lora_triton.split_k``): at decode a tile's
     program walks its split a few blocks in flight at a time, so more, shorter splits shorten that
-    chain; each split adds a plane to the merge."""
+    chain; each split adds a plane to the merge. (H100, Llama-3-8B 8 layers, batch 64 over 8
+    adapters, with the expand settings below: 4 gave the step +15.3% over the base model's, 8 +17.7%.)"""
     lora_shrink_stages: int = 4
     """Software-pipeline stages of the tile shrink's loop over K (Triton's ``num_stages``): blocks of x
     and A in flight while one is multiplied. At decode a split is a few blocks, so with enough
@@ -195,11 +196,14 @@ class KernelConfig:
     lora_merge_planes: int = 16
     """Planes of partial sums the merge of a split shrink loads at once (unrolled): the unit's last
     split waits one L2 round trip per this many planes."""
-    lora_tile_block_n: int = 128
+    lora_tile_block_n: int = 64
     """Output columns per loop step of the tile expand."""
-    lora_expand_steps: int = 4
+    lora_expand_steps: int = 1
     """Column blocks an expand program walks at most: programs of rows without an adapter return at
-    once, so runs keep the grid to a few programs a row or tile."""
+    once, so runs keep the grid to a few programs a row or tile. One block a program: each block is
+    a dependent round trip (y and B in, y out), so walking several lengthened the chain more than
+    the extra programs cost (H100, Llama-3-8B 8 layers, batch 64 over 8 adapters: step +26.8% over
+    the base model at 4 blocks of 128, +15.3% at 1 block of 64 with 4 shrink programs an SM)."""
     lora_expand_programs_per_sm: int = 2
     """Expand programs (over the rows or tiles in use) the column runs aim for per SM."""
 

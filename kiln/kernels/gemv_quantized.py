@@ -163,11 +163,11 @@ def _qgemv_kernel(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N
 
 @functools.lru_cache(maxsize=None)
 def gemv_tiling(config: KernelConfig, pack: int) -> KernelConfig:
-    # The bf16 GEMV's tiling with the quantized tile sizes, counted in weight bytes at one row: ``pack``
-    # values a byte (replace() validates every field: once per config and pack); MXFP4's tl.dot step
-    # is a quarter as many values (see quantized_gemv_dot_block_k).
+    # The bf16 GEMV's tiling with the quantized tile sizes: product elements in weight values, K steps
+    # in weight bytes, ``pack`` values a byte (replace() validates every field: once per config and
+    # pack); MXFP4's tl.dot step is a quarter as many values (see quantized_gemv_dot_block_k).
     least_k, most_k = config.quantized_gemv_block_k
-    return replace(config, gemv_product_elements=config.quantized_gemv_product_elements * pack,
+    return replace(config, gemv_product_elements=config.quantized_gemv_product_elements,
                    gemv_programs_per_sm=config.quantized_gemv_programs_per_sm,
                    gemv_block_n=config.quantized_gemv_block_n, gemv_block_k=(least_k, most_k * pack),
                    gemv_dot_block_k=max(16, config.quantized_gemv_dot_block_k // pack ** 2))

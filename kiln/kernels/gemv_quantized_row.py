@@ -155,15 +155,15 @@ def _qgemv_row_kernel(x_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, N, K, ep
 def row_tiles(n: int, k: int, sms: int, pack: int, x_bytes: int,
               config: KernelConfig = DEFAULTS) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, VEC, num_warps) of the one-row GEMV over an [n, k] weight stored ``pack``
-    values a byte, for x of ``x_bytes`` bytes a value: the bf16 GEMV's column tiling counted in weight
-    bytes (``gemv_quantized.gemv_tiling``), VEC values of x a thread (16 bytes: one load), and K
+    values a byte, for x of ``x_bytes`` bytes a value: the bf16 GEMV's column tiling under the quantized
+    bounds (``gemv_quantized.gemv_tiling``), VEC values of x a thread (16 bytes: one load), and K
     steps of at least VEC values a thread so that every thread lies along K (``_qgemv_row_kernel``),
-    the rows cut down to keep the tile within ``quantized_gemv_product_elements`` bytes."""
+    the rows cut down to keep the tile within ``quantized_gemv_product_elements`` values."""
     warps = config.quantized_gemv_num_warps
     vec = 16 // x_bytes
     cfg = gemv_config(1, n, k, sms, gemv_tiling(config, pack))
     block_k = max(cfg.block_k, vec * 32 * warps)
-    block_n = max(1, min(cfg.block_n, config.quantized_gemv_product_elements * pack // block_k))
+    block_n = max(1, min(cfg.block_n, config.quantized_gemv_product_elements // block_k))
     return block_n, block_k, vec, warps
 
 

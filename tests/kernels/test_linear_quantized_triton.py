@@ -102,7 +102,7 @@ def test_gemm_tile_matches_reference(op, scheme, act_quant):
 @pytest.mark.parametrize("scheme,act_quant", CASES)
 def test_one_row_gemv_at_odd_shapes(scheme, act_quant, n, k):
     # gemv_quantized_row: N not a multiple of its column tile, K of one MX block to several K tiles
-    # (one warp: K steps of 4 f32 values a thread, 128; quantized_gemv_product_elements 256 bytes),
+    # (one warp: K steps of 4 f32 values a thread, 128; quantized_gemv_product_elements 256 values),
     # the last one partial.
     args, scales = _operands("rmsnorm_linear", scheme, 1, n, torch.float32, k=k)
     _assert_matches("rmsnorm_linear", scheme, act_quant, args, scales,
