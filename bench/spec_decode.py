@@ -38,6 +38,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent / "experiments")]
 from models import SHAPES, random_model  # noqa: E402
 
+from kiln.cli_compile import add_tuning_options, tuning_options  # noqa: E402
 from kiln.compiler.compile import compile_model  # noqa: E402
 from kiln.compiler.options import CompileOptions  # noqa: E402
 from kiln.runtime.engine_core import EngineCore  # noqa: E402
@@ -159,14 +160,15 @@ def first_difference(tokens: list[list[int]], expected: list[list[int]]) -> int 
 
 
 def compile_random(shape: str, layers: int | None, vocab_size: int | None, device: str, out: Path, batch: int,
-                   prompt_len: int, new_tokens: int, max_draft: int) -> Path:
+                   prompt_len: int, new_tokens: int, max_draft: int, **tuning) -> Path:
     on_gpu = device.startswith("cuda")
     _, source = random_model(shape, dtype=torch.bfloat16 if on_gpu else torch.float32, layers=layers,
                              device="cuda" if on_gpu else "cpu", vocab_size=vocab_size)
     return compile_model(source, out, CompileOptions(
         dtype="bf16" if on_gpu else "fp32", backend="triton" if on_gpu else "torch",
         max_batch_tokens=max(512, batch * prompt_len), max_batch_size=batch,
-        max_logit_rows=max(batch * (max_draft + 1), batch), max_seq_len=prompt_len + new_tokens + max_draft + 16))
+        max_logit_rows=max(batch * (max_draft + 1), batch), max_seq_len=prompt_len + new_tokens + max_draft + 16,
+        **tuning))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drafters", nargs="+", default=["oracle", "ngram"], choices=["oracle", "ngram"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=None)
+    add_tuning_options(parser)  # --kernel-config NAME=VALUE (e.g. gemv_few_rows_max=8), --skip-pass NAME
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="also print each run's GPU kernels over this many mid-decode steps (CUDA only)")
     args = parser.parse_args(argv)
@@ -189,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = torch.randint(0, vocab, (args.batch, args.prompt_len), generator=generator).tolist()
     with tempfile.TemporaryDirectory() as tmp:
         artifact = compile_random(args.shape, args.layers, args.vocab_size, args.device, Path(tmp) / "m.kiln",
-                                  args.batch, args.prompt_len, args.new_tokens, max(args.draft_tokens))
+                                  args.batch, args.prompt_len, args.new_tokens, max(args.draft_tokens),
+                                  **tuning_options(args))
         rows = measure(artifact, prompts, args.new_tokens, args.draft_tokens, args.device, args.drafters,
                        args.profile)
     for row in rows:

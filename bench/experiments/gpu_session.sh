@@ -7,7 +7,8 @@
 # tokenizer files in $TOKENIZER_DIR, default .bench-tokenizer), structured-profile (the same at batch 1 with the
 # engine steps' host profile, into structured_profile.log), sweep (SmolLM2 batch 1 step time under tuning variants:
 # bench/experiments/step_breakdown.py --kernel-config/--skip-pass), gemv-sweep (bench/experiments/gemv_sweep.py: the decode GEMV against cuBLAS at
-# Llama-3-8B shapes under tiling variants), gemv-policy (Llama-3-8B step under each one-row GEMV weight bound),
+# Llama-3-8B shapes under tiling variants), few-rows (the few-row GEMV against the tl.dot GEMV and cuBLAS at 2-8 rows,
+# and the verify step with it: ~6 min), gemv-policy (Llama-3-8B step under each one-row GEMV weight bound),
 # prefill (bench/experiments/prefill_breakdown.py: host and GPU time of a prefill, graphs and eager), decode (bench/decode.py; extra arguments in $DECODE_ARGS, e.g. "--batches 1 --kernel-config NAME=VALUE").
 # The open issues' figures, each stage its GPU tests first (a failing test does not stop the stage's benchmark):
 #   lora (#23, ~4 min), spec (#24, ~3 min), quant (#27, ~6 min), moe (#22, ~4 min), startup and serving (#29,
@@ -69,6 +70,14 @@ for stage in "$@"; do
                   --variant "gemv_block_n=(4,4) gemv_block_k=(64,2048)" --variant "gemv_product_elements=8192" 2>&1 \
                   | tee "$out/gemv_sweep.log" | grep "|"
                 python3 bench/experiments/gemv_sweep.py --tokens 8 --variant "" 2>&1 | tee -a "$out/gemv_sweep.log" | grep "|" ;;
+    few-rows) # The few-row GEMV (gemv_few_rows.py, off by default) against the tl.dot GEMV and cuBLAS at 2-8
+              # rows, then the speculative verify step (5 and 9 rows a sequence) with and without it.
+              python3 bench/experiments/gemv_sweep.py --tokens 2 5 8 --variant "" --variant "gemv_few_rows_max=8" 2>&1 \
+                | tee "$out/few_rows.log" | grep "|"
+              for v in "" "--kernel-config gemv_few_rows_max=8"; do
+                timeout 240 python3 bench/spec_decode.py --shape llama3-8b --draft-tokens 4 --new-tokens 256 --drafters oracle $v \
+                  2>&1 | grep -v Warning | tail -2 | tee -a "$out/few_rows.log"
+              done ;;
     gemv-policy) # Llama-3-8B (8 layers) batch-1 step under each one-row GEMV weight bound: 16 MiB (cuBLAS for all
                  # of Llama's GEMMs), 128 MiB (GEMV for qkv, o and down), unbounded (also gate/up and lm_head).
                  for bound in 16777216 134217728 4611686018427387904; do

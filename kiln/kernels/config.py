@@ -64,6 +64,13 @@ class KernelConfig:
     """Largest weight the fused GEMV takes at 2-16 rows; larger ones go to cuBLAS with the norm and
     activation kernels around it. At 8-16 rows the GEMV's tl.dot path is slower than cuBLAS on
     weights of tens of MB; small weights are latency-bound, where one launch wins."""
+    gemv_few_rows_max: int = 0
+    """Most rows (2 to 8; 0: none) the few-row GEMV (``gemv_few_rows.py``: broadcast products, one
+    accumulator a row) takes, at weights up to ``gemv_one_row_max_weight_bytes``, instead of the tl.dot
+    GEMV or cuBLAS: a speculative verify step's 5 rows a sequence at 4 drafts, or a small decode
+    batch. Off until timed on a GPU (``bench/experiments/gemv_sweep.py --tokens 5 --variant
+    gemv_few_rows_max=8``): its sm_90 compile takes 9.7 (raw x) and 12.3 (RMSNorm) instructions a
+    weight at 5 rows, where cuBLAS streams Llama-3-8B's layer at 86% of the copy rate (H100)."""
     gemv_one_row_max_weight_bytes: int = 128 << 20
     """Largest weight the fused GEMV takes at one row: it streams Llama-3-8B's qkv, o and down
     weights faster than cuBLAS, but not the 235 MB gate/up (1.314 ms a step against 1.295)."""
@@ -305,18 +312,21 @@ _POWERS_OF_TWO = frozenset({
     "lora_row_block_k", "lora_norm_block", "lora_tile_block_k", "lora_tile_block_n",
 })
 _ZERO_ALLOWED = frozenset({"decode_preload_max_programs_per_sm", "gemv_max_weight_bytes",
-                           "gemv_one_row_max_weight_bytes"})
+                           "gemv_one_row_max_weight_bytes", "gemv_few_rows_max"})
+# Fields with a largest value: the few-row GEMV writes out an accumulator for each of up to 8 rows.
+_MOST = {"gemv_few_rows_max": 8}
 
 
 def _check_value(name: str, annotation: str, value: Any) -> None:
     least = 0 if name in _ZERO_ALLOWED else 1
-    number = "a power of two" if name in _POWERS_OF_TWO else f"an int >= {least}"
+    number = "a power of two" if name in _POWERS_OF_TWO else f"an int >= {least}" + \
+        (f" and <= {_MOST[name]}" if name in _MOST else "")
 
     def fail(wanted: str) -> None:
         raise KernelConfigError(f"kernel config {name} must be {wanted}, got {value!r}")
 
     def number_ok(item: Any) -> bool:
-        return (isinstance(item, int) and not isinstance(item, bool) and item >= least
+        return (isinstance(item, int) and not isinstance(item, bool) and least <= item <= _MOST.get(name, item)
                 and (name not in _POWERS_OF_TWO or item & (item - 1) == 0))
 
     if annotation == "bool":

@@ -18,7 +18,8 @@ How it keeps the memory busy:
   chain of four GEMVs took 157 us against 127 us, each GEMV alone 1-6 us slower except gate/up.
 
 Rows: one row multiplies and sums in registers (a broadcast product); 2-16 rows pad to 16 for
-``tl.dot`` (the broadcast product over a few rows measured 5-10x slower on an H200).
+``tl.dot`` (the broadcast product over a few rows, as one [rows, columns, K] product, measured 5-10x
+slower on an H200; ``gemv_few_rows.py`` keeps an accumulator a row instead, for 2-8 rows).
 """
 
 from __future__ import annotations

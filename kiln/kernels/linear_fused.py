@@ -24,7 +24,8 @@ from kiln.ir.types import TensorType
 
 from .config import DEFAULTS, KernelConfig
 from .elementwise import ref_silu_mul, triton_silu_mul
-from .gemv import GEMV_MAX_ROWS, launch_gemv
+from .gemv import GEMV_MAX_ROWS
+from .gemv_few_rows import launch_gemv_for_rows
 from .linear import ref_linear, torch_linear
 from .norm import ref_rmsnorm, triton_rmsnorm
 from .registry import Checker, register_impl
@@ -67,12 +68,13 @@ register_impl("silu_mul_linear_residual", "torch", _silu_mul_linear_residual)
 
 def uses_gemv(x: torch.Tensor, weight: torch.Tensor, config: KernelConfig = DEFAULTS) -> bool:
     """Whether the fused GEMV (rather than the composition: Triton norm and activation kernels around
-    cuBLAS) runs for these operands: for one row up to ``config.gemv_one_row_max_weight_bytes`` of
-    weights, for 2-GEMV_MAX_ROWS rows up to ``config.gemv_max_weight_bytes``. At one row the GEMV
+    cuBLAS) runs for these operands: for one row (or up to ``config.gemv_few_rows_max``) up to
+    ``config.gemv_one_row_max_weight_bytes`` of weights, for more up to GEMV_MAX_ROWS rows up to
+    ``config.gemv_max_weight_bytes``. At one row the GEMV
     streams Llama-3-8B's qkv, o and down weights faster than cuBLAS, which also needs a split-K
     reduce and the norm kernels beside it (bench/experiments/gemv_sweep.py measures both)."""
     weight_bytes = weight.numel() * weight.element_size()
-    if x.shape[0] == 1:
+    if x.shape[0] <= max(1, config.gemv_few_rows_max):  # one row, or the few-row GEMV's
         return weight_bytes <= config.gemv_one_row_max_weight_bytes
     return x.shape[0] <= GEMV_MAX_ROWS and weight_bytes <= config.gemv_max_weight_bytes
 
@@ -133,7 +135,7 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if not uses_gemv(x, weight, config):
         torch_linear(x, weight, bias, out=out)
     else:
-        launch_gemv(x, weight, out, bias=bias, config=config)
+        launch_gemv_for_rows(x, weight, out, bias=bias, config=config)
 
 
 def triton_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
@@ -143,7 +145,7 @@ def triton_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: to
     if not uses_gemv(x, weight, config):
         composed_rmsnorm_linear(x, norm_weight, weight, bias, out=out, eps=eps, config=config)
     else:
-        launch_gemv(x, weight, out, norm_weight=norm_weight, bias=bias, eps=eps, config=config)
+        launch_gemv_for_rows(x, weight, out, norm_weight=norm_weight, bias=bias, eps=eps, config=config)
 
 
 def triton_linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
@@ -152,7 +154,7 @@ def triton_linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torc
     if not uses_gemv(x, weight, config):
         composed_linear_residual(x, weight, residual, out=out)
     else:
-        launch_gemv(x, weight, out, residual=residual, config=config)
+        launch_gemv_for_rows(x, weight, out, residual=residual, config=config)
 
 
 def triton_silu_mul_linear_residual(gate_up: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
@@ -161,7 +163,7 @@ def triton_silu_mul_linear_residual(gate_up: torch.Tensor, weight: torch.Tensor,
     if not uses_gemv(gate_up, weight, config):
         composed_silu_mul_linear_residual(gate_up, weight, residual, out=out, config=config)
     else:
-        launch_gemv(gate_up, weight, out, gated=True, residual=residual, config=config)
+        launch_gemv_for_rows(gate_up, weight, out, gated=True, residual=residual, config=config)
 
 
 def _floats_like_x(weight_index: int) -> Checker:
