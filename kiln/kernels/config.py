@@ -99,11 +99,13 @@ class KernelConfig:
     over x."""
 
     # --- quantized GEMMs (gemv_quantized.py, linear_quantized_triton.py) ---
-    quantized_gemv_max_rows: int = 16
+    quantized_gemv_max_rows: int = 1
     """Most rows the quantized Triton GEMV takes for fp8 and w8a8_int8 weights with activations
-    quantized per token; above it ``torch._scaled_mm`` / ``torch._int_mm`` run (their tensor-core GEMMs
-    read the 8-bit weights once, as the GEMV does, and are the better kernels once M is no longer tiny).
-    Not yet tuned on a GPU."""
+    quantized per token; above it ``torch._scaled_mm`` / ``torch._int_mm`` run where they fit (their
+    tensor-core GEMMs read the 8-bit weights once, as the GEMV does; ``_int_mm`` only past 16 rows, so
+    int8 keeps the GEMV up to there). One: on an H100, Llama-3-8B's fp8 layer took the tl.dot GEMV
+    315 us at 16 rows, ``_scaled_mm`` with the activation quantizer 141 us at 64 (``bench/kernel_bench.py``),
+    and the one-row GEMV 122 us at one. (``_scaled_mm`` at 2-15 rows is not yet timed.)"""
     quantized_weight_only_max_rows: int = 16
     """Most rows the quantized Triton GEMV takes for weight-only schemes (w8a16_int8, mxfp4): no library
     GEMM reads their bytes, so above it the weight is dequantized to the activation dtype and cuBLAS
