@@ -38,7 +38,9 @@ from kiln.compiler.options import CompileOptions
 from kiln.ir.weights import SCHEMES
 from kiln.kernels.bitmask import allocate_bitmask
 from kiln.kernels.gemm_quantized import dequantize_weight, quantize_rows
+from kiln.kernels import KernelConfig
 from kiln.kernels.gemv import GEMV_MAX_ROWS
+from kiln.kernels.linear_fused import triton_linear_residual, triton_rmsnorm_linear, triton_silu_mul_linear_residual
 from kiln.kernels.quantize import quantize
 from kiln.kernels.triton_support import INTERPRET
 from kiln.runtime.engine_core import EngineCore
@@ -150,6 +152,22 @@ def _library_gemm_inputs(tmp: Path) -> None:
         dequantize_weight(stored, scales[0], SCHEMES[scheme], torch.bfloat16)
 
 
+def _few_rows_gemv(tmp: Path) -> None:
+    """The few-row GEMV (off by default, so no engine workload reaches it) at Llama-3-8B's layer widths
+    and a verify step's 5 rows a sequence, beside 2 and 8 rows: each prologue and epilogue."""
+    config = KernelConfig(gemv_few_rows_max=8)
+    hidden, intermediate = 4096, 14336
+    for rows in (2, 5, 8):
+        x, norm = torch.zeros(rows, hidden, dtype=torch.bfloat16), torch.zeros(hidden, dtype=torch.bfloat16)
+        triton_rmsnorm_linear(x, norm, torch.zeros(6144, hidden, dtype=torch.bfloat16), out=torch.empty(rows, 6144,
+                              dtype=torch.bfloat16), eps=1e-5, config=config)
+        triton_linear_residual(x, torch.zeros(hidden, hidden, dtype=torch.bfloat16), torch.zeros_like(x), out=x,
+                               config=config)
+        triton_silu_mul_linear_residual(torch.zeros(rows, 2 * intermediate, dtype=torch.bfloat16),
+                                        torch.zeros(hidden, intermediate, dtype=torch.bfloat16),
+                                        torch.zeros_like(x), out=x, config=config)
+
+
 # Each workload, and whether its kernels run (else only their launches are recorded: the host reads
 # no kernel's output but the sampled tokens, any of which will do).
 WORKLOADS: dict[str, tuple[Callable[[Path], None], bool]] = {
@@ -164,6 +182,7 @@ WORKLOADS: dict[str, tuple[Callable[[Path], None], bool]] = {
     "real_widths_moe": (_real_widths_moe, False),
     "sampler": (_sample, False),
     "library_gemm_inputs": (_library_gemm_inputs, False),
+    "few_rows_gemv": (_few_rows_gemv, False),
 }
 
 
