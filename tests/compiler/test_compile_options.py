@@ -51,8 +51,9 @@ def test_the_manifest_records_the_config_and_the_runtime_binds_it(qwen3, tmp_pat
 @pytest.mark.skipif(not INTERPRET, reason="runs the Triton launchers under the interpreter")
 def test_the_launchers_follow_the_recorded_config(qwen3, tmp_path, monkeypatch):
     gemv_calls = []
-    launch_gemv = linear_fused.launch_gemv
-    monkeypatch.setattr(linear_fused, "launch_gemv", lambda *a, **k: (gemv_calls.append(1), launch_gemv(*a, **k)))
+    launch_gemv = linear_fused.launch_gemv_for_rows
+    monkeypatch.setattr(linear_fused, "launch_gemv_for_rows",
+                        lambda *a, **k: (gemv_calls.append(1), launch_gemv(*a, **k)))
     logits = {}
     for label, config in (("default", KernelConfig()), ("no_gemv", NO_GEMV)):
         artifact = compiled(qwen3, tmp_path / f"{label}.kiln", backend="triton", kernel_config=config)
