@@ -35,7 +35,7 @@ import triton.language as tl
 
 from .config import DEFAULTS, KernelConfig
 from .elementwise import triton_silu_mul
-from .gemv import NORM, RAW, gemv_epilogue, input_tile, launch_gemv, row_rstd, tile_input
+from .gemv import NORM, RAW, gemv_config, gemv_epilogue, input_tile, launch_gemv, row_rstd, tile_input
 from .triton_support import await_previous_kernel, pdl_launch, pow2, sm_count
 
 
@@ -162,16 +162,13 @@ def _few_rows_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, r_ptr, y_ptr, T, N, K, eps, x_
 
 
 def few_rows_tiles(n: int, k: int, sms: int, x_bytes: int, config: KernelConfig = DEFAULTS) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, VEC, num_warps) for x of ``x_bytes`` a value times an [n, k] weight: VEC values
-    a thread (16 bytes), K steps of VEC values times the threads, and as many weight rows as keep the
-    tile within ``gemv_product_elements`` and give ``gemv_programs_per_sm`` programs an SM."""
+    """(BLOCK_N, BLOCK_K, VEC, num_warps) for x of ``x_bytes`` a value times an [n, k] weight: the one-row
+    GEMV's column tiling (``gemv_config``), VEC values a thread (16 bytes), K steps of VEC values
+    times the threads, and the rows cut down to keep the tile within ``gemv_product_elements``."""
     warps = config.gemv_num_warps
     vec = 16 // x_bytes
     block_k = min(vec * 32 * warps, max(vec, pow2(k, 16)))
-    least_n, most_n = config.gemv_block_n
-    block_n = max(least_n, min(most_n, config.gemv_product_elements // block_k))
-    while block_n > least_n and triton.cdiv(n, block_n) < sms * config.gemv_programs_per_sm:
-        block_n //= 2
+    block_n = max(1, min(gemv_config(1, n, k, sms, config).block_n, config.gemv_product_elements // block_k))
     return block_n, block_k, vec, warps
 
 
