@@ -133,18 +133,22 @@ async def send(client: httpx.AsyncClient, path: str, body: dict) -> Result:
     result = Result(ok=False, start=time.monotonic())
     last = None
     chunks = 0
+    finished = False  # a choice's finish_reason or [DONE] came: the request completed
     try:
         async with client.stream("POST", path, json=body) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
             async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    finished = True
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 data = json.loads(line[6:])
                 if "error" in data:
                     result.error = str(data["error"])
                     return result
+                finished = finished or any(c.get("finish_reason") for c in data.get("choices", []))
                 if data.get("usage"):
                     result.prompt_tokens = data["usage"]["prompt_tokens"]
                     result.output_tokens = data["usage"]["completion_tokens"]
@@ -163,7 +167,9 @@ async def send(client: httpx.AsyncClient, path: str, body: dict) -> Result:
     finally:
         result.end = time.monotonic()
     result.output_tokens = result.output_tokens or chunks
-    result.ok = last is not None
+    # A request whose tokens all decode to no text (random weights emit ids the tokenizer has no
+    # piece for) still completed: its tokens count, and it has no time to first text.
+    result.ok = last is not None or finished
     return result
 
 

@@ -35,7 +35,7 @@ class Result:
     end: float = 0.0
     prompt_tokens: int = 0
     output_tokens: int = 0
-    ttft: float = 0.0
+    ttft: float | None = None  # None: the stream carried no text
     itl: list[float] = field(default_factory=list)
     error: str = ""
 
@@ -83,9 +83,10 @@ def summarize(runs: list[WorkerRun], config: dict) -> dict:
         "input_tokens": sum(r.prompt_tokens for r in done),
         "output_tokens": output_tokens,
         "output_throughput": output_tokens / duration,
-        "ttft_ms": percentiles([r.ttft for r in done]),
+        "ttft_ms": percentiles([r.ttft for r in done if r.ttft is not None]),
         "itl_ms": percentiles([gap for r in done for gap in r.itl]),
-        "tpot_ms": percentiles([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]),
+        "tpot_ms": percentiles([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done
+                               if r.output_tokens > 1 and r.ttft is not None]),
         "e2e_ms": percentiles([r.e2e for r in done]),
         "per_worker": [{"completed": sum(r.ok for r in run.results), "failed": sum(not r.ok for r in run.results),
                         "output_tokens": sum(r.output_tokens for r in run.results if r.ok)} for run in runs],

@@ -55,6 +55,15 @@ def test_workers_merge_raw_samples_not_their_percentiles():
     assert [w["failed"] for w in report["per_worker"]] == [0, 1]
 
 
+def test_a_request_without_text_completes_and_counts_its_tokens_but_no_latency():
+    # Random weights emit ids the tokenizer has no piece for: such a stream finishes with no text.
+    texts = WorkerRun(0.0, [_result(0.0, 0.01, 1.0, 5), Result(ok=True, start=0.0, end=2.0, output_tokens=7)])
+    report = summarize([texts], {})
+    assert report["completed"] == 2 and report["failed"] == 0 and report["output_tokens"] == 12
+    assert report["ttft_ms"]["p99"] == pytest.approx(10) and report["tpot_ms"]["p99"] == pytest.approx(1000 * 0.99 / 4)
+    assert report["e2e_ms"]["p99"] == pytest.approx(2000)
+
+
 HISTOGRAM = """# HELP kiln_time_to_first_token_seconds Time from arrival to the first token
 # TYPE kiln_time_to_first_token_seconds histogram
 kiln_time_to_first_token_seconds_bucket{{le="0.1"}} {a}
