@@ -1,11 +1,12 @@
 """API server j of ``kiln serve --api-server-count N``, j >= 1: one more HTTP process on the port.
 
     python -m kiln.server.api_server_process '{"api_server": j, "listen_fd": FD, "serve": {ServeConfig},
-                                               "facts": [{model facts}, ...], "ipc_dir": ..., "parent_pid": ...,
+                                               "tokenizer_dir": ..., "ipc_dir": ..., "parent_pid": ...,
                                                "api_servers": N, ...}'
 
-The launcher (API server 0, ``launch.py``) starts it once the model is ready, with its listening
-socket (FD, inherited; see ``api_servers.py``) and the API key in the environment. It serves the
+The launcher (API server 0, ``launch.py``) starts it as the model starts loading, with its listening
+socket (FD, inherited; see ``api_servers.py``) and the API key in the environment. It imports the
+web stack and loads the tokenizer meanwhile, then waits for the replicas' facts (``MODELS``). It serves the
 launcher's HTTP app (``http_process.run_http``) with its own tokenizer manager: its inbox is
 ``ipc.http_socket(j)``, it sends to the schedulers' inboxes and asks the other API servers what is
 the server's (``peers.py``). It says READY to the launcher once it listens, drains on SIGTERM and
@@ -63,10 +64,12 @@ async def _serve(config: dict[str, Any], serve_config: ServeConfig) -> int:
         on_exit("the launching kiln serve process is gone")
 
     ties = ProcessTies([watch_launcher], listening=lambda: peers.tell(0, [ipc.READY, {"api_server": me}]))
-    tokenizer_dir = config["facts"][0]["tokenizer_dir"]
-    tokenizer = Tokenizer.from_dir(tokenizer_dir) if tokenizer_dir else None
+    tokenizer = Tokenizer.from_dir(config["tokenizer_dir"]) if config["tokenizer_dir"] else None
     try:
-        return await run_http(serve_config, config["facts"], tokenizer, listener, receiver, senders, ties, peers,
+        facts = await _wait_models(receiver, launcher)
+        if facts is None:
+            return 0
+        return await run_http(serve_config, facts, tokenizer, listener, receiver, senders, ties, peers,
                               samples_in_flight(ipc_dir, me, count))
     finally:
         listener.close()
@@ -75,6 +78,18 @@ async def _serve(config: dict[str, Any], serve_config: ServeConfig) -> int:
         for sender in senders:
             sender.close(linger=0)  # the server is stopping: an abort still queued has no one to free
         context.term()
+
+
+async def _wait_models(receiver: zmq.asyncio.Socket, launcher: ipc.ParentWatch) -> list[dict[str, Any]] | None:
+    """The replicas' facts, once the launcher has them (None: it is gone first). Nothing else it
+    could be sent before then needs keeping: the only other traffic is the replicas' first STATS,
+    whose figures the facts hold too."""
+    while launcher.alive():
+        if await receiver.poll(ipc.IDLE_POLL_MS):
+            message = ipc.unpack(await receiver.recv())
+            if message[0] == ipc.MODELS:
+                return message[1]
+    return None
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@
 When one HTTP process -- parsing, tokenizing, templating, SSE frames on one Python thread -- is the
 bottleneck, N of them share the engine. Each has its own listening socket on the port, bound with
 SO_REUSEPORT by the launcher before the model loads and inherited, so the kernel spreads new
-connections over them. The launcher starts the others once the model is ready, starts listening
-once every one of them listens (``READY``), and watches them like its other children: one that
-exits ends the server. A SIGTERM or SIGINT the launcher gets is passed on (each API server drains
+connections over them. The launcher starts the others as the model starts loading (their imports
+and tokenizers load beside it), tells them the replicas' facts once every replica is READY
+(``MODELS``), starts listening once every one of them listens (``READY``), and watches them like its
+other children: one that exits ends the server. A SIGTERM or SIGINT the launcher gets is passed on (each API server drains
 or stops its own requests); the launcher waits for them to end before it stops the scheduler and
 detokenizer that their requests need. An API server whose launcher is gone stops.
 
@@ -77,6 +78,11 @@ class ApiServers:
             self.children.start(f"API server {index}", MODULE, {**config, "api_server": index, "listen_fd": fd},
                                 pass_fds=(fd,), env=env)
             listener.close()  # the child has it
+
+    def tell_models(self, facts: list[dict[str, Any]]) -> None:
+        """What the API servers started before the model was ready wait for: every replica's facts."""
+        for index in range(1, self.count):
+            self.peers.tell(index, [ipc.MODELS, facts])
 
     async def wait_ready(self, should_stop: Callable[[], bool]) -> bool:
         """Waits until every one listens; False if the server stops first."""

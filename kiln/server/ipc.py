@@ -31,6 +31,8 @@ Messages:
                                        server 0 (the launcher) once the detokenizer is ready too; an API server
                                        started later says READY {"api_server": j} to API server 0 once it listens,
                                        and API server 0 then READY {"startup": report} to each (its /health report)
+    MODELS [[model facts, ...]]        API server 0 -> each API server it started: every replica is READY (their
+                                       facts, in replica order); they start while the model loads and wait for it
     FATAL [message]                    a process cannot go on; forwarded to every API server, then the sender exits
     ASK [token, asker, question, ...]  API server -> the others (``peers.py``: metrics, LoRA adapters)
     ANSWER [token, answer]             back to the asker
@@ -58,7 +60,7 @@ DETOKENIZER_SOCKET = "detokenizer.sock"
 ADD, ABORT, SHUTDOWN = "add", "abort", "shutdown"
 LORA_LOAD, LORA_UNLOAD = "lora_load", "lora_unload"
 NEW, EVENTS, OUTPUTS, REJECT = "new", "events", "outputs", "reject"
-STATS, READY, FATAL = "stats", "ready", "fatal"
+STATS, READY, MODELS, FATAL = "stats", "ready", "models", "fatal"
 ASK, ANSWER = "ask", "answer"
 
 # Children wake at least this often when idle, to notice that their parent is gone.

@@ -118,6 +118,12 @@ async def _serve(started: StartedProcesses, artifact: str, config: ServeConfig, 
     # The tokenizer loads while the model does.
     tokenizer = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, artifact, startup))
     try:
+        # The other API servers import and load their tokenizers while the model loads.
+        tokenizer_dir = artifact_tokenizer_dir(artifact)
+        api_servers.start(started.listeners[1:], {
+            "ipc_dir": ipc_dir, "parent_pid": os.getpid(), "log_level": config.log_level,
+            "api_servers": config.api_server_count, "serve": config.to_json(),
+            "tokenizer_dir": str(tokenizer_dir) if tokenizer_dir else None}, config.api_key)
         try:
             facts = await _wait_ready(receiver, children, config.dp)
         except StartupError as exc:
@@ -125,9 +131,7 @@ async def _serve(started: StartedProcesses, artifact: str, config: ServeConfig, 
             return 1
 
         async def start_api_servers(should_stop: Callable[[], bool]) -> bool:
-            child_config = {"ipc_dir": ipc_dir, "parent_pid": os.getpid(), "log_level": config.log_level,
-                            "api_servers": config.api_server_count, "serve": config.to_json(), "facts": facts}
-            api_servers.start(started.listeners[1:], child_config, config.api_key)
+            api_servers.tell_models(facts)
             return await api_servers.wait_ready(should_stop)
 
         watches = [lambda on_exit: children.watch(lambda name, code: on_exit(

@@ -6,7 +6,7 @@ both API servers (``kiln_api_server_requests_total`` shows each served some), ev
 own prompt echoed; the queue limit is the server's (64 streams in flight over both, then either refuses
 the next); streams closed by their clients are aborted (nothing stays held); a LoRA adapter loaded
 through one API server is listed and served by all, and gone from all once unloaded; neither API
-server loads torch, and each serves the server's start-up report; SIGTERM drains both and leaves no process. The real SmolLM2 answers the smoke question (Paris) from both API servers,
+server loads torch, both start while the model loads, and each serves the server's start-up report; SIGTERM drains both and leaves no process. The real SmolLM2 answers the smoke question (Paris) from both API servers,
 and killing one API server ends the whole server within 5 s with no process left.
 """
 
@@ -102,6 +102,13 @@ def test_no_api_server_process_loads_torch(server):
                    if b"kiln.server.api_server_process" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert len(api_servers) == 1
     assert not loads_torch(server.proc.pid) and not loads_torch(api_servers[0])
+
+
+def test_the_other_api_servers_start_while_the_model_loads(server):
+    """Their imports and tokenizers are off the start-up's path: started before the scheduler loads
+    the weights, they wait for the replicas' facts (MODELS)."""
+    log = server.log()
+    assert log.index("starting 1 more API server processes") < log.index("start-up: scheduler weights_load")
 
 
 def test_every_api_server_serves_the_servers_start_up_report(server):
