@@ -42,7 +42,7 @@ from ..sampling import SamplerKernels
 from ..scheduler.batch import StepLists
 from ..startup import StartupTimer
 from .executor import Executor, StepInputs, StepResult
-from .graph_capture import capture_graph
+from .graph_capture import WARMUP_RUNS, capture_graph
 from .step_buffers import StepLayout
 
 # What the k-tokens-a-sequence layout fixes: rows k*i.. are sequence i's tokens and logits rows.
@@ -221,16 +221,17 @@ class DecodeGraphs:
                 # The tokens (the other turn's input ids, with one token a sequence) reach the host in the mirror.
                 rows = self.k * bucket
                 ids, mirror = self._greedy_target(turn)[:rows], self._mirrors[turn][:rows]
-                stream.wait_stream(torch.cuda.current_stream())
-                warmup_began = time.time()
-                with torch.cuda.stream(stream):
-                    # Warm-up: Triton compiles and autotunes outside the capture, and the argmax's
-                    # first launch sizes the semaphore counters, which must not be allocated inside it.
-                    for _ in range(2):
-                        argmax_rows(self.executor.run(inputs, self.kv_views)["logits"], ids, mirror=mirror)
-                torch.cuda.current_stream().wait_stream(stream)
-                torch.cuda.current_stream().synchronize()
-                warmup += time.time() - warmup_began
+                if turn == 0:  # the other turn runs the same kernels at the same sizes on other buffers
+                    stream.wait_stream(torch.cuda.current_stream())
+                    warmup_began = time.time()
+                    with torch.cuda.stream(stream):
+                        # Warm-up: Triton compiles and autotunes outside the capture, and the argmax's
+                        # first launch sizes the semaphore counters, which must not be allocated inside it.
+                        for _ in range(WARMUP_RUNS):
+                            argmax_rows(self.executor.run(inputs, self.kv_views)["logits"], ids, mirror=mirror)
+                    torch.cuda.current_stream().wait_stream(stream)
+                    torch.cuda.current_stream().synchronize()
+                    warmup += time.time() - warmup_began
                 graph = torch.cuda.CUDAGraph()
                 with capture_graph(graph, pool):
                     outputs = self.executor.run(inputs, self.kv_views)

@@ -17,6 +17,12 @@ from typing import Iterator
 
 import torch
 
+# Eager runs of a step before its capture: the first compiles or loads every Triton kernel at the
+# step's sizes, autotunes, sizes shared scratch (the argmax's counters) and lets cuBLAS pick its
+# algorithms, all of which a capture forbids; a second run would find nothing left to do and only
+# lengthen start-up (each is a host-bound eager step: ~20 ms for SmolLM2's 30 layers).
+WARMUP_RUNS = 1
+
 
 @contextmanager
 def collector_paused() -> Iterator[None]:

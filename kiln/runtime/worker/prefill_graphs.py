@@ -14,7 +14,7 @@ copied to the device in one transfer; padding rows hold each field's padding val
 loops over each sequence's own lengths read them from the device.
 
 Buckets are powers of two (from 16 tokens and 1 sequence) up to the artifact's bounds, so there are
-many; a graph is captured the first time a step needs it (two warm-up runs, which compile any
+many; a graph is captured the first time a step needs it (a warm-up run, which compiles any
 Triton kernel at those sizes, then the capture), and kept. All of them share the executor's arena,
 one memory pool for their temporaries, and the static inputs. On a CPU (no graphs) the same padded
 path runs eagerly; tests use it to check that padding changes nothing.
@@ -29,7 +29,7 @@ from kiln.step_schema import TOKEN
 from ..scheduler.batch import StepLists
 from .executor import Executor, StepInputs, StepResult
 from .expert_load import counted_once
-from .graph_capture import capture_graph
+from .graph_capture import WARMUP_RUNS, capture_graph
 from .step_buffers import StepLayout
 
 MIN_TOKEN_BUCKET = 16
@@ -118,7 +118,7 @@ class PrefillGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), counted_once(self.kv_views):
-            for _ in range(2):  # Triton compiles and autotunes outside the capture
+            for _ in range(WARMUP_RUNS):  # Triton compiles and autotunes outside the capture
                 self.executor.run(inputs, self.kv_views)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
