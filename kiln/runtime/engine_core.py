@@ -227,6 +227,19 @@ class EngineCore:
         if self.kernel_cache is not None:
             self.kernel_cache.save()
 
+    def warm_up_idle(self) -> bool:
+        """Captures the next prefill graph not captured yet (``PrefillGraphs.uncaptured``) with a step
+        that stores nothing; False when none is left. For a server with nothing else to do: a capture
+        costs a warm-up run and the capture itself, which the first prefill of each bucket would
+        otherwise wait for (on an H100, a fresh SmolLM2 server's first 512 requests ran at 89% of the
+        rate of the next 512)."""
+        graphs = getattr(self.runner, "prefill_graphs", None)
+        pending = graphs.uncaptured() if graphs is not None and not self.has_work() else []
+        if not pending:
+            return False
+        self.worker.forward(graphs.warm_up_lists(*pending[0]))
+        return True
+
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.constraints.has_pending() or \
             (self.overlap is not None and self.overlap.inflight is not None)

@@ -10,7 +10,8 @@ cache and inbox (``ipc.scheduler_socket(replica)``); on GPUs replica i runs on i
 It loads the model, reports READY with its start-up phases (``kiln.runtime.startup``; or FATAL
 when loading fails), then repeats: take every waiting
 ADD/ABORT, run one step while there is work, send the step's events to the detokenizer, and publish
-the core's stats (every ``STATS_INTERVAL_S`` while they change). A request the core refuses is
+the core's stats (every ``STATS_INTERVAL_S`` while they change). With nothing to do it captures the
+prefill graphs that real traffic would otherwise wait for, one between looks at its inbox. A request the core refuses is
 answered with REJECT and the loop goes on; an error inside a step is fatal (the core's state is no
 longer trustworthy): it reports FATAL and exits non-zero, and the HTTP process fails what is in
 flight and stops; so does a worker rank's death (``EngineOptions.world_size`` > 1), idle or not. It
@@ -64,11 +65,16 @@ class SchedulerLoop:
         self._stats_dirty = True
         self._stats_sent_at = 0.0
         self._origins: dict[str, int] = {}  # rid -> the API server that sent it (ipc.AddOptions.origin)
+        self._graphs_to_warm = True  # until EngineCore.warm_up_idle finds none left
 
     def run(self) -> None:
         while self.parent.alive():
             self.core.worker.check()  # a dead worker rank ends the server, also while it is idle
-            wait_ms = 0 if self.core.has_work() else self._idle_wait_ms()
+            # Nothing to do: capture the next prefill graph (EngineCore.warm_up_idle) between looks
+            # at the inbox, so a request waits for at most one capture.
+            warming = self._graphs_to_warm and not self.core.has_work() and \
+                not (self.decode is not None and self.decode.has_work())
+            wait_ms = 0 if self.core.has_work() or warming else self._idle_wait_ms()
             if self.decode is not None and self.decode.has_work():
                 wait_ms = min(wait_ms, HANDOFF_POLL_MS)  # requests waiting for their pages: look again soon
             messages = ipc.recv_ready(self.inbox, wait_ms)
@@ -87,6 +93,8 @@ class SchedulerLoop:
                     self.prefill.after_step(events)
                 if events:
                     self._send([ipc.EVENTS, [ipc.event_to_wire(e) for e in events]])
+            elif warming and not messages:
+                self._graphs_to_warm = self.core.warm_up_idle()
             self._publish_stats()
         log.info("the server process is gone; exiting")
 

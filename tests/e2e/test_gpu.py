@@ -1,6 +1,7 @@
 """On the GPU: the triton backend with decode and prefill CUDA graphs against HF transformers on the
 same random weights (a Llama-3-8B shape cut to 2 layers, and the SmolLM2-135M shape), and graph replay
-against eager execution for every decode bucket and for prefill buckets. Skipped without a GPU."""
+against eager execution for every decode bucket and for prefill buckets, and an idle core's prefill
+warm-up. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -205,6 +206,24 @@ def test_prefill_graph_replay_equals_eager(tmp_path, dtype):
         torch.testing.assert_close(first, eager, atol=tol, rtol=tol)
         torch.testing.assert_close(replayed, eager, atol=tol, rtol=tol)
     assert len(runner.prefill_graphs._graphs) == 4
+
+
+def test_idle_warm_up_captures_every_prefill_bucket_and_changes_no_output(tmp_path):
+    """EngineCore.warm_up_idle (an idle server's) captures each prefill bucket with steps that store
+    nothing: the prompts after it replay those graphs (no capture of their own) and generate the
+    tokens a core that did not warm up generates."""
+    _, core = build("smollm2-135m", 4, torch.bfloat16, tmp_path)
+    graphs = core.runner.prefill_graphs
+    prompts = [[(7 * i + j) % 1000 + 1 for j in range(length)] for i, length in enumerate((20, 3, 45, 130))]
+    cold = generate(core, prompts)
+    _, core = build("smollm2-135m", 4, torch.bfloat16, tmp_path / "warm")
+    graphs = core.runner.prefill_graphs
+    warmed = 0
+    while core.warm_up_idle():
+        warmed += 1
+    assert warmed == len(graphs.warm_up_buckets()) and graphs.uncaptured() == []
+    assert generate(core, prompts) == cold
+    assert len(graphs._graphs) == warmed  # every prefill step replayed a warmed graph
 
 
 def test_an_added_step_field_is_a_captured_graphs_input(tmp_path):

@@ -15,7 +15,8 @@ loops over each sequence's own lengths read them from the device.
 
 Buckets are powers of two (from 16 tokens and 1 sequence) up to the artifact's bounds, so there are
 many; a graph is captured the first time a step needs it (a warm-up run, which compiles any
-Triton kernel at those sizes, then the capture), and kept. All of them share the executor's arena,
+Triton kernel at those sizes, then the capture), or earlier, one at a time, while a server has nothing
+to do (``uncaptured``, ``EngineCore.warm_up_idle``), and kept. All of them share the executor's arena,
 one memory pool for their temporaries, and the static inputs. On a CPU (no graphs) the same padded
 path runs eagerly; tests use it to check that padding changes nothing.
 """
@@ -88,6 +89,29 @@ class PrefillGraphs:
         per_token = {o.name for o in self.executor.schema.outputs if o.axis == TOKEN}
         tokens = len(lists.token_ids)
         return StepResult({name: value[:tokens if name in per_token else n] for name, value in outputs.items()}, None)
+
+    def warm_up_buckets(self) -> list[tuple[int, int]]:
+        """The (token, sequence) buckets of prefill and mixed steps (more tokens than sequences, a
+        logits row each), smallest first: what an idle server captures ahead of the traffic that
+        would otherwise wait for the captures (``warm_up_lists``). Buckets no step can reach (a
+        sequence longer than the page table) are left out."""
+        reach = self.layout.width * self.executor.page_size
+        return [(t, b) for t in self.token_buckets for b in self.sequence_buckets if b < t and -(-t // b) <= reach]
+
+    def uncaptured(self) -> list[tuple[int, int]]:
+        """``warm_up_buckets`` with no graph yet (none on a CPU, which captures nothing)."""
+        return [(t, b) for t, b in self.warm_up_buckets() if (t, b, b) not in self._graphs] if self._capturing else []
+
+    def warm_up_lists(self, tokens: int, sequences: int) -> StepLists:
+        """A step of ``tokens`` tokens over ``sequences`` sequences (split evenly, the first ones a token
+        more), a logits row each, that stores nothing: every K/V slot is -1 and every context is on page 0,
+        as padding sequences' are. Run, it takes the graph of bucket ``(tokens, sequences)``."""
+        lengths = [tokens // sequences + (i < tokens % sequences) for i in range(sequences)]
+        starts = [sum(lengths[:i]) for i in range(sequences)]
+        return StepLists(token_ids=[0] * tokens, positions=[p for n in lengths for p in range(n)],
+                         slots=[-1] * tokens, q_start=starts, q_len=lengths, kv_len=lengths,
+                         page_table=[[0] * -(-n // self.executor.page_size) for n in lengths],
+                         logits_index=[start + n - 1 for start, n in zip(starts, lengths)])
 
     def _buckets(self, t: int, b: int, n: int) -> dict[str, int]:
         sequences = next(s for s in self.sequence_buckets if s >= b)

@@ -50,3 +50,20 @@ def test_padded_step_equals_unpadded(runner, new_tokens, cached, logits_rows):
 def test_steps_past_the_largest_buckets_do_not_fit(runner):
     assert not runner.prefill_graphs.fits(step_lists([41], [0], [0], pages_for([41])))
     assert not runner.prefill_graphs.fits(step_lists([1] * 7, [0] * 7, list(range(7)), pages_for([1] * 7)))
+
+
+def test_warm_up_steps_take_their_buckets_and_store_nothing(runner):
+    graphs = runner.prefill_graphs
+    # Bounds 40 tokens, 6 sequences, 64-token sequences: every pair with more tokens than sequences.
+    assert graphs.warm_up_buckets() == [(t, b) for t in (16, 32, 40) for b in (1, 2, 4, 6)]
+    assert graphs.uncaptured() == []  # a CPU captures nothing
+    pool = [t.clone() for t in runner.pool.layer_views().values()]
+    for tokens, sequences in graphs.warm_up_buckets():
+        lists = graphs.warm_up_lists(tokens, sequences)
+        assert graphs.fits(lists) and not (runner.decode_graphs and runner.decode_graphs.fits(lists))
+        assert graphs._buckets(len(lists.token_ids), len(lists.q_len), len(lists.logits_index)) == \
+            {"T": tokens, "B": sequences, "N": sequences}
+        assert sorted(lists.q_len)[-1] - sorted(lists.q_len)[0] <= 1 and sum(lists.q_len) == tokens
+        assert graphs.run(lists).logits.shape[0] == sequences
+    for before, after in zip(pool, runner.pool.layer_views().values()):
+        assert torch.equal(before, after)
