@@ -64,13 +64,13 @@ class KernelConfig:
     """Largest weight the fused GEMV takes at 2-16 rows; larger ones go to cuBLAS with the norm and
     activation kernels around it. At 8-16 rows the GEMV's tl.dot path is slower than cuBLAS on
     weights of tens of MB; small weights are latency-bound, where one launch wins."""
-    gemv_few_rows_max: int = 0
+    gemv_few_rows_max: int = 2
     """Most rows (2 to 8; 0: none) the few-row GEMV (``gemv_few_rows.py``: broadcast products, one
     accumulator a row) takes, at weights up to ``gemv_one_row_max_weight_bytes``, instead of the tl.dot
-    GEMV or cuBLAS: a speculative verify step's 5 rows a sequence at 4 drafts, or a small decode
-    batch. Off until timed on a GPU (``bench/experiments/gemv_sweep.py --tokens 5 --variant
-    gemv_few_rows_max=8``): its sm_90 compile takes 9.7 (raw x) and 12.3 (RMSNorm) instructions a
-    weight at 5 rows, where cuBLAS streams Llama-3-8B's layer at 86% of the copy rate (H100)."""
+    GEMV or cuBLAS. Its cost grows with the rows (sm_90: 5.6, 9.7 and 14.0 instructions a weight at
+    2, 5 and 8), cuBLAS's barely: on an H100 Llama-3-8B's layer took 157.7 us at 2 rows against
+    cuBLAS's 171.9, but 222.6 against 173.2 at 5 (a verify step's rows at 4 drafts) and 305.0 against
+    174.1 at 8 (``bench/experiments/gemv_sweep.py --tokens 2 5 8 --variant gemv_few_rows_max=8``)."""
     gemv_one_row_max_weight_bytes: int = 128 << 20
     """Largest weight the fused GEMV takes at one row: it streams Llama-3-8B's qkv, o and down
     weights faster than cuBLAS, but not the 235 MB gate/up (1.314 ms a step against 1.295)."""

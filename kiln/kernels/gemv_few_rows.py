@@ -23,8 +23,10 @@ elementwise kernel's, run first: recomputed for every row in every program it wo
 instructions than the weight stream leaves. Cost, from sm_90 compiles of Llama-3-8B's layer GEMVs at
 bf16 (instructions of the main loop a weight; the one-row GEMV streams at ~6.4 weights a clock per
 SM on an H100, against 128 instructions issued): 2 rows 5.6 (raw x) and 6.6 (RMSNorm), 5 rows 9.7
-and 12.3, 8 rows 14.0 and 18.1. ``KernelConfig.gemv_few_rows_max`` turns it on (off by default until
-timed on a GPU).
+and 12.3, 8 rows 14.0 and 18.1. Timed on an H100 (``bench/experiments/gemv_sweep.py --tokens 2 5 8``,
+Llama-3-8B's layer chain of qkv, o, gate_up and down): 2 rows 157.7 us against cuBLAS's 171.9 (92% of
+the copy rate), 5 rows 222.6 against 173.2, 8 rows 305.0 against 174.1; so
+``KernelConfig.gemv_few_rows_max`` is 2 by default, and the verify step's 5 rows stay on cuBLAS.
 """
 
 from __future__ import annotations
