@@ -12,8 +12,8 @@
 # prefill (bench/experiments/prefill_breakdown.py: host and GPU time of a prefill, graphs and eager), decode (bench/decode.py; extra arguments in $DECODE_ARGS, e.g. "--batches 1 --kernel-config NAME=VALUE").
 # The open issues' figures, each stage its GPU tests first (a failing test does not stop the stage's benchmark):
 #   lora (#23, ~4 min), spec (#24, ~3 min), quant (#27, ~6 min), moe (#22, ~4 min), startup and serving (#29,
-#   ~2 and ~6 min; need $TOKENIZER_DIR; $SERVING_SHAPES picks the shapes, $SERVE_ARGS adds
-#   kiln serve flags, e.g. "--api-server-count 4"), structured (#29). Each step has its own time limit.
+#   ~2 and ~6 min; need $TOKENIZER_DIR; $SERVING_SHAPES picks the shapes, $SERVE_ARGS replaces the
+#   kiln serve flags "--api-server-count 4"), structured (#29). Each step has its own time limit.
 set -uo pipefail
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -31,8 +31,8 @@ serving_figures() {
     --out "$out/offline_${shape}_64.json" | tail -1
   timeout 200 python3 bench/offline.py --model "$art" --workload random --num-requests 512 --input-len 256 \
     --output-len 128 --max-running 256 --out "$out/offline_${shape}_256.json" | tail -1
-  python3 -m kiln serve "$art" --port $port --mem-fraction 0.5 --served-model-name m --max-queued-requests 512 ${SERVE_ARGS:-} \
-    > "$out/serve_$shape.log" 2>&1 &
+  python3 -m kiln serve "$art" --port $port --mem-fraction 0.5 --served-model-name m --max-queued-requests 512 \
+    ${SERVE_ARGS:---api-server-count 4} > "$out/serve_$shape.log" 2>&1 &
   local server=$!
   python3 -c "import time, httpx
 for _ in range(1200):
@@ -40,6 +40,10 @@ for _ in range(1200):
         if httpx.get('http://127.0.0.1:$port/health', timeout=2).status_code == 200: break
     except httpx.TransportError: pass
     time.sleep(0.5)"
+  # The idle server captures its prefill graphs (EngineCore.warm_up_idle) before the load, as the
+  # offline engine does before its clock starts.
+  for _ in $(seq 120); do grep -q "prefill graphs:" "$out/serve_$shape.log" && break; sleep 0.5; done
+  grep "ready in\|prefill graphs:" "$out/serve_$shape.log"
   for c in 1 64 256 1024; do
     local n=$(( c == 1 ? 16 : (c == 1024 ? 1024 : 512) ))
     timeout 300 python3 bench/serving.py --base-url http://127.0.0.1:$port --model m --num-prompts $n \
@@ -47,6 +51,7 @@ for _ in range(1200):
       --out "$out/served_${shape}_$c.json" 2>&1 | tail -12
   done
   kill $server; wait $server
+  rm -rf "$art"  # Llama-3-8B's is 16 GB of the machine's 64 GB disk
 }
 for stage in "$@"; do
   echo "== $stage $(date +%T)"

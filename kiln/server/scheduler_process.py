@@ -66,6 +66,8 @@ class SchedulerLoop:
         self._stats_sent_at = 0.0
         self._origins: dict[str, int] = {}  # rid -> the API server that sent it (ipc.AddOptions.origin)
         self._graphs_to_warm = True  # until EngineCore.warm_up_idle finds none left
+        self._warmed = 0
+        self._warm_up_s = 0.0
 
     def run(self) -> None:
         while self.parent.alive():
@@ -94,9 +96,18 @@ class SchedulerLoop:
                 if events:
                     self._send([ipc.EVENTS, [ipc.event_to_wire(e) for e in events]])
             elif warming and not messages:
-                self._graphs_to_warm = self.core.warm_up_idle()
+                self._warm_up_one()
             self._publish_stats()
         log.info("the server process is gone; exiting")
+
+    def _warm_up_one(self) -> None:
+        began = time.monotonic()
+        self._graphs_to_warm = self.core.warm_up_idle()
+        if self._graphs_to_warm:
+            self._warmed += 1
+            self._warm_up_s += time.monotonic() - began
+        elif self._warmed:
+            log.info("prefill graphs: %d captured while idle in %.2f s", self._warmed, self._warm_up_s)
 
     def _handle(self, message: list[Any]) -> bool:
         kind = message[0]
