@@ -31,7 +31,7 @@ from kiln.runtime.text.tokenizer import Tokenizer
 from kiln.server import ipc
 from kiln.server.api_servers import API_KEY_ENV, peer_sockets, samples_in_flight
 from kiln.server.children import CHILD_POLL_S
-from kiln.server.http_process import ProcessTies, run_http
+from kiln.server.http_process import ProcessTies, run_event_loop, run_http
 from kiln.server.serve_config import ServeConfig
 from kiln.server.peers import Peers
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: ipc.exit_now(0))
     serve_config = ServeConfig.from_json(config["serve"], os.environ.pop(API_KEY_ENV, None))
-    return asyncio.run(_serve(config, serve_config))
+    return run_event_loop(_serve(config, serve_config))
 
 
 async def _serve(config: dict[str, Any], serve_config: ServeConfig) -> int:

@@ -44,7 +44,7 @@ from kiln.runtime.text.tokenizer import Tokenizer
 from . import ipc
 from .api_servers import ApiServers
 from .children import CHILD_POLL_S, Children, StartedProcesses, artifact_tokenizer_dir
-from .http_process import GRACEFUL_CLOSE_S, ProcessTies, run_http
+from .http_process import GRACEFUL_CLOSE_S, ProcessTies, run_event_loop, run_http
 from .serve_config import ServeConfig
 
 log = logging.getLogger("kiln.server")
@@ -97,7 +97,7 @@ def serve(artifact: str, config: ServeConfig, startup: StartupTimer | None = Non
     if started is None:
         return 1
     try:
-        return asyncio.run(_serve(started, artifact, config, startup or StartupTimer("http")))
+        return run_event_loop(_serve(started, artifact, config, startup or StartupTimer("http")))
     finally:
         started.close_listeners()
 
