@@ -24,7 +24,6 @@ from typing import Any, Mapping, Sequence
 import tokenizers
 from tokenizers import processors
 
-from .chat_template import builtin_template, render_chat_template
 from .user_text import SpecialTokenMask, require_unicode
 from .tool_templates import builtin_tool_template, mentions_tools, uses_tools
 
@@ -142,6 +141,8 @@ class Tokenizer:
                         extra_eos_token_ids=generation_eos, chat_template=template,
                         clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)))
         if template is None:
+            from .chat_template import builtin_template  # (jinja2 with it: see apply_chat_template)
+
             tokenizer.chat_template = builtin_template(model_type or model_config.get("model_type"),
                                                        set(backend.get_vocab(with_added_tokens=True)), bos)
         return tokenizer
@@ -215,6 +216,10 @@ class Tokenizer:
                 raise ValueError("this model's chat template has no tools section and no built-in tool template "
                                  "fits its tokens (the built-in one is ChatML's, with <|im_start|> and <|im_end|>)")
             raise ValueError("this tokenizer has no chat template and none of the built-in ones fits it")
+        # Imported here, not with this module: the scheduler process loads a tokenizer but renders no
+        # template, and jinja2's import (~0.13 s) would lengthen every server's start-up.
+        from .chat_template import render_chat_template
+
         return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
                                     tools=tools, bos_token=self.bos_token, eos_token=self.eos_token,
                                     extra_context=template_kwargs)

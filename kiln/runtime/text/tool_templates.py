@@ -14,8 +14,6 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any, Collection, Mapping, Sequence
 
-import jinja2
-from jinja2 import meta
 
 HERMES_TOOL_TEMPLATE = (
     "{%- if tools %}"
@@ -58,6 +56,9 @@ HERMES_TOOL_TEMPLATE = (
 @lru_cache(maxsize=16)
 def mentions_tools(template: str) -> bool:
     """Whether the template reads a ``tools`` variable (a template that does not would drop them)."""
+    import jinja2  # only when a conversation has tools: see Tokenizer.apply_chat_template
+    from jinja2 import meta
+
     try:
         return "tools" in meta.find_undeclared_variables(jinja2.Environment().parse(template))
     except jinja2.TemplateSyntaxError:
