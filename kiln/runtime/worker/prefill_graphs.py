@@ -46,6 +46,10 @@ def bucket_sizes(least: int, bound: int) -> list[int]:
     return sizes + [bound]
 
 
+def _graph_key(sizes: dict[str, int]) -> tuple[int, int, int]:
+    return sizes["T"], sizes["B"], sizes["N"]
+
+
 class PrefillGraphs:
     def __init__(self, executor: Executor, kv_views: dict[str, torch.Tensor], bounds: dict[str, int]) -> None:
         """``bounds``: the most tokens (T), sequences (B) and logits rows (N) of a step, and the page
@@ -81,7 +85,7 @@ class PrefillGraphs:
         if not self._capturing:
             outputs = self.executor.run(inputs, self.kv_views)
         else:
-            key = (sizes["T"], sizes["B"], sizes["N"])
+            key = _graph_key(sizes)
             if key not in self._graphs:
                 self._graphs[key] = self._capture(inputs)
             graph, outputs = self._graphs[key]
@@ -96,11 +100,14 @@ class PrefillGraphs:
         would otherwise wait for the captures (``warm_up_lists``). Buckets no step can reach (a
         sequence longer than the page table) are left out."""
         reach = self.layout.width * self.executor.page_size
-        return [(t, b) for t in self.token_buckets for b in self.sequence_buckets if b < t and -(-t // b) <= reach]
+        return [(t, b) for t in self.token_buckets for b in self.sequence_buckets
+                if b < t and b <= self.row_buckets[-1] and -(-t // b) <= reach]
 
     def uncaptured(self) -> list[tuple[int, int]]:
         """``warm_up_buckets`` with no graph yet (none on a CPU, which captures nothing)."""
-        return [(t, b) for t, b in self.warm_up_buckets() if (t, b, b) not in self._graphs] if self._capturing else []
+        if not self._capturing:
+            return []
+        return [(t, b) for t, b in self.warm_up_buckets() if _graph_key(self._buckets(t, b, b)) not in self._graphs]
 
     def warm_up_lists(self, tokens: int, sequences: int) -> StepLists:
         """A step of ``tokens`` tokens over ``sequences`` sequences (split evenly, the first ones a token

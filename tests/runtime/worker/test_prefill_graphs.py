@@ -67,3 +67,10 @@ def test_warm_up_steps_take_their_buckets_and_store_nothing(runner):
         assert graphs.run(lists).logits.shape[0] == sequences
     for before, after in zip(pool, runner.pool.layer_views().values()):
         assert torch.equal(before, after)
+
+
+def test_warm_up_leaves_out_buckets_of_more_sequences_than_logits_rows(tmp_path):
+    """A step of more sequences than the artifact's logits rows takes no graph: warming such a bucket
+    would never capture it (and an idle server would run it again and again)."""
+    runner = cpu_runner(tmp_path, max_batch_tokens=32, max_batch_size=8, max_seq_len=64, max_logit_rows=4)
+    assert runner.prefill_graphs.warm_up_buckets() == [(t, b) for t in (16, 32) for b in (1, 2, 4)]
