@@ -152,6 +152,10 @@ class KernelConfig:
     the SiLU·mul prologue's tiles took 255 registers and spilled in an sm_90 compile."""
     quantized_gemm_num_warps: int = 8
     """Warps per program of the quantized GEMV above 16 rows (a 64 x 64 tile: 101-128 registers)."""
+    quantized_gemm_num_stages: int = 1
+    """Triton pipeline stages of the quantized GEMV above 16 rows: at 1 its loop keeps the next weight
+    tile in flight itself (as the GEMV does); more let Triton's pipeliner stream the tiles of its
+    tl.dot loop ahead. Not yet tuned on a GPU."""
     act_quant_block_k: int = 16384
     """Widest row the per-token activation quantizer (``act_quant_triton``) holds in registers and
     reads once; wider rows are read three times. 16384 covers Llama-3-8B's down projection (14336)."""

@@ -174,19 +174,19 @@ def gemv_tiling(config: KernelConfig, pack: int) -> KernelConfig:
 
 
 def quantized_gemv_tiles(rows: int, n: int, k: int, sms: int, pack: int,
-                         config: KernelConfig = DEFAULTS) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_N, BLOCK_K, num_warps) of the quantized GEMV for ``rows`` (2 or more) rows of an
-    [n, k] weight stored ``pack`` values a byte (2: MXFP4)."""
+                         config: KernelConfig = DEFAULTS) -> tuple[int, int, int, int, int]:
+    """(BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages) of the quantized GEMV for ``rows`` (2 or more)
+    rows of an [n, k] weight stored ``pack`` values a byte (2: MXFP4)."""
     if rows > GEMV_MAX_ROWS:
         block_t = max(16, min(pow2(rows), config.quantized_gemv_block_t))
         block_n, block_k = config.quantized_gemm_block_n, min(config.quantized_gemm_block_k, pow2(k, 16))
-        warps = config.quantized_gemm_num_warps
+        warps, stages = config.quantized_gemm_num_warps, config.quantized_gemm_num_stages
     else:
         cfg = gemv_config(rows, n, k, sms, gemv_tiling(config, pack))
         block_t, block_n, block_k = cfg.block_t, cfg.block_n, cfg.block_k
-        warps = config.quantized_gemv_num_warps
+        warps, stages = config.quantized_gemv_num_warps, config.gemv_num_stages
     # An MX tile holds whole blocks of 32; a tl.dot needs 16 of K at least (block_k is a power of two).
-    return block_t, block_n, max(block_k, MX_BLOCK if pack == 2 else 16), warps
+    return block_t, block_n, max(block_k, MX_BLOCK if pack == 2 else 16), warps, stages
 
 
 def launch_quantized_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out: torch.Tensor, *,
@@ -210,7 +210,7 @@ def launch_quantized_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
         x, x_scale = quantize_rows(x, act_quant, norm_weight=norm_weight, gated=gated, eps=eps, as_f16=True,
                                    config=config)
         prologue, norm_weight = RAW, None
-    block_t, block_n, block_k, warps = quantized_gemv_tiles(rows, n, k, sm_count(x), scheme.pack, config)
+    block_t, block_n, block_k, warps, stages = quantized_gemv_tiles(rows, n, k, sm_count(x), scheme.pack, config)
     res = residual if residual is not None else out
     grid = (triton.cdiv(rows, block_t), triton.cdiv(n, block_n))
     _qgemv_kernel[grid](
@@ -220,4 +220,4 @@ def launch_quantized_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
         ACT=ACT_KINDS[act_quant], PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         DOT_F32=dot_f32, DOT_IN_DTYPE=not dot_f32, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
         PASS_K=min(pow2(k, 16), max(16, config.gemv_norm_pass_elements // block_t)),
-        num_warps=warps, num_stages=config.gemv_num_stages, **pdl_launch(x, config.pdl))
+        num_warps=warps, num_stages=stages, **pdl_launch(x, config.pdl))

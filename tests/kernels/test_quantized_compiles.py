@@ -33,7 +33,7 @@ _WEIGHTS = {"int8": ("*i8", "*fp32"), "fp8": ("*fp8e4nv", "*fp32"), "mxfp4": ("*
 _ACT_X = {ACT_NONE: "*bf16", ACT_INT8: "*i8", ACT_FP8: "*fp16"}  # as the GEMV reads x
 
 
-def _compile(kernel, pointers: dict[str, str], constants: dict, num_warps: int = 4):
+def _compile(kernel, pointers: dict[str, str], constants: dict, num_warps: int = 4, num_stages: int = 1):
     """Compiles ``kernel`` for sm_90 with ``constants``: ``pointers`` names each pointer argument's
     type, ``eps`` is f32 and the rest i32 scalars, each non-constant 16-divisible as Triton
     specializes them at launch."""
@@ -43,7 +43,7 @@ def _compile(kernel, pointers: dict[str, str], constants: dict, num_warps: int =
     divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
                  if signature[name] not in ("constexpr", "fp32")}
     compiled = triton.compile(ASTSource(kernel, signature, constants, divisible), target=HOPPER,
-                              options=dict(num_warps=num_warps))
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
     assert compiled.asm["cubin"]
     return compiled
 
@@ -64,13 +64,13 @@ def _row_gemv(weight: str, act, prologue, n: int, k: int, bias: bool, residual: 
 def _gemv(weight: str, act, prologue, rows: int, n: int, k: int, bias: bool, residual: bool) -> None:
     """The GEMV as ``launch_quantized_gemv`` launches it for ``rows`` (2 or more) rows of an [n, k] weight."""
     w_type, s_type = _WEIGHTS[weight]
-    block_t, block_n, block_k, warps = quantized_gemv_tiles(rows, n, k, H100_SMS, 2 if weight == "mxfp4" else 1)
+    block_t, block_n, block_k, warps, stages = quantized_gemv_tiles(rows, n, k, H100_SMS, 2 if weight == "mxfp4" else 1)
     pointers = dict(x_ptr=_ACT_X[act], xs_ptr="*fp32", nw_ptr="*bf16", w_ptr=w_type, s_ptr=s_type, b_ptr="*bf16",
                     r_ptr="*bf16", y_ptr="*bf16")
     _compile(gemv_quantized._qgemv_kernel, pointers, dict(
         WEIGHT=MXFP4 if weight == "mxfp4" else PER_CHANNEL, ACT=act, PROLOGUE=prologue,
         HAS_BIAS=bias, HAS_RESIDUAL=residual, DOT_F32=False, DOT_IN_DTYPE=True,
-        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, PASS_K=max(16, 4096 // block_t), PDL=True), warps)
+        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, PASS_K=max(16, 4096 // block_t), PDL=True), warps, stages)
 
 
 def compile_all() -> None:
