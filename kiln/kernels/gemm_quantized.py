@@ -70,16 +70,15 @@ def _dequantize_kernel(w_ptr, s_ptr, out_ptr, N, K, w_st, s_st, out_st, WEIGHT: 
     k0 = tl.program_id(1) * BLOCK_K
     w, s = load_weight(w_ptr, s_ptr, cols, N, w_st, s_st, k0, K, WEIGHT, BLOCK_K)
     out_rows = out_ptr + cols.to(tl.int64)[:, None] * out_st
-    if WEIGHT == MXFP4:  # the low nibbles to the even columns, the high ones to the odd
+    if WEIGHT == MXFP4:
+        # The low nibbles are the even columns, the high ones the odd: interleaved in registers so that
+        # the row is stored contiguously (two stores at stride 2 write every sector twice).
         even, odd = decode_pairs(w, s)
-        k = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-        mask = (cols < N)[:, None] & (k < K)[None, :]
-        tl.store(out_rows + k[None, :], even.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(out_rows + k[None, :] + 1, odd.to(out_ptr.dtype.element_ty), mask=mask)
+        values = tl.interleave(even, odd)
     else:
         values = w.to(tl.float32) * tl.load(s_ptr + cols, mask=cols < N, other=0.0)[:, None]
-        k = k0 + tl.arange(0, BLOCK_K)
-        tl.store(out_rows + k[None, :], values.to(out_ptr.dtype.element_ty), mask=(cols < N)[:, None] & (k < K)[None, :])
+    k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_rows + k[None, :], values.to(out_ptr.dtype.element_ty), mask=(cols < N)[:, None] & (k < K)[None, :])
 
 
 def dequantize_weight(weight: torch.Tensor, weight_scale: torch.Tensor, scheme: QuantScheme,
