@@ -156,6 +156,17 @@ class KernelConfig:
     """Triton pipeline stages of the quantized GEMV above 16 rows: at 1 its loop keeps the next weight
     tile in flight itself (as the GEMV does); more let Triton's pipeliner stream the tiles of its
     tl.dot loop ahead. Not yet tuned on a GPU."""
+    mma_gemv_max_rows: int = 0
+    """Most rows the W8A8 GEMVs (fp8, w8a8_int8) take through ``gemv_mma``'s tensor-core GEMV (the
+    weight as wgmma's 64-row operand, no weight decoded by a thread) instead of the broadcast-product
+    and tl.dot GEMVs; 0: never. Hopper only (compute capability 9.x); elsewhere the other GEMVs run.
+    Not yet measured on a GPU."""
+    mma_gemv_block_k: int = 256
+    """K per step of ``gemv_mma``'s GEMV (values, one byte each): a 64-row weight tile of 16 KB."""
+    mma_gemv_num_stages: int = 4
+    """Weight tiles ``gemv_mma``'s GEMV keeps in flight through shared memory (Triton's pipeliner):
+    4 x 16 KB. At Llama-3-8B's 4096 columns it runs 64 programs on 132 SMs, so each SM's stream must
+    be deep to keep the memory busy."""
     act_quant_block_k: int = 16384
     """Widest row the per-token activation quantizer (``act_quant_triton``) holds in registers and
     reads once; wider rows are read three times. 16384 covers Llama-3-8B's down projection (14336)."""
@@ -311,13 +322,13 @@ _POWERS_OF_TWO = frozenset({
     "quantized_gemv_block_t", "quantized_gemv_product_elements", "quantized_gemv_block_n",
     "quantized_gemv_dot_block_k", "quantized_gemv_block_k", "quantized_gemm_block_n", "quantized_gemm_block_k",
     "quantized_gemv_num_warps", "quantized_gemm_num_warps",
-    "act_quant_block_k", "act_quant_num_warps",
+    "mma_gemv_block_k", "act_quant_block_k", "act_quant_num_warps",
     "rmsnorm_elements_per_program", "rope_elements_per_program", "kv_store_block", "silu_mul_block", "add_block",
     "argmax_block", "argmax_merge_block", "sample_block", "sample_merge_block", "bitmask_words_per_program",
     "moe_block_m", "moe_block_n", "moe_block_k",
     "lora_row_block_k", "lora_norm_block", "lora_tile_block_k", "lora_tile_block_n",
 })
-_ZERO_ALLOWED = frozenset({"decode_preload_max_programs_per_sm", "gemv_max_weight_bytes",
+_ZERO_ALLOWED = frozenset({"decode_preload_max_programs_per_sm", "gemv_max_weight_bytes", "mma_gemv_max_rows",
                            "gemv_one_row_max_weight_bytes", "gemv_few_rows_max"})
 # Fields with a largest value: the few-row GEMV writes out an accumulator for each of up to 8 rows.
 _MOST = {"gemv_few_rows_max": 8}

@@ -6,6 +6,8 @@
 stay the CPU path and the fallback). Each call picks its kernel from host facts, so a decode step
 stays capturable in a CUDA graph:
 
+- W8A8 at up to ``KernelConfig.mma_gemv_max_rows`` rows on Hopper: ``gemv_mma``'s tensor-core GEMV
+  (the activations quantized by their own launch);
 - few rows (``KernelConfig.quantized_gemv_max_rows`` with activations quantized per token,
   ``quantized_weight_only_max_rows`` weight-only), or no library GEMM fits, or under Triton's
   interpreter: the quantized GEMV, the prologue and epilogue fused: ``gemv_quantized_row`` at one row
@@ -33,6 +35,7 @@ from .act_quant_triton import ACT_KINDS
 from .config import DEFAULTS, KernelConfig
 from .gemm_quantized import device_capability, library_gemm, library_path
 from .gemv_quantized import launch_quantized_gemv
+from .gemv_mma import launch_mma_gemv
 from .gemv_quantized_row import launch_quantized_row_gemv
 from .registry import Checker, register_impl
 from .triton_support import INTERPRET, IR_FLOATS, require, require_device, require_float, require_unit_last_stride
@@ -83,13 +86,20 @@ def _check(kernel: str, x: torch.Tensor, weight: torch.Tensor, scales: Scales, o
                         f"{major}.{minor}. Compile with --backend torch to run the reference kernels instead")
 
 
+def _hopper_or_interpreted(x: torch.Tensor) -> bool:
+    """Whether ``gemv_mma``'s wgmma GEMV runs here: on compute capability 9.x, or under the interpreter."""
+    return INTERPRET or (x.device.type == "cuda" and device_capability(x)[0] == 9)
+
+
 def _run(kernel: str, x: torch.Tensor, weight: torch.Tensor, scales: Scales, out: torch.Tensor, *,
          scheme: QuantScheme, act_quant: str | None, config: KernelConfig, **fused: Any) -> None:
     _check(kernel, x, weight, scales, out, scheme=scheme, act_quant=act_quant,
            **{name: value for name, value in fused.items() if name != "eps"})
     most = config.quantized_gemv_max_rows if act_quant is not None else config.quantized_weight_only_max_rows
     path = library_path(x, weight, scheme, act_quant) if x.shape[0] > most else None
-    if x.shape[0] == 1:
+    if act_quant is not None and x.shape[0] <= config.mma_gemv_max_rows and _hopper_or_interpreted(x):
+        launch_mma_gemv(x, weight, scales[0], out, act_quant=act_quant, config=config, **fused)
+    elif x.shape[0] == 1:
         launch_quantized_row_gemv(x, weight, scales[0], out, scheme=scheme, act_quant=act_quant, config=config,
                                   **fused)
     elif path is None:

@@ -19,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kiln.kernels import act_quant_triton, gemm_quantized, gemv_quantized, gemv_quantized_row
+from kiln.kernels import act_quant_triton, gemm_quantized, gemv_mma, gemv_quantized, gemv_quantized_row
 from kiln.kernels.act_quant_triton import ACT_FP8, ACT_INT8, ACT_KINDS, ACT_NONE
 from kiln.kernels.config import DEFAULTS
 from kiln.kernels.gemv import NORM, RAW, SILU_MUL
@@ -91,6 +91,15 @@ def compile_all() -> None:
                      dict(x_ptr="*bf16", nw_ptr="*bf16", q_ptr=q_type, s_ptr="*fp32"),
                      dict(PROLOGUE=prologue, ACT=act, HARDWARE=True, BLOCK_K=16384 if one_tile else 2048,
                           ONE_TILE=one_tile, PDL=True), DEFAULTS.act_quant_num_warps)
+    for weight, act, x_type, mma in (("fp8", ACT_FP8, "*fp8e4nv", "m64n16k32.f32.e4m3.e4m3"),
+                                     ("int8", ACT_INT8, "*i8", "m64n16k32.s32.s8.s8")):
+        # gemv_mma exists to run wgmma on the 8-bit values as stored: no conversion, no mma.sync.
+        ptx = _compile(gemv_mma._mma_gemv_kernel, dict(x_ptr=x_type, xs_ptr="*fp32", w_ptr=_WEIGHTS[weight][0],
+                                                        s_ptr="*fp32", b_ptr="*bf16", r_ptr="*bf16", y_ptr="*bf16"),
+                       dict(ACT=act, HAS_BIAS=False, HAS_RESIDUAL=True, DOT_F32=False, BLOCK_N=gemv_mma.MMA_ROWS,
+                            BLOCK_T=16, BLOCK_K=DEFAULTS.mma_gemv_block_k, PDL=True), 4,
+                       DEFAULTS.mma_gemv_num_stages).asm["ptx"]
+        assert f"wgmma.mma_async.sync.aligned.{mma}" in ptx and "mma.sync" not in ptx, f"{weight}: no {mma} wgmma"
     for weight in ("fp8", "mxfp4"):
         w_type, s_type = _WEIGHTS[weight]
         _compile(gemm_quantized._dequantize_kernel, dict(w_ptr=w_type, s_ptr=s_type, out_ptr="*bf16"),

@@ -1,0 +1,112 @@
+"""The W8A8 GEMVs at a few rows, Llama-3-8B's four layer GEMMs with their fusions, through the registry's
+quantized linear ops: the default kernels (``gemv_quantized_row`` at one row, the tl.dot GEMV above)
+against ``gemv_mma``'s tensor-core GEMV under tiling variants, and the bf16 GEMV, CUDA events over warm
+calls, us a layer (the four GEMMs' sum) and the share of the fp8 bytes' copy-rate roofline.
+
+    python bench/experiments/mma_gemv_probe.py --rows 1 2 5 16 --schemes fp8_channel w8a8_int8
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from kiln.ir.weights import SCHEMES
+from kiln.kernels import KernelConfig, get_impl
+from kiln.kernels.quantize import quantize
+
+# name: (N, K, op) at Llama-3-8B's shapes.
+SHAPES = {"qkv": (6144, 4096, "rmsnorm_linear"), "o": (4096, 4096, "linear_residual"),
+          "gate_up": (28672, 4096, "rmsnorm_linear"), "down": (4096, 14336, "silu_mul_linear_residual")}
+ACT = {"fp8_channel": "fp8_per_token", "int8_channel": "int8_per_token"}
+EPS = 1e-5
+
+
+def timed_us(fn, reps: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / reps
+
+
+def copy_rate() -> float:
+    """Bytes a second of a device-to-device copy of 1 GiB (read + write)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (timed_us(lambda: dst.copy_(src), reps=10) * 1e-6)
+
+
+def layer_calls(scheme_name: str, rows: int):
+    """(calls, weight bytes): a callable a GEMM taking a KernelConfig (None: bf16), for one layer."""
+    scheme = SCHEMES[scheme_name]
+    calls, weight_bytes = [], 0
+    for n, k, op in SHAPES.values():
+        dense = torch.randn(n, k, device="cuda") * k ** -0.5
+        stored, scales = quantize(dense, scheme)
+        stored, scales = stored.cuda(), tuple(s.cuda() for s in scales)
+        bf16 = dense.to(torch.bfloat16)
+        weight_bytes += stored.numel() * stored.element_size()
+        x = torch.randn(rows, 2 * k if op == "silu_mul_linear_residual" else k, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+        norm = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+        residual = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+
+        def call(config, op=op, x=x, norm=norm, stored=stored, scales=scales, bf16=bf16, out=out, residual=residual):
+            weight = bf16 if config is None else stored
+            args = {"rmsnorm_linear": (x, norm, weight, None), "linear_residual": (x, weight, residual),
+                    "silu_mul_linear_residual": (x, weight, residual)}[op]
+            kwargs = dict(eps=EPS) if op == "rmsnorm_linear" else {}
+            if config is None:
+                get_impl(f"triton.{op}").fn(*args, out=out, **kwargs)
+            else:
+                get_impl(f"triton.{op}.{scheme_name}").fn(*args, out=out, weight_scales=scales,
+                                                          act_quant=ACT[scheme_name], config=config, **kwargs)
+        calls.append(call)
+    return calls, weight_bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 16])
+    parser.add_argument("--schemes", nargs="+", default=["fp8_channel", "int8_channel"])
+    parser.add_argument("--block-k", type=int, nargs="+", default=[128, 256, 512])
+    parser.add_argument("--stages", type=int, nargs="+", default=[3, 4, 6])
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    rate = copy_rate()
+    print(f"copy rate {rate / 1e12:.2f} TB/s")
+    print("| scheme | rows | bf16 GEMV us | default quantized us | MMA GEMV best us (block_k, stages) | "
+          "MMA share of roofline | all MMA variants |")
+    print("|---|---:|---:|---:|---|---:|---|")
+    for scheme_name, rows in itertools.product(args.schemes, args.rows):
+        calls, weight_bytes = layer_calls(scheme_name, rows)
+
+        def layer(config):
+            return lambda: [call(config) for call in calls]
+
+        bf16 = timed_us(layer(None))
+        default = timed_us(layer(KernelConfig()))
+        variants = []
+        for block_k, stages in itertools.product(args.block_k, args.stages):
+            config = KernelConfig(mma_gemv_max_rows=16, mma_gemv_block_k=block_k, mma_gemv_num_stages=stages)
+            try:
+                variants.append((timed_us(layer(config)), f"{block_k}, {stages}"))
+            except Exception as error:  # a variant past shared memory fails to launch: say so, go on
+                print(f"  {scheme_name} rows {rows} block_k {block_k} stages {stages}: {type(error).__name__}: "
+                      f"{str(error)[:120]}")
+        best, tiles = min(variants)
+        roofline_us = weight_bytes / rate * 1e6
+        print(f"| {scheme_name} | {rows} | {bf16:.1f} | {default:.1f} | {best:.1f} ({tiles}) | "
+              f"{roofline_us / best:.0%} | {'; '.join(f'{us:.1f} ({t})' for us, t in variants)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""The W8A8 GEMV on Hopper's tensor cores: the weight tile is the matrix product's left operand.
+
+At a few rows a GEMM's time is its weight bytes over the memory's rate, if the kernel does little per
+weight. ``gemv_quantized_row``'s broadcast product decodes every 8-bit weight with integer bit moves
+and multiplies in f32, ~8 instructions a weight, which on sm_90 holds it near 64% of the fp8
+roofline. Hopper's warpgroup MMA (wgmma) takes e4m3 and int8 operands as they are stored, with no
+thread touching a weight value, but its left operand is 64 rows tall and x has 1-16 rows. So the
+product is computed transposed, ``y.T = W @ x.T``: 64 weight rows are the MMA's rows and x's rows,
+padded to 16, its columns (``m64n16k32``; a normal ``x @ W.T`` would pad x to 64 rows and, at fewer,
+go through mma.sync with every e4m3 weight converted to f16). Triton lowers the 8-bit ``tl.dot`` to
+wgmma and streams the weight tiles through shared memory ahead of it (``num_stages``).
+
+x comes quantized per token (``act_quant_triton.quantize_rows``: 8-bit values and f32 scales, the
+RMSNorm or SiLU·mul prologue applied there); the epilogue multiplies each sum by its channel's and its
+row's scale (int8's exact int32 sums first converted) and adds the bias or residual with
+``gemv.gemv_epilogue``, so the result is ``gemv_quantized``'s. No split-K: every output is one
+program's sum in one order, deterministic as the other GEMVs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .act_quant_triton import ACT_INT8, ACT_KINDS, quantize_rows
+from .config import DEFAULTS, KernelConfig
+from .gemv import gemv_epilogue
+from .triton_support import INTERPRET, await_previous_kernel, pdl_launch, pow2
+
+# wgmma's left operand is 64 rows (a warpgroup's tile); its right operand 8-256 columns, 16 here at
+# least (tl.dot's smallest).
+MMA_ROWS = 64
+MIN_BLOCK_T = 16
+
+
+@triton.jit
+def _mma_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N, K, x_st, w_st, r_st, y_st,
+                     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DOT_F32: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    # Program (p, q) computes output columns p*BLOCK_N.. of rows q*BLOCK_T.. as acc[column, row].
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    col_mask = cols < N
+    row_mask = rows < T
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * w_st
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_st
+    await_previous_kernel(PDL)  # x is the previous kernel's output
+    if ACT == ACT_INT8:
+        acc = tl.zeros([BLOCK_N, BLOCK_T], tl.int32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        # other=0.0: an integer fill cannot be cast to fp8.
+        w = tl.load(w_rows + k[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        if DOT_F32:  # the interpreter multiplies 8-bit values' bit patterns: f32 copies (exact) instead
+            acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee").to(acc.dtype)
+        elif ACT == ACT_INT8:
+            acc += tl.dot(w, tl.trans(x), out_dtype=tl.int32)
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+    scaled = acc.to(tl.float32) * tl.load(s_ptr + cols, mask=col_mask, other=0.0)[:, None]
+    scaled *= tl.load(xs_ptr + rows, mask=row_mask, other=1.0)[None, :]
+    gemv_epilogue(tl.trans(scaled), b_ptr, r_ptr, y_ptr, rows, cols, row_mask, col_mask, r_st, y_st,
+                  y_ptr.dtype.element_ty, HAS_BIAS, HAS_RESIDUAL)
+
+
+def mma_gemv_tiles(rows: int, k: int, config: KernelConfig = DEFAULTS) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_T, BLOCK_K) of the MMA GEMV for ``rows`` rows over ``k``."""
+    return MMA_ROWS, max(MIN_BLOCK_T, pow2(rows)), min(config.mma_gemv_block_k, pow2(k, 32))
+
+
+def launch_mma_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out: torch.Tensor, *,
+                    act_quant: str, norm_weight: torch.Tensor | None = None, gated: bool = False,
+                    bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, eps: float = 0.0,
+                    config: KernelConfig = DEFAULTS) -> None:
+    """``gemv_quantized.launch_quantized_gemv``'s result for an 8-bit per-channel ``weight`` [N, K] with
+    activations quantized per token (``act_quant``), for checked operands: two launches, the quantized
+    rows (prologue applied), then the transposed tensor-core GEMV on them."""
+    rows, (n, k) = x.shape[0], weight.shape
+    if rows == 0 or n == 0:
+        return
+    q, x_scale = quantize_rows(x, act_quant, norm_weight=norm_weight, gated=gated, eps=eps, config=config)
+    block_n, block_t, block_k = mma_gemv_tiles(rows, k, config)
+    res = residual if residual is not None else out
+    _mma_gemv_kernel[(triton.cdiv(n, block_n), triton.cdiv(rows, block_t))](
+        q, x_scale, weight, weight_scale, bias if bias is not None else out, res, out, rows, n, k, q.stride(0),
+        weight.stride(0), res.stride(0), out.stride(0), ACT=ACT_KINDS[act_quant], HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None, DOT_F32=INTERPRET,
+        BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=4, num_stages=config.mma_gemv_num_stages,
+        **pdl_launch(x, config.pdl))
+

@@ -1,0 +1,56 @@
+"""``gemv_mma``'s transposed tensor-core W8A8 GEMV (through the registry's quantized linear ops, with
+``mma_gemv_max_rows`` set) against the ``torch.<op>.<scheme>`` references, under the interpreter on the
+CPU (8-bit products in f32, exact) and on the GPU; and its tiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.ir.weights import SCHEMES
+from kiln.kernels import KernelConfig
+from kiln.kernels.gemv_mma import MMA_ROWS, mma_gemv_tiles
+from kiln.kernels.quantize import quantize
+
+from .conftest import DEVICE
+from .test_linear_quantized_triton import OPS, _assert_matches, _operands
+
+W8A8 = [("int8_channel", "int8_per_token"), ("fp8_channel", "fp8_per_token")]
+MMA = KernelConfig(mma_gemv_max_rows=16)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("scheme,act_quant", W8A8)
+@pytest.mark.parametrize("op", OPS)
+def test_mma_gemv_matches_reference(op, scheme, act_quant, rows):
+    # 37 columns: one 64-row tile, most of it past N; K 200: one partial K step; rows padded to 16.
+    args, scales = _operands(op, scheme, rows, 37, torch.float32, has_bias=rows != 3)
+    _assert_matches(op, scheme, act_quant, args, scales, MMA)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("scheme,act_quant", W8A8)
+def test_mma_gemv_in_bf16(scheme, act_quant, rows):
+    args, scales = _operands("silu_mul_linear_residual", scheme, rows, 24, torch.bfloat16)
+    _assert_matches("silu_mul_linear_residual", scheme, act_quant, args, scales, MMA)
+
+
+@pytest.mark.parametrize("scheme,act_quant", W8A8)
+def test_mma_gemv_steps_through_k_and_column_tiles(scheme, act_quant):
+    # 130 columns: three 64-row tiles, the last of 2; K 600 in steps of 256, the last partial.
+    k, n = 600, 130
+    stored, scales = quantize(torch.randn(n, k) * k ** -0.5, SCHEMES[scheme])
+    args = (torch.randn(2, k, device=DEVICE), stored.to(DEVICE), None)
+    _assert_matches("linear", scheme, act_quant, args, tuple(s.to(DEVICE) for s in scales), MMA)
+
+
+def test_rows_above_the_bound_take_the_other_gemvs():
+    # 20 rows past mma_gemv_max_rows=16: the tl.dot GEMV runs (same result either way).
+    args, scales = _operands("linear", "fp8_channel", 20, 37, torch.float32)
+    _assert_matches("linear", "fp8_channel", "fp8_per_token", args, scales, MMA)
+
+
+def test_tiles():
+    assert mma_gemv_tiles(1, 4096) == (MMA_ROWS, 16, 256)
+    assert mma_gemv_tiles(20, 4096) == (MMA_ROWS, 32, 256)
+    assert mma_gemv_tiles(1, 40, KernelConfig(mma_gemv_block_k=512)) == (MMA_ROWS, 16, 64)
