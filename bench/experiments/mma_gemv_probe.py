@@ -3,7 +3,7 @@ quantized linear ops: the default kernels (``gemv_quantized_row`` at one row, th
 against ``gemv_mma``'s tensor-core GEMV under tiling variants, and the bf16 GEMV, CUDA events over warm
 calls, us a layer (the four GEMMs' sum) and the share of the fp8 bytes' copy-rate roofline.
 
-    python bench/experiments/mma_gemv_probe.py --rows 1 2 5 16 --schemes fp8_channel w8a8_int8
+    python bench/experiments/mma_gemv_probe.py --rows 1 2 5 16 64 --methods fp8 w8a8_int8 w8a16_int8 mxfp4
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from kiln.kernels.quantize import quantize
 # name: (N, K, op) at Llama-3-8B's shapes.
 SHAPES = {"qkv": (6144, 4096, "rmsnorm_linear"), "o": (4096, 4096, "linear_residual"),
           "gate_up": (28672, 4096, "rmsnorm_linear"), "down": (4096, 14336, "silu_mul_linear_residual")}
-ACT = {"fp8_channel": "fp8_per_token", "int8_channel": "int8_per_token"}
+# The schemes by their compile names: (stored scheme, activation quantization).
+SCHEME_ACT = {"fp8": ("fp8_channel", "fp8_per_token"), "w8a8_int8": ("int8_channel", "int8_per_token"),
+              "w8a16_int8": ("int8_channel", None), "mxfp4": ("mxfp4", None)}
 EPS = 1e-5
 
 
@@ -44,8 +46,9 @@ def copy_rate() -> float:
     return 2 * src.numel() / (timed_us(lambda: dst.copy_(src), reps=10) * 1e-6)
 
 
-def layer_calls(scheme_name: str, rows: int):
+def layer_calls(method: str, rows: int):
     """(calls, weight bytes): a callable a GEMM taking a KernelConfig (None: bf16), for one layer."""
+    scheme_name, act_quant = SCHEME_ACT[method]
     scheme = SCHEMES[scheme_name]
     calls, weight_bytes = [], 0
     for n, k, op in SHAPES.values():
@@ -53,7 +56,7 @@ def layer_calls(scheme_name: str, rows: int):
         stored, scales = quantize(dense, scheme)
         stored, scales = stored.cuda(), tuple(s.cuda() for s in scales)
         bf16 = dense.to(torch.bfloat16)
-        weight_bytes += stored.numel() * stored.element_size()
+        weight_bytes += sum(t.numel() * t.element_size() for t in (stored, *scales))
         x = torch.randn(rows, 2 * k if op == "silu_mul_linear_residual" else k, device="cuda", dtype=torch.bfloat16)
         out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
         norm = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
@@ -68,7 +71,7 @@ def layer_calls(scheme_name: str, rows: int):
                 get_impl(f"triton.{op}").fn(*args, out=out, **kwargs)
             else:
                 get_impl(f"triton.{op}.{scheme_name}").fn(*args, out=out, weight_scales=scales,
-                                                          act_quant=ACT[scheme_name], config=config, **kwargs)
+                                                          act_quant=act_quant, config=config, **kwargs)
         calls.append(call)
     return calls, weight_bytes
 
@@ -76,18 +79,18 @@ def layer_calls(scheme_name: str, rows: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 5, 16])
-    parser.add_argument("--schemes", nargs="+", default=["fp8_channel", "int8_channel"])
+    parser.add_argument("--methods", nargs="+", default=list(SCHEME_ACT), choices=list(SCHEME_ACT))
     parser.add_argument("--block-k", type=int, nargs="+", default=[128, 256, 512])
     parser.add_argument("--stages", type=int, nargs="+", default=[3, 4, 6])
     args = parser.parse_args()
     torch.manual_seed(0)
     rate = copy_rate()
     print(f"copy rate {rate / 1e12:.2f} TB/s")
-    print("| scheme | rows | bf16 GEMV us | default quantized us | MMA GEMV best us (block_k, stages) | "
+    print("| method | rows | bf16 GEMV us | default quantized us | MMA GEMV best us (block_k, stages) | "
           "MMA share of roofline | all MMA variants |")
     print("|---|---:|---:|---:|---|---:|---|")
-    for scheme_name, rows in itertools.product(args.schemes, args.rows):
-        calls, weight_bytes = layer_calls(scheme_name, rows)
+    for method, rows in itertools.product(args.methods, args.rows):
+        calls, weight_bytes = layer_calls(method, rows)
 
         def layer(config):
             return lambda: [call(config) for call in calls]
@@ -96,15 +99,16 @@ def main() -> None:
         default = timed_us(layer(KernelConfig()))
         variants = []
         for block_k, stages in itertools.product(args.block_k, args.stages):
-            config = KernelConfig(mma_gemv_max_rows=16, mma_gemv_block_k=block_k, mma_gemv_num_stages=stages)
+            config = KernelConfig(mma_gemv_max_rows=64, mma_weight_only_max_rows=64, mma_gemv_block_k=block_k,
+                                  mma_gemv_num_stages=stages)
             try:
                 variants.append((timed_us(layer(config)), f"{block_k}, {stages}"))
             except Exception as error:  # a variant past shared memory fails to launch: say so, go on
-                print(f"  {scheme_name} rows {rows} block_k {block_k} stages {stages}: {type(error).__name__}: "
+                print(f"  {method} rows {rows} block_k {block_k} stages {stages}: {type(error).__name__}: "
                       f"{str(error)[:120]}")
         best, tiles = min(variants)
         roofline_us = weight_bytes / rate * 1e6
-        print(f"| {scheme_name} | {rows} | {bf16:.1f} | {default:.1f} | {best:.1f} ({tiles}) | "
+        print(f"| {method} | {rows} | {bf16:.1f} | {default:.1f} | {best:.1f} ({tiles}) | "
               f"{roofline_us / best:.0%} | {'; '.join(f'{us:.1f} ({t})' for us, t in variants)} |", flush=True)
 
 

@@ -157,12 +157,17 @@ class KernelConfig:
     tile in flight itself (as the GEMV does); more let Triton's pipeliner stream the tiles of its
     tl.dot loop ahead. Not yet tuned on a GPU."""
     mma_gemv_max_rows: int = 0
-    """Most rows the W8A8 GEMVs (fp8, w8a8_int8) take through ``gemv_mma``'s tensor-core GEMV (the
+    """Most rows the W8A8 GEMMs (fp8, w8a8_int8) take through ``gemv_mma``'s tensor-core GEMV (the
     weight as wgmma's 64-row operand, no weight decoded by a thread) instead of the broadcast-product
-    and tl.dot GEMVs; 0: never. Hopper only (compute capability 9.x); elsewhere the other GEMVs run.
+    and tl.dot GEMVs or the library GEMMs; 0: never. Hopper only (compute capability 9.x); elsewhere the other GEMVs run.
     Not yet measured on a GPU."""
+    mma_weight_only_max_rows: int = 0
+    """``mma_gemv_max_rows`` for the weight-only schemes (w8a16_int8, mxfp4), whose weights
+    ``gemv_mma`` decodes in registers for wgmma; above it they take the GEMV or the dequantizing
+    library path. 0: never. Not yet measured on a GPU."""
     mma_gemv_block_k: int = 256
-    """K per step of ``gemv_mma``'s GEMV (values, one byte each): a 64-row weight tile of 16 KB."""
+    """K per step of ``gemv_mma``'s GEMV in weight values: a 64-row tile of 16 KB of 8-bit weights
+    (8 KB of MXFP4)."""
     mma_gemv_num_stages: int = 4
     """Weight tiles ``gemv_mma``'s GEMV keeps in flight through shared memory (Triton's pipeliner):
     4 x 16 KB. At Llama-3-8B's 4096 columns it runs 64 programs on 132 SMs, so each SM's stream must
@@ -329,6 +334,7 @@ _POWERS_OF_TWO = frozenset({
     "lora_row_block_k", "lora_norm_block", "lora_tile_block_k", "lora_tile_block_n",
 })
 _ZERO_ALLOWED = frozenset({"decode_preload_max_programs_per_sm", "gemv_max_weight_bytes", "mma_gemv_max_rows",
+                           "mma_weight_only_max_rows",
                            "gemv_one_row_max_weight_bytes", "gemv_few_rows_max"})
 # Fields with a largest value: the few-row GEMV writes out an accumulator for each of up to 8 rows.
 _MOST = {"gemv_few_rows_max": 8}

@@ -1,20 +1,26 @@
-"""The W8A8 GEMV on Hopper's tensor cores: the weight tile is the matrix product's left operand.
+"""The quantized GEMV on Hopper's tensor cores: the weight tile is the matrix product's left operand.
 
 At a few rows a GEMM's time is its weight bytes over the memory's rate, if the kernel does little per
-weight. ``gemv_quantized_row``'s broadcast product decodes every 8-bit weight with integer bit moves
-and multiplies in f32, ~8 instructions a weight, which on sm_90 holds it near 64% of the fp8
-roofline. Hopper's warpgroup MMA (wgmma) takes e4m3 and int8 operands as they are stored, with no
-thread touching a weight value, but its left operand is 64 rows tall and x has 1-16 rows. So the
-product is computed transposed, ``y.T = W @ x.T``: 64 weight rows are the MMA's rows and x's rows,
+weight. ``gemv_quantized_row``'s broadcast product decodes every weight with integer bit moves and
+multiplies in f32, ~8 instructions a weight for fp8, which on sm_90 holds it near 64% of the fp8
+roofline (MXFP4 48%). Hopper's warpgroup MMA (wgmma) takes e4m3 and int8 operands as they are stored,
+with no thread touching a weight value, but its left operand is 64 rows tall and x has 1-16 rows. So
+the product is computed transposed, ``y.T = W @ x.T``: 64 weight rows are the MMA's rows and x's rows,
 padded to 16, its columns (``m64n16k32``; a normal ``x @ W.T`` would pad x to 64 rows and, at fewer,
-go through mma.sync with every e4m3 weight converted to f16). Triton lowers the 8-bit ``tl.dot`` to
-wgmma and streams the weight tiles through shared memory ahead of it (``num_stages``).
+go through mma.sync with every e4m3 weight converted to f16). Triton lowers the ``tl.dot`` to wgmma
+and streams the weight tiles through shared memory ahead of it (``num_stages``).
 
-x comes quantized per token (``act_quant_triton.quantize_rows``: 8-bit values and f32 scales, the
-RMSNorm or SiLU·mul prologue applied there); the epilogue multiplies each sum by its channel's and its
-row's scale (int8's exact int32 sums first converted) and adds the bias or residual with
-``gemv.gemv_epilogue``, so the result is ``gemv_quantized``'s. No split-K: every output is one
-program's sum in one order, deterministic as the other GEMVs.
+- W8A8 (``fp8_channel`` with fp8 activations, ``int8_channel`` with int8): x comes quantized per token
+  (``act_quant_triton.quantize_rows``, the RMSNorm or SiLU·mul prologue applied there), the 8-bit
+  values are multiplied as stored, and the epilogue multiplies each sum by its channel's and its row's
+  scale (int8's exact int32 sums first converted);
+- weight-only (``int8_channel``, ``mxfp4``): the prologue runs as its own kernel, the weight tile is
+  decoded in registers to x's dtype (wgmma takes its left operand from registers; int8 and scaled
+  e2m1 values are exact in bf16), MXFP4 as ``gemv_quantized`` decodes it (low nibbles times x's even
+  elements, high nibbles its odd ones).
+
+The bias or residual is added by ``gemv.gemv_epilogue``, so the result is ``gemv_quantized``'s. No
+split-K: every output is one program's sum in one order, deterministic as the other GEMVs.
 """
 
 from __future__ import annotations
@@ -23,10 +29,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .act_quant_triton import ACT_INT8, ACT_KINDS, quantize_rows
+from kiln.ir.weights import QuantScheme
+
+from .act_quant_triton import ACT_FP8, ACT_INT8, ACT_KINDS, ACT_NONE, quantize_rows
 from .config import DEFAULTS, KernelConfig
+from .elementwise import triton_silu_mul
 from .gemv import gemv_epilogue
-from .triton_support import INTERPRET, await_previous_kernel, pdl_launch, pow2
+from .gemv_quantized import decode_pairs, load_weight
+from .norm import triton_rmsnorm
+from .quant_decode import MXFP4, PER_CHANNEL
+from .triton_support import INTERPRET, await_previous_kernel, dot_in_f32, pdl_launch, pow2
 
 # wgmma's left operand is 64 rows (a warpgroup's tile); its right operand 8-256 columns, 16 here at
 # least (tl.dot's smallest).
@@ -35,15 +47,16 @@ MIN_BLOCK_T = 16
 
 
 @triton.jit
-def _mma_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N, K, x_st, w_st, r_st, y_st,
-                     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DOT_F32: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _mma_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N, K, x_st, w_st, s_st, r_st, y_st,
+                     WEIGHT: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr):
     # Program (p, q) computes output columns p*BLOCK_N.. of rows q*BLOCK_T.. as acc[column, row].
+    dtype = y_ptr.dtype.element_ty
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     col_mask = cols < N
     row_mask = rows < T
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * w_st
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_st
     await_previous_kernel(PDL)  # x is the previous kernel's output
     if ACT == ACT_INT8:
@@ -51,21 +64,45 @@ def _mma_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N, K, 
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < K
-        # other=0.0: an integer fill cannot be cast to fp8.
-        w = tl.load(w_rows + k[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        if DOT_F32:  # the interpreter multiplies 8-bit values' bit patterns: f32 copies (exact) instead
-            acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee").to(acc.dtype)
-        elif ACT == ACT_INT8:
-            acc += tl.dot(w, tl.trans(x), out_dtype=tl.int32)
+        w, s = load_weight(w_ptr, s_ptr, cols, N, w_st, s_st, k0, K, WEIGHT, BLOCK_K)
+        if WEIGHT == MXFP4:
+            # Decoded in registers (wgmma takes its left operand from there) and multiplied by x's even
+            # and odd elements, loaded at stride 2, as gemv_quantized does.
+            even, odd = decode_pairs(w, s)
+            k = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            x_mask = row_mask[:, None] & (k < K)[None, :]
+            x_even = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)
+            x_odd = tl.load(x_rows + k[None, :] + 1, mask=x_mask, other=0.0)
+            acc += _dot(even, x_even, ACT, DOT_F32, dtype) + _dot(odd, x_odd, ACT, DOT_F32, dtype)
         else:
-            acc = tl.dot(w, tl.trans(x), acc)
-    scaled = acc.to(tl.float32) * tl.load(s_ptr + cols, mask=col_mask, other=0.0)[:, None]
-    scaled *= tl.load(xs_ptr + rows, mask=row_mask, other=1.0)[None, :]
-    gemv_epilogue(tl.trans(scaled), b_ptr, r_ptr, y_ptr, rows, cols, row_mask, col_mask, r_st, y_st,
-                  y_ptr.dtype.element_ty, HAS_BIAS, HAS_RESIDUAL)
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_rows + k[None, :], mask=row_mask[:, None] & (k < K)[None, :], other=0.0)
+            acc += _dot(w, x, ACT, DOT_F32, dtype)
+    scaled = acc.to(tl.float32)
+    if WEIGHT != MXFP4:
+        scaled *= tl.load(s_ptr + cols, mask=col_mask, other=0.0)[:, None]
+    if ACT != ACT_NONE:
+        scaled *= tl.load(xs_ptr + rows, mask=row_mask, other=1.0)[None, :]
+    gemv_epilogue(tl.trans(scaled), b_ptr, r_ptr, y_ptr, rows, cols, row_mask, col_mask, r_st, y_st, dtype,
+                  HAS_BIAS, HAS_RESIDUAL)
+
+
+@triton.jit
+def _dot(w, x, ACT: tl.constexpr, DOT_F32: tl.constexpr, dtype: tl.constexpr):
+    # w @ x.T: 8-bit values of W8A8 as they are (int8 into exact int32 sums, e4m3 into f32); decoded
+    # weight-only values in x's dtype (int8 and scaled e2m1 values are exact in bf16). DOT_F32: f32
+    # copies, for f32 x and for the interpreter, which multiplies bf16 and 8-bit bit patterns.
+    if DOT_F32:
+        out = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+        if ACT == ACT_INT8:
+            out = out.to(tl.int32)
+    elif ACT == ACT_INT8:
+        out = tl.dot(w, tl.trans(x), out_dtype=tl.int32)
+    elif ACT == ACT_FP8:
+        out = tl.dot(w, tl.trans(x))
+    else:
+        out = tl.dot(w.to(dtype), tl.trans(x))
+    return out
 
 
 def mma_gemv_tiles(rows: int, k: int, config: KernelConfig = DEFAULTS) -> tuple[int, int, int]:
@@ -74,22 +111,34 @@ def mma_gemv_tiles(rows: int, k: int, config: KernelConfig = DEFAULTS) -> tuple[
 
 
 def launch_mma_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out: torch.Tensor, *,
-                    act_quant: str, norm_weight: torch.Tensor | None = None, gated: bool = False,
-                    bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, eps: float = 0.0,
-                    config: KernelConfig = DEFAULTS) -> None:
-    """``gemv_quantized.launch_quantized_gemv``'s result for an 8-bit per-channel ``weight`` [N, K] with
-    activations quantized per token (``act_quant``), for checked operands: two launches, the quantized
-    rows (prologue applied), then the transposed tensor-core GEMV on them."""
-    rows, (n, k) = x.shape[0], weight.shape
+                    scheme: QuantScheme, act_quant: str | None, norm_weight: torch.Tensor | None = None,
+                    gated: bool = False, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                    eps: float = 0.0, config: KernelConfig = DEFAULTS) -> None:
+    """``gemv_quantized.launch_quantized_gemv``'s result for checked operands, two launches: the GEMM's
+    input made first (W8A8: quantized per token with the prologue applied; weight-only: the RMSNorm or
+    SiLU·mul by its own kernel, if any), then the transposed tensor-core GEMV on it."""
+    rows, n, k = x.shape[0], weight.shape[0], weight.shape[1] * scheme.pack
     if rows == 0 or n == 0:
         return
-    q, x_scale = quantize_rows(x, act_quant, norm_weight=norm_weight, gated=gated, eps=eps, config=config)
+    if act_quant is not None:
+        x, x_scale = quantize_rows(x, act_quant, norm_weight=norm_weight, gated=gated, eps=eps, config=config)
+    else:
+        x_scale = x
+        if norm_weight is not None:
+            normed = torch.empty(rows, k, dtype=x.dtype, device=x.device)
+            triton_rmsnorm(x, norm_weight, out=normed, eps=eps, config=config)
+            x = normed
+        elif gated:
+            activated = torch.empty(rows, k, dtype=x.dtype, device=x.device)
+            triton_silu_mul(*x.chunk(2, dim=-1), out=activated, config=config)
+            x = activated
     block_n, block_t, block_k = mma_gemv_tiles(rows, k, config)
     res = residual if residual is not None else out
     _mma_gemv_kernel[(triton.cdiv(n, block_n), triton.cdiv(rows, block_t))](
-        q, x_scale, weight, weight_scale, bias if bias is not None else out, res, out, rows, n, k, q.stride(0),
-        weight.stride(0), res.stride(0), out.stride(0), ACT=ACT_KINDS[act_quant], HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None, DOT_F32=INTERPRET,
+        x, x_scale, weight, weight_scale, bias if bias is not None else out, res, out, rows, n, k, x.stride(0),
+        weight.stride(0), weight_scale.stride(0), res.stride(0), out.stride(0),
+        WEIGHT=MXFP4 if scheme.block is not None else PER_CHANNEL, ACT=ACT_KINDS[act_quant],
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        DOT_F32=INTERPRET or (act_quant is None and dot_in_f32(x.dtype)),
         BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=4, num_stages=config.mma_gemv_num_stages,
         **pdl_launch(x, config.pdl))
-

@@ -1,6 +1,6 @@
-"""``gemv_mma``'s transposed tensor-core W8A8 GEMV (through the registry's quantized linear ops, with
-``mma_gemv_max_rows`` set) against the ``torch.<op>.<scheme>`` references, under the interpreter on the
-CPU (8-bit products in f32, exact) and on the GPU; and its tiles."""
+"""``gemv_mma``'s transposed tensor-core GEMV (through the registry's quantized linear ops, with
+``mma_gemv_max_rows`` and ``mma_weight_only_max_rows`` set) against the ``torch.<op>.<scheme>``
+references, under the interpreter on the CPU (products in f32) and on the GPU; and its tiles."""
 
 from __future__ import annotations
 
@@ -15,30 +15,32 @@ from kiln.kernels.quantize import quantize
 from .conftest import DEVICE
 from .test_linear_quantized_triton import OPS, _assert_matches, _operands
 
-W8A8 = [("int8_channel", "int8_per_token"), ("fp8_channel", "fp8_per_token")]
-MMA = KernelConfig(mma_gemv_max_rows=16)
+CASES = [("int8_channel", "int8_per_token"), ("fp8_channel", "fp8_per_token"), ("int8_channel", None),
+         ("mxfp4", None)]
+MMA = KernelConfig(mma_gemv_max_rows=16, mma_weight_only_max_rows=16)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16])
-@pytest.mark.parametrize("scheme,act_quant", W8A8)
+@pytest.mark.parametrize("scheme,act_quant", CASES)
 @pytest.mark.parametrize("op", OPS)
 def test_mma_gemv_matches_reference(op, scheme, act_quant, rows):
-    # 37 columns: one 64-row tile, most of it past N; K 200: one partial K step; rows padded to 16.
+    # 37 columns: one 64-row tile, most of it past N; K 200 (MXFP4 96): one partial K step; rows
+    # padded to 16.
     args, scales = _operands(op, scheme, rows, 37, torch.float32, has_bias=rows != 3)
     _assert_matches(op, scheme, act_quant, args, scales, MMA)
 
 
 @pytest.mark.parametrize("rows", [1, 5])
-@pytest.mark.parametrize("scheme,act_quant", W8A8)
+@pytest.mark.parametrize("scheme,act_quant", CASES)
 def test_mma_gemv_in_bf16(scheme, act_quant, rows):
     args, scales = _operands("silu_mul_linear_residual", scheme, rows, 24, torch.bfloat16)
     _assert_matches("silu_mul_linear_residual", scheme, act_quant, args, scales, MMA)
 
 
-@pytest.mark.parametrize("scheme,act_quant", W8A8)
+@pytest.mark.parametrize("scheme,act_quant", CASES)
 def test_mma_gemv_steps_through_k_and_column_tiles(scheme, act_quant):
-    # 130 columns: three 64-row tiles, the last of 2; K 600 in steps of 256, the last partial.
-    k, n = 600, 130
+    # 130 columns: three 64-row tiles, the last of 2; K 608 (19 MX blocks) in steps of 256, the last partial.
+    k, n = 608, 130
     stored, scales = quantize(torch.randn(n, k) * k ** -0.5, SCHEMES[scheme])
     args = (torch.randn(2, k, device=DEVICE), stored.to(DEVICE), None)
     _assert_matches("linear", scheme, act_quant, args, tuple(s.to(DEVICE) for s in scales), MMA)
