@@ -82,6 +82,8 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(SCHEME_ACT), choices=list(SCHEME_ACT))
     parser.add_argument("--block-k", type=int, nargs="+", default=[128, 256, 512])
     parser.add_argument("--stages", type=int, nargs="+", default=[3, 4, 6])
+    parser.add_argument("--programs-per-sm", type=int, nargs="+", default=[0, 1, 2],
+                        help="mma_gemv_programs_per_sm variants (0: K never split)")
     args = parser.parse_args()
     torch.manual_seed(0)
     rate = copy_rate()
@@ -98,14 +100,14 @@ def main() -> None:
         bf16 = timed_us(layer(None))
         default = timed_us(layer(KernelConfig()))
         variants = []
-        for block_k, stages in itertools.product(args.block_k, args.stages):
+        for block_k, stages, per_sm in itertools.product(args.block_k, args.stages, args.programs_per_sm):
             config = KernelConfig(mma_gemv_max_rows=64, mma_weight_only_max_rows=64, mma_gemv_block_k=block_k,
-                                  mma_gemv_num_stages=stages)
+                                  mma_gemv_num_stages=stages, mma_gemv_programs_per_sm=per_sm)
             try:
-                variants.append((timed_us(layer(config)), f"{block_k}, {stages}"))
+                variants.append((timed_us(layer(config)), f"{block_k}, {stages}, {per_sm}"))
             except Exception as error:  # a variant past shared memory fails to launch: say so, go on
-                print(f"  {method} rows {rows} block_k {block_k} stages {stages}: {type(error).__name__}: "
-                      f"{str(error)[:120]}")
+                print(f"  {method} rows {rows} block_k {block_k} stages {stages} per SM {per_sm}: "
+                      f"{type(error).__name__}: {str(error)[:120]}")
         best, tiles = min(variants)
         roofline_us = weight_bytes / rate * 1e6
         print(f"| {method} | {rows} | {bf16:.1f} | {default:.1f} | {best:.1f} ({tiles}) | "

@@ -165,6 +165,9 @@ class KernelConfig:
     """``mma_gemv_max_rows`` for the weight-only schemes (w8a16_int8, mxfp4), whose weights
     ``gemv_mma`` decodes in registers for wgmma; above it they take the GEMV or the dequantizing
     library path. 0: never. Not yet measured on a GPU."""
+    mma_gemv_programs_per_sm: int = 1
+    """Programs an SM the MMA GEMV's grid reaches by splitting K (Llama-3-8B's 4096 columns are 64
+    tiles of 64 rows); 0: K is never split. Not yet measured on a GPU."""
     mma_gemv_block_k: int = 256
     """K per step of ``gemv_mma``'s GEMV in weight values: a 64-row tile of 16 KB of 8-bit weights
     (8 KB of MXFP4)."""
@@ -334,7 +337,7 @@ _POWERS_OF_TWO = frozenset({
     "lora_row_block_k", "lora_norm_block", "lora_tile_block_k", "lora_tile_block_n",
 })
 _ZERO_ALLOWED = frozenset({"decode_preload_max_programs_per_sm", "gemv_max_weight_bytes", "mma_gemv_max_rows",
-                           "mma_weight_only_max_rows",
+                           "mma_weight_only_max_rows", "mma_gemv_programs_per_sm",
                            "gemv_one_row_max_weight_bytes", "gemv_few_rows_max"})
 # Fields with a largest value: the few-row GEMV writes out an accumulator for each of up to 8 rows.
 _MOST = {"gemv_few_rows_max": 8}

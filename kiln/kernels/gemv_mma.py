@@ -19,8 +19,10 @@ and streams the weight tiles through shared memory ahead of it (``num_stages``).
   e2m1 values are exact in bf16), MXFP4 as ``gemv_quantized`` decodes it (low nibbles times x's even
   elements, high nibbles its odd ones).
 
-The bias or residual is added by ``gemv.gemv_epilogue``, so the result is ``gemv_quantized``'s. No
-split-K: every output is one program's sum in one order, deterministic as the other GEMVs.
+The bias or residual is added by ``gemv.gemv_epilogue``, so the result is ``gemv_quantized``'s.
+64-row tiles leave Llama-3-8B's 4096-column GEMMs 64 programs for 132 SMs, so K is split until each SM
+has its programs; the partial sums meet in a workspace and the tile's last split adds them in split
+order: deterministic, as the other GEMVs are.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from .gemv import gemv_epilogue
 from .gemv_quantized import decode_pairs, load_weight
 from .norm import triton_rmsnorm
 from .quant_decode import MXFP4, PER_CHANNEL
-from .triton_support import INTERPRET, await_previous_kernel, dot_in_f32, pdl_launch, pow2
+from .triton_support import INTERPRET, await_previous_kernel, dot_in_f32, pdl_launch, pow2, sm_count
 
 # wgmma's left operand is 64 rows (a warpgroup's tile); its right operand 8-256 columns, 16 here at
 # least (tl.dot's smallest).
@@ -47,14 +49,17 @@ MIN_BLOCK_T = 16
 
 
 @triton.jit
-def _mma_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N, K, x_st, w_st, s_st, r_st, y_st,
-                     WEIGHT: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr):
-    # Program (p, q) computes output columns p*BLOCK_N.. of rows q*BLOCK_T.. as acc[column, row].
+def _mma_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, part_ptr, count_ptr, T, N, K, K_SPLIT,
+                     x_st, w_st, s_st, r_st, y_st, WEIGHT: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+    # Program (p, q, r) computes output columns p*BLOCK_N.. of rows q*BLOCK_T.. as acc[column, row],
+    # over the r-th K_SPLIT values of K.
     dtype = y_ptr.dtype.element_ty
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    k_start = tl.program_id(2) * K_SPLIT
+    k_end = tl.minimum(K, k_start + K_SPLIT)
     col_mask = cols < N
     row_mask = rows < T
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_st
@@ -63,7 +68,7 @@ def _mma_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N, K, 
         acc = tl.zeros([BLOCK_N, BLOCK_T], tl.int32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         w, s = load_weight(w_ptr, s_ptr, cols, N, w_st, s_st, k0, K, WEIGHT, BLOCK_K)
         if WEIGHT == MXFP4:
             # Decoded in registers (wgmma takes its left operand from there) and multiplied by x's even
@@ -78,6 +83,21 @@ def _mma_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N, K, 
             k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_rows + k[None, :], mask=row_mask[:, None] & (k < K)[None, :], other=0.0)
             acc += _dot(w, x, ACT, DOT_F32, dtype)
+    if SPLIT_K > 1:
+        # Each split leaves its partial sums in the workspace; the tile's last split to finish (its
+        # counter says so) adds all of them in split order, so the result does not depend on which
+        # finished when, and sets the counter back to 0 for the next launch.
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
+        tile_parts = part_ptr + tile.to(tl.int64) * SPLIT_K * BLOCK_N * BLOCK_T
+        tl.store(tile_parts + tl.program_id(2) * BLOCK_N * BLOCK_T + local, acc)
+        tl.debug_barrier()  # every thread's partials written before the counter moves
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") != SPLIT_K - 1:
+            return
+        acc = tl.load(tile_parts + local, cache_modifier=".cg")
+        for split in range(1, SPLIT_K):
+            acc += tl.load(tile_parts + split * BLOCK_N * BLOCK_T + local, cache_modifier=".cg")
+        tl.store(count_ptr + tile, 0)
     scaled = acc.to(tl.float32)
     if WEIGHT != MXFP4:
         scaled *= tl.load(s_ptr + cols, mask=col_mask, other=0.0)[:, None]
@@ -105,9 +125,28 @@ def _dot(w, x, ACT: tl.constexpr, DOT_F32: tl.constexpr, dtype: tl.constexpr):
     return out
 
 
-def mma_gemv_tiles(rows: int, k: int, config: KernelConfig = DEFAULTS) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_T, BLOCK_K) of the MMA GEMV for ``rows`` rows over ``k``."""
-    return MMA_ROWS, max(MIN_BLOCK_T, pow2(rows)), min(config.mma_gemv_block_k, pow2(k, 32))
+def mma_gemv_tiles(rows: int, n: int, k: int, sms: int, pack: int = 1,
+                   config: KernelConfig = DEFAULTS) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_T, BLOCK_K, SPLIT_K) of the MMA GEMV for ``rows`` rows of an [n, k] weight stored
+    ``pack`` values a byte: K split until the grid gives each of the ``sms`` SMs
+    ``mma_gemv_programs_per_sm`` programs (at most one split a K step; MXFP4 splits at whole blocks)."""
+    block_t = max(MIN_BLOCK_T, pow2(rows))
+    block_k = min(config.mma_gemv_block_k, pow2(k, 32))
+    tiles = triton.cdiv(n, MMA_ROWS) * triton.cdiv(rows, block_t)
+    split = max(1, min(triton.cdiv(k, block_k), triton.cdiv(sms * config.mma_gemv_programs_per_sm, tiles)))
+    return MMA_ROWS, block_t, block_k, split
+
+
+# Split-K tile counters, zero between launches (each launch's last splits set theirs back): one
+# buffer a device, made before any CUDA graph capture (kernel warm-up runs each step eagerly first).
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < tiles:
+        counters = _COUNTERS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return counters
 
 
 def launch_mma_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out: torch.Tensor, *,
@@ -132,13 +171,21 @@ def launch_mma_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
             activated = torch.empty(rows, k, dtype=x.dtype, device=x.device)
             triton_silu_mul(*x.chunk(2, dim=-1), out=activated, config=config)
             x = activated
-    block_n, block_t, block_k = mma_gemv_tiles(rows, k, config)
+    block_n, block_t, block_k, split = mma_gemv_tiles(rows, n, k, sm_count(x), scheme.pack, config)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(rows, block_t), split)
+    k_split = triton.cdiv(triton.cdiv(k, block_k), split) * block_k
+    parts = counters = out
+    if split > 1:
+        # int8's partial sums stay int32 (exact); the others are f32.
+        parts = torch.empty(grid[0] * grid[1] * split * block_n * block_t, device=x.device,
+                            dtype=torch.int32 if act_quant == "int8_per_token" else torch.float32)
+        counters = _counters(x.device, grid[0] * grid[1])
     res = residual if residual is not None else out
-    _mma_gemv_kernel[(triton.cdiv(n, block_n), triton.cdiv(rows, block_t))](
-        x, x_scale, weight, weight_scale, bias if bias is not None else out, res, out, rows, n, k, x.stride(0),
-        weight.stride(0), weight_scale.stride(0), res.stride(0), out.stride(0),
+    _mma_gemv_kernel[grid](
+        x, x_scale, weight, weight_scale, bias if bias is not None else out, res, out, parts, counters, rows, n, k,
+        k_split, x.stride(0), weight.stride(0), weight_scale.stride(0), res.stride(0), out.stride(0),
         WEIGHT=MXFP4 if scheme.block is not None else PER_CHANNEL, ACT=ACT_KINDS[act_quant],
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        DOT_F32=INTERPRET or (act_quant is None and dot_in_f32(x.dtype)),
-        BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=4, num_stages=config.mma_gemv_num_stages,
+        DOT_F32=INTERPRET or (act_quant is None and dot_in_f32(x.dtype)), BLOCK_N=block_n, BLOCK_T=block_t,
+        BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=config.mma_gemv_num_stages,
         **pdl_launch(x, config.pdl))

@@ -98,10 +98,13 @@ def compile_all() -> None:
         # gemv_mma exists to run wgmma on the weights (8-bit ones as stored): never mma.sync.
         w_type, s_type = _WEIGHTS[weight]
         ptx = _compile(gemv_mma._mma_gemv_kernel, dict(x_ptr=x_type, xs_ptr="*fp32", w_ptr=w_type, s_ptr=s_type,
-                                                        b_ptr="*bf16", r_ptr="*bf16", y_ptr="*bf16"),
+                                                        b_ptr="*bf16", r_ptr="*bf16", y_ptr="*bf16",
+                                                        part_ptr="*i32" if act == ACT_INT8 else "*fp32",
+                                                        count_ptr="*i32"),
                        dict(WEIGHT=MXFP4 if weight == "mxfp4" else PER_CHANNEL, ACT=act, HAS_BIAS=False,
                             HAS_RESIDUAL=True, DOT_F32=False, BLOCK_N=gemv_mma.MMA_ROWS, BLOCK_T=16,
-                            BLOCK_K=DEFAULTS.mma_gemv_block_k, PDL=True), 4, DEFAULTS.mma_gemv_num_stages).asm["ptx"]
+                            BLOCK_K=DEFAULTS.mma_gemv_block_k, SPLIT_K=3, PDL=True), 4,
+                       DEFAULTS.mma_gemv_num_stages).asm["ptx"]
         assert f"wgmma.mma_async.sync.aligned.{mma}" in ptx and "mma.sync" not in ptx, f"{weight}: no {mma} wgmma"
     for weight in ("fp8", "mxfp4"):
         w_type, s_type = _WEIGHTS[weight]
