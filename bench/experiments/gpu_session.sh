@@ -11,7 +11,7 @@
 # and the verify step with it: ~6 min), gemv-policy (Llama-3-8B step under each one-row GEMV weight bound),
 # prefill (bench/experiments/prefill_breakdown.py: host and GPU time of a prefill, graphs and eager), decode (bench/decode.py; extra arguments in $DECODE_ARGS, e.g. "--batches 1 --kernel-config NAME=VALUE").
 # The open issues' figures, each stage its GPU tests first (a failing test does not stop the stage's benchmark):
-#   lora (#23, ~4 min), spec (#24, ~3 min), quant (#27, ~6 min), moe (#22, ~4 min), startup and serving (#29,
+#   lora (#23, ~4 min), spec (#24, ~3 min), quant (#27, ~6 min), mma (#27, gemv_mma's layer timings, ~3 min), moe (#22, ~4 min), startup and serving (#29,
 #   ~2 and ~6 min; need $TOKENIZER_DIR; $SERVING_SHAPES picks the shapes, $SERVE_ARGS replaces the
 #   kiln serve flags "--api-server-count 4"), structured (#29). Each step has its own time limit.
 set -uo pipefail
@@ -115,6 +115,10 @@ for stage in "$@"; do
     moe) python3 -m pytest tests/e2e/test_gpu_moe.py -m gpu -q -rfE --tb=line -p no:cacheprovider 2>&1 | tail -15 | tee "$out/moe.log"
          timeout 420 python3 bench/moe_decode.py --shapes qwen3-30b-a3b mixtral-8x7b --batches 1 64 \
            --out "$out/moe.json" 2>&1 | grep -v Warning | tee -a "$out/moe.log" ;;
+    mma) # gemv_mma (the W8A8 tensor-core GEMV) against the GEMVs other GPUs run and bf16, Llama-3-8B's layer.
+         python3 -m pytest tests/kernels/test_gemv_mma.py -q -p no:cacheprovider --tb=line 2>&1 | tail -3 | tee "$out/mma.log"
+         timeout 300 python3 bench/experiments/mma_gemv_probe.py --rows 1 5 16 64 --methods fp8 w8a8_int8 \
+           --block-k 256 512 --stages 3 4 --out "$out/mma.json" 2>&1 | grep -v Warning | tee -a "$out/mma.log" ;;
     startup) python3 -m pytest tests/e2e/test_gpu_kernel_cache.py -m gpu -q -rfE --tb=line -p no:cacheprovider 2>&1 | tail -15 \
                | tee "$out/startup.log"
              for shape in smollm2-135m llama3-8b; do

@@ -1,15 +1,18 @@
 """The W8A8 GEMVs at a few rows, Llama-3-8B's four layer GEMMs with their fusions, through the registry's
-quantized linear ops: the default kernels (``gemv_quantized_row`` at one row, the tl.dot GEMV above)
-against ``gemv_mma``'s tensor-core GEMV under tiling variants, and the bf16 GEMV, CUDA events over warm
-calls, us a layer (the four GEMMs' sum) and the share of the fp8 bytes' copy-rate roofline.
+quantized linear ops: the kernels other GPUs run (``gemv_quantized_row`` at one row, the tl.dot GEMV or ``_scaled_mm`` above)
+against ``gemv_mma``'s tensor-core GEMV under tiling variants, and the bf16 GEMV, replayed from CUDA
+graphs (as decode runs them), us a layer (the four GEMMs' sum) and the share of the quantized bytes'
+copy-rate roofline.
 
-    python bench/experiments/mma_gemv_probe.py --rows 1 2 5 16 64 --methods fp8 w8a8_int8 w8a16_int8 mxfp4
+    python bench/experiments/mma_gemv_probe.py --rows 1 5 16 64 --methods fp8 w8a8_int8
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
+from pathlib import Path
 
 import torch
 
@@ -21,19 +24,33 @@ from kiln.kernels.quantize import quantize
 SHAPES = {"qkv": (6144, 4096, "rmsnorm_linear"), "o": (4096, 4096, "linear_residual"),
           "gate_up": (28672, 4096, "rmsnorm_linear"), "down": (4096, 14336, "silu_mul_linear_residual")}
 # The schemes by their compile names: (stored scheme, activation quantization).
-SCHEME_ACT = {"fp8": ("fp8_channel", "fp8_per_token"), "w8a8_int8": ("int8_channel", "int8_per_token"),
-              "w8a16_int8": ("int8_channel", None), "mxfp4": ("mxfp4", None)}
+SCHEME_ACT = {"fp8": ("fp8_channel", "fp8_per_token"), "w8a8_int8": ("int8_channel", "int8_per_token")}
 EPS = 1e-5
 
 
-def timed_us(fn, reps: int = 50) -> float:
-    for _ in range(3):
-        fn()
+def timed_us(fn, reps: int = 50, graph: bool = True) -> float:
+    """Mean GPU time of ``fn``; with ``graph`` replayed from a CUDA graph of ``reps`` calls, as decode
+    runs them (eager calls of these small GEMMs time the host's launches, not the GPU)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+    run = fn
+    if graph:
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            for _ in range(reps):
+                fn()
+        run = captured.replay
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    run()
+    torch.cuda.synchronize()
     start.record()
-    for _ in range(reps):
-        fn()
+    for _ in range(1 if graph else reps):
+        run()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1000 / reps
@@ -43,7 +60,7 @@ def copy_rate() -> float:
     """Bytes a second of a device-to-device copy of 1 GiB (read + write)."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * src.numel() / (timed_us(lambda: dst.copy_(src), reps=10) * 1e-6)
+    return 2 * src.numel() / (timed_us(lambda: dst.copy_(src), reps=10, graph=False) * 1e-6)
 
 
 def layer_calls(method: str, rows: int):
@@ -82,13 +99,14 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(SCHEME_ACT), choices=list(SCHEME_ACT))
     parser.add_argument("--block-k", type=int, nargs="+", default=[128, 256, 512])
     parser.add_argument("--stages", type=int, nargs="+", default=[3, 4, 6])
-    parser.add_argument("--programs-per-sm", type=int, nargs="+", default=[0, 1, 2],
-                        help="mma_gemv_programs_per_sm variants (0: K never split)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON: per method and row count, the default's and each variant's us a layer")
     args = parser.parse_args()
     torch.manual_seed(0)
+    results = []
     rate = copy_rate()
     print(f"copy rate {rate / 1e12:.2f} TB/s")
-    print("| method | rows | bf16 GEMV us | default quantized us | MMA GEMV best us (block_k, stages) | "
+    print("| method | rows | bf16 GEMV us | without gemv_mma us | MMA GEMV best us (block_k, stages) | "
           "MMA share of roofline | all MMA variants |")
     print("|---|---:|---:|---:|---|---:|---|")
     for method, rows in itertools.product(args.methods, args.rows):
@@ -98,20 +116,24 @@ def main() -> None:
             return lambda: [call(config) for call in calls]
 
         bf16 = timed_us(layer(None))
-        default = timed_us(layer(KernelConfig()))
+        default = timed_us(layer(KernelConfig(mma_gemv_max_rows=0)))
+        results += [dict(method=method, rows=rows, us=bf16, bf16=True), dict(method=method, rows=rows, us=default)]
         variants = []
-        for block_k, stages, per_sm in itertools.product(args.block_k, args.stages, args.programs_per_sm):
-            config = KernelConfig(mma_gemv_max_rows=64, mma_weight_only_max_rows=64, mma_gemv_block_k=block_k,
-                                  mma_gemv_num_stages=stages, mma_gemv_programs_per_sm=per_sm)
+        for block_k, stages in itertools.product(args.block_k, args.stages):
+            config = KernelConfig(mma_gemv_max_rows=64, mma_gemv_block_k=block_k, mma_gemv_num_stages=stages)
             try:
-                variants.append((timed_us(layer(config)), f"{block_k}, {stages}, {per_sm}"))
+                variants.append((timed_us(layer(config)), f"{block_k}, {stages}"))
+                results.append(dict(method=method, rows=rows, us=variants[-1][0], mma_gemv_block_k=block_k,
+                                    mma_gemv_num_stages=stages))
             except Exception as error:  # a variant past shared memory fails to launch: say so, go on
-                print(f"  {method} rows {rows} block_k {block_k} stages {stages} per SM {per_sm}: "
+                print(f"  {method} rows {rows} block_k {block_k} stages {stages}: "
                       f"{type(error).__name__}: {str(error)[:120]}")
         best, tiles = min(variants)
         roofline_us = weight_bytes / rate * 1e6
         print(f"| {method} | {rows} | {bf16:.1f} | {default:.1f} | {best:.1f} ({tiles}) | "
               f"{roofline_us / best:.0%} | {'; '.join(f'{us:.1f} ({t})' for us, t in variants)} |", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

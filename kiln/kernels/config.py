@@ -105,7 +105,8 @@ class KernelConfig:
     tensor-core GEMMs read the 8-bit weights once, as the GEMV does; ``_int_mm`` only past 16 rows, so
     int8 keeps the GEMV up to there). One: on an H100, Llama-3-8B's fp8 layer took the tl.dot GEMV
     315 us at 16 rows, ``_scaled_mm`` with the activation quantizer 141 us at 64 (``bench/kernel_bench.py``),
-    and the one-row GEMV 122 us at one. (``_scaled_mm`` at 2-15 rows is not yet timed.)"""
+    and the one-row GEMV 122 us at one. (``_scaled_mm`` at 2-15 rows is not yet timed.) On Hopper
+    ``gemv_mma`` takes these GEMMs first, up to ``mma_gemv_max_rows``."""
     quantized_weight_only_max_rows: int = 16
     """Most rows the quantized Triton GEMV takes for weight-only schemes (w8a16_int8, mxfp4): no library
     GEMM reads their bytes, so above it the weight is dequantized to the activation dtype and cuBLAS
@@ -156,25 +157,23 @@ class KernelConfig:
     """Triton pipeline stages of the quantized GEMV above 16 rows: at 1 its loop keeps the next weight
     tile in flight itself (as the GEMV does); more let Triton's pipeliner stream the tiles of its
     tl.dot loop ahead. Not yet tuned on a GPU."""
-    mma_gemv_max_rows: int = 0
+    mma_gemv_max_rows: int = 64
     """Most rows the W8A8 GEMMs (fp8, w8a8_int8) take through ``gemv_mma``'s tensor-core GEMV (the
-    weight as wgmma's 64-row operand, no weight decoded by a thread) instead of the broadcast-product
-    and tl.dot GEMVs or the library GEMMs; 0: never. Hopper only (compute capability 9.x); elsewhere the other GEMVs run.
-    Not yet measured on a GPU."""
-    mma_weight_only_max_rows: int = 0
-    """``mma_gemv_max_rows`` for the weight-only schemes (w8a16_int8, mxfp4), whose weights
-    ``gemv_mma`` decodes in registers for wgmma; above it they take the GEMV or the dequantizing
-    library path. 0: never. Not yet measured on a GPU."""
-    mma_gemv_programs_per_sm: int = 1
-    """Programs an SM the MMA GEMV's grid reaches by splitting K (Llama-3-8B's 4096 columns are 64
-    tiles of 64 rows); 0: K is never split. Not yet measured on a GPU."""
-    mma_gemv_block_k: int = 256
-    """K per step of ``gemv_mma``'s GEMV in weight values: a 64-row tile of 16 KB of 8-bit weights
-    (8 KB of MXFP4)."""
+    weight as wgmma's 64-row operand, no weight decoded by a thread) on Hopper, instead of the
+    broadcast-product and tl.dot GEMVs or the library GEMMs; 0: never. H100, Llama-3-8B's fp8 layer
+    (graph replay, ``bench/experiments/mma_gemv_probe.py``): 97-99 us at one row against the one-row
+    GEMV's 127; 116 us at 64 against ``_scaled_mm``'s 143 (its decode step 1.43x bf16's at batch 64,
+    1.17x before). Above 64 rows (not yet timed) the library GEMMs run."""
+    mma_gemv_block_k: int = 512
+    """K per step of ``gemv_mma``'s GEMV (values of one byte): a 64-row weight tile of 32 KB, halved
+    where the pipelined tiles would not fit ``mma_gemv_smem_bytes``. H100, fp8 layer at one row: 96.7 us
+    at 512 against 99.5 at 256."""
     mma_gemv_num_stages: int = 4
-    """Weight tiles ``gemv_mma``'s GEMV keeps in flight through shared memory (Triton's pipeliner):
-    4 x 16 KB. At Llama-3-8B's 4096 columns it runs 64 programs on 132 SMs, so each SM's stream must
-    be deep to keep the memory busy."""
+    """Weight and x tiles ``gemv_mma``'s GEMV keeps in flight through shared memory (Triton's pipeliner):
+    at Llama-3-8B's 4096 columns it runs 64 programs on 132 SMs, so each one's stream must be deep."""
+    mma_gemv_smem_bytes: int = 196608
+    """Shared memory ``gemv_mma``'s pipelined tiles may take (192 KB of the 227 KB an sm_90 block may
+    have; the rest is Triton's layout conversions)."""
     act_quant_block_k: int = 16384
     """Widest row the per-token activation quantizer (``act_quant_triton``) holds in registers and
     reads once; wider rows are read three times. 16384 covers Llama-3-8B's down projection (14336)."""
@@ -337,7 +336,6 @@ _POWERS_OF_TWO = frozenset({
     "lora_row_block_k", "lora_norm_block", "lora_tile_block_k", "lora_tile_block_n",
 })
 _ZERO_ALLOWED = frozenset({"decode_preload_max_programs_per_sm", "gemv_max_weight_bytes", "mma_gemv_max_rows",
-                           "mma_weight_only_max_rows", "mma_gemv_programs_per_sm",
                            "gemv_one_row_max_weight_bytes", "gemv_few_rows_max"})
 # Fields with a largest value: the few-row GEMV writes out an accumulator for each of up to 8 rows.
 _MOST = {"gemv_few_rows_max": 8}

@@ -6,9 +6,9 @@
 stay the CPU path and the fallback). Each call picks its kernel from host facts, so a decode step
 stays capturable in a CUDA graph:
 
-- up to ``KernelConfig.mma_gemv_max_rows`` rows (W8A8) or ``mma_weight_only_max_rows`` (weight-only)
-  on Hopper: ``gemv_mma``'s tensor-core GEMV (its input made by a launch of its own);
-- few rows (``KernelConfig.quantized_gemv_max_rows`` with activations quantized per token,
+- W8A8 at up to ``KernelConfig.mma_gemv_max_rows`` rows on Hopper: ``gemv_mma``'s tensor-core GEMV
+  (the activations quantized by a launch of their own);
+- else few rows (``KernelConfig.quantized_gemv_max_rows`` with activations quantized per token,
   ``quantized_weight_only_max_rows`` weight-only), or no library GEMM fits, or under Triton's
   interpreter: the quantized GEMV, the prologue and epilogue fused: ``gemv_quantized_row`` at one row
   (one launch, W8A8's activations quantized in it), ``gemv_quantized`` at more;
@@ -97,9 +97,8 @@ def _run(kernel: str, x: torch.Tensor, weight: torch.Tensor, scales: Scales, out
            **{name: value for name, value in fused.items() if name != "eps"})
     most = config.quantized_gemv_max_rows if act_quant is not None else config.quantized_weight_only_max_rows
     path = library_path(x, weight, scheme, act_quant) if x.shape[0] > most else None
-    most_mma = config.mma_gemv_max_rows if act_quant is not None else config.mma_weight_only_max_rows
-    if x.shape[0] <= most_mma and _hopper_or_interpreted(x):
-        launch_mma_gemv(x, weight, scales[0], out, scheme=scheme, act_quant=act_quant, config=config, **fused)
+    if act_quant is not None and x.shape[0] <= config.mma_gemv_max_rows and _hopper_or_interpreted(x):
+        launch_mma_gemv(x, weight, scales[0], out, act_quant=act_quant, config=config, **fused)
     elif x.shape[0] == 1:
         launch_quantized_row_gemv(x, weight, scales[0], out, scheme=scheme, act_quant=act_quant, config=config,
                                   **fused)

@@ -57,26 +57,32 @@ def _operands(op: str, scheme: str, rows: int, n: int, dtype: torch.dtype, has_b
     return (x, stored, residual), scales
 
 
+# The GEMVs other GPUs run (and Hopper above gemv_mma's rows); test_gemv_mma.py tests gemv_mma's.
+NO_MMA = KernelConfig(mma_gemv_max_rows=0)
+
+
 def _run(op: str, scheme: str, act_quant: str | None, args, scales, backend_impl: str, config=None):
+    config = config or NO_MMA
     x = args[0]
     weight_index = 2 if op == "rmsnorm_linear" else 1
     n = args[weight_index].shape[0]
     kwargs = dict(weight_scales=scales, act_quant=act_quant)
     if op == "rmsnorm_linear":
         kwargs["eps"] = EPS
-    if config is not None:
+    if backend_impl == "triton":
         kwargs["config"] = config
     out = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=x.device)
     get_impl(f"{backend_impl}.{op}.{scheme}").fn(*args, out=out, **kwargs)
     return out
 
 
-def _assert_matches(op: str, scheme: str, act_quant: str | None, args, scales, config=None) -> None:
+def _assert_matches(op: str, scheme: str, act_quant: str | None, args, scales, config=None,
+                    tolerance: dict[str, float] | None = None) -> None:
     out = _run(op, scheme, act_quant, args, scales, "triton", config)
     expected = _run(op, scheme, act_quant, args, scales, "torch")
     what = f"triton.{op}.{scheme} (act_quant={act_quant}, x {tuple(args[0].shape)} {args[0].dtype})"
     assert not torch.isnan(out).any(), f"{what} left elements of its output unwritten (NaN poison)"
-    torch.testing.assert_close(out.float(), expected.float(), **_tolerance(out.dtype, act_quant),
+    torch.testing.assert_close(out.float(), expected.float(), **(tolerance or _tolerance(out.dtype, act_quant)),
                                msg=lambda m: f"{what} differs from torch.{op}.{scheme}: {m}")
 
 
@@ -86,7 +92,7 @@ def _assert_matches(op: str, scheme: str, act_quant: str | None, args, scales, c
 def test_gemv_matches_reference(op, scheme, act_quant, rows):
     # 20 rows above the GEMV's 16 still take it here (no library GEMM on the CPU), in row blocks of 16.
     args, scales = _operands(op, scheme, rows, 37, torch.float32, has_bias=rows != 3)
-    _assert_matches(op, scheme, act_quant, args, scales, KernelConfig(quantized_gemv_block_t=16))
+    _assert_matches(op, scheme, act_quant, args, scales, KernelConfig(quantized_gemv_block_t=16, mma_gemv_max_rows=0))
 
 
 @pytest.mark.parametrize("scheme,act_quant", CASES)
@@ -106,7 +112,7 @@ def test_one_row_gemv_at_odd_shapes(scheme, act_quant, n, k):
     # the last one partial.
     args, scales = _operands("rmsnorm_linear", scheme, 1, n, torch.float32, k=k)
     _assert_matches("rmsnorm_linear", scheme, act_quant, args, scales,
-                    KernelConfig(quantized_gemv_product_elements=256, gemv_one_step_max_k=256,
+                    KernelConfig(quantized_gemv_product_elements=256, gemv_one_step_max_k=256, mma_gemv_max_rows=0,
                                  quantized_gemv_num_warps=1))
 
 
@@ -129,7 +135,7 @@ def test_gemv_steps_through_k(scheme, rows):
     args = (torch.randn(rows, k, device=DEVICE), stored.to(DEVICE), None)
     act_quant = "fp8_per_token" if scheme == "fp8_channel" else None
     _assert_matches("linear", scheme, act_quant, args, tuple(s.to(DEVICE) for s in scales),
-                    KernelConfig(gemv_one_step_max_k=1024))
+                    KernelConfig(gemv_one_step_max_k=1024, mma_gemv_max_rows=0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -240,5 +246,5 @@ def test_gemv_at_llama_shapes_on_gpu(scheme, act_quant, rows):
     x, residual = torch.randn(rows, k, device="cuda").bfloat16(), torch.randn(rows, n, device="cuda").bfloat16()
     args = (x, stored.cuda(), residual)
     _assert_matches("linear_residual", scheme, act_quant, args, tuple(s.cuda() for s in scales),
-                    KernelConfig(quantized_gemv_max_rows=64))
+                    KernelConfig(quantized_gemv_max_rows=64, mma_gemv_max_rows=0))
 

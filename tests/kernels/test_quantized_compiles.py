@@ -92,19 +92,14 @@ def compile_all() -> None:
                      dict(PROLOGUE=prologue, ACT=act, HARDWARE=True, BLOCK_K=16384 if one_tile else 2048,
                           ONE_TILE=one_tile, PDL=True), DEFAULTS.act_quant_num_warps)
     for weight, act, x_type, mma in (("fp8", ACT_FP8, "*fp8e4nv", "m64n16k32.f32.e4m3.e4m3"),
-                                     ("int8", ACT_INT8, "*i8", "m64n16k32.s32.s8.s8"),
-                                     ("int8", ACT_NONE, "*bf16", "m64n16k16.f32.bf16.bf16"),
-                                     ("mxfp4", ACT_NONE, "*bf16", "m64n16k16.f32.bf16.bf16")):
-        # gemv_mma exists to run wgmma on the weights (8-bit ones as stored): never mma.sync.
-        w_type, s_type = _WEIGHTS[weight]
-        ptx = _compile(gemv_mma._mma_gemv_kernel, dict(x_ptr=x_type, xs_ptr="*fp32", w_ptr=w_type, s_ptr=s_type,
-                                                        b_ptr="*bf16", r_ptr="*bf16", y_ptr="*bf16",
-                                                        part_ptr="*i32" if act == ACT_INT8 else "*fp32",
-                                                        count_ptr="*i32"),
-                       dict(WEIGHT=MXFP4 if weight == "mxfp4" else PER_CHANNEL, ACT=act, HAS_BIAS=False,
-                            HAS_RESIDUAL=True, DOT_F32=False, BLOCK_N=gemv_mma.MMA_ROWS, BLOCK_T=16,
-                            BLOCK_K=DEFAULTS.mma_gemv_block_k, SPLIT_K=3, PDL=True), 4,
-                       DEFAULTS.mma_gemv_num_stages).asm["ptx"]
+                                     ("int8", ACT_INT8, "*i8", "m64n16k32.s32.s8.s8")):
+        # gemv_mma exists to run wgmma on the 8-bit values as stored: no conversion, no mma.sync.
+        block_n, block_t, block_k = gemv_mma.mma_gemv_tiles(1, 4096)
+        ptx = _compile(gemv_mma._mma_gemv_kernel, dict(x_ptr=x_type, xs_ptr="*fp32", w_ptr=_WEIGHTS[weight][0],
+                                                        s_ptr="*fp32", b_ptr="*bf16", r_ptr="*bf16", y_ptr="*bf16"),
+                       dict(ACT=act, HAS_BIAS=False, HAS_RESIDUAL=True, DOT_F32=False, BLOCK_N=block_n,
+                            BLOCK_T=block_t, BLOCK_K=block_k, PROMOTE_EVERY=gemv_mma.FP8_PROMOTE_EVERY, PDL=True),
+                       4, DEFAULTS.mma_gemv_num_stages).asm["ptx"]
         assert f"wgmma.mma_async.sync.aligned.{mma}" in ptx and "mma.sync" not in ptx, f"{weight}: no {mma} wgmma"
     for weight in ("fp8", "mxfp4"):
         w_type, s_type = _WEIGHTS[weight]
