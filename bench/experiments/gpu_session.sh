@@ -118,7 +118,7 @@ for stage in "$@"; do
     mma) # gemv_mma (the W8A8 tensor-core GEMV) against the GEMVs other GPUs run and bf16, Llama-3-8B's layer.
          python3 -m pytest tests/kernels/test_gemv_mma.py -q -p no:cacheprovider --tb=line 2>&1 | tail -3 | tee "$out/mma.log"
          timeout 300 python3 bench/experiments/mma_gemv_probe.py --rows 1 5 16 64 --methods fp8 w8a8_int8 \
-           --block-k 256 512 --stages 3 4 --out "$out/mma.json" 2>&1 | grep -v Warning | tee -a "$out/mma.log" ;;
+           --block-k 256 512 --stages 4 --quantizes 0 1 --out "$out/mma.json" 2>&1 | grep -v Warning | tee -a "$out/mma.log" ;;
     startup) python3 -m pytest tests/e2e/test_gpu_kernel_cache.py -m gpu -q -rfE --tb=line -p no:cacheprovider 2>&1 | tail -15 \
                | tee "$out/startup.log"
              for shape in smollm2-135m llama3-8b; do

@@ -99,6 +99,8 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(SCHEME_ACT), choices=list(SCHEME_ACT))
     parser.add_argument("--block-k", type=int, nargs="+", default=[128, 256, 512])
     parser.add_argument("--stages", type=int, nargs="+", default=[3, 4, 6])
+    parser.add_argument("--quantizes", type=int, nargs="+", default=[0, 1],
+                        help="mma_gemv_quantizes variants: 0, x quantized by a launch before; 1, in the GEMV")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON: per method and row count, the default's and each variant's us a layer")
     args = parser.parse_args()
@@ -119,12 +121,13 @@ def main() -> None:
         default = timed_us(layer(KernelConfig(mma_gemv_max_rows=0)))
         results += [dict(method=method, rows=rows, us=bf16, bf16=True), dict(method=method, rows=rows, us=default)]
         variants = []
-        for block_k, stages in itertools.product(args.block_k, args.stages):
-            config = KernelConfig(mma_gemv_max_rows=64, mma_gemv_block_k=block_k, mma_gemv_num_stages=stages)
+        for block_k, stages, quantizes in itertools.product(args.block_k, args.stages, args.quantizes):
+            config = KernelConfig(mma_gemv_max_rows=64, mma_gemv_block_k=block_k, mma_gemv_num_stages=stages,
+                                  mma_gemv_quantizes=bool(quantizes))
             try:
-                variants.append((timed_us(layer(config)), f"{block_k}, {stages}"))
+                variants.append((timed_us(layer(config)), f"{block_k}, {stages}, {quantizes}"))
                 results.append(dict(method=method, rows=rows, us=variants[-1][0], mma_gemv_block_k=block_k,
-                                    mma_gemv_num_stages=stages))
+                                    mma_gemv_num_stages=stages, mma_gemv_quantizes=bool(quantizes)))
             except Exception as error:  # a variant past shared memory fails to launch: say so, go on
                 print(f"  {method} rows {rows} block_k {block_k} stages {stages}: "
                       f"{type(error).__name__}: {str(error)[:120]}")

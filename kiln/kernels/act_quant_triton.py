@@ -81,11 +81,11 @@ def act_scale(amax, ACT: tl.constexpr):
 
 @triton.jit
 def row_amax(x_rows, nw_ptr, row_mask, K, rstd, PROLOGUE: tl.constexpr, dtype: tl.constexpr,
-              BLOCK_K: tl.constexpr):
-    # The largest magnitude of the row of the GEMM's input (the prologue applied, rounded as in the
-    # unfused graph), for rows wider than one tile.
+             BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr = 1):
+    # The largest magnitude of each of BLOCK_T rows of the GEMM's input (the prologue applied, rounded
+    # as in the unfused graph), for rows wider than one tile.
     offs = tl.arange(0, BLOCK_K)
-    amax = tl.zeros([1], tl.float32)
+    amax = tl.zeros([BLOCK_T], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         xk, partner = input_tile(x_rows, nw_ptr, row_mask, k0 + offs, K, PROLOGUE)
         v = tile_input(xk, partner, rstd, PROLOGUE, dtype).to(tl.float32)

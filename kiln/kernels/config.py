@@ -171,6 +171,10 @@ class KernelConfig:
     mma_gemv_num_stages: int = 4
     """Weight and x tiles ``gemv_mma``'s GEMV keeps in flight through shared memory (Triton's pipeliner):
     at Llama-3-8B's 4096 columns it runs 64 programs on 132 SMs, so each one's stream must be deep."""
+    mma_gemv_quantizes: bool = False
+    """Whether ``gemv_mma``'s programs quantize their rows of x themselves (the prologue applied, their
+    magnitude found by passes over x from L2) instead of reading rows quantized by a launch before:
+    one launch a GEMM instead of two. Not yet timed on a GPU."""
     mma_gemv_smem_bytes: int = 196608
     """Shared memory ``gemv_mma``'s pipelined tiles may take (192 KB of the 227 KB an sm_90 block may
     have; the rest is Triton's layout conversions)."""

@@ -13,7 +13,9 @@ rows and, at fewer, go through mma.sync with every e4m3 weight converted to f16)
 activation quantizer 143 us); ``bench/experiments/mma_gemv_probe.py``.
 
 x comes quantized per token (``act_quant_triton.quantize_rows``: 8-bit values and f32 scales, the
-RMSNorm or SiLU·mul prologue applied there); the epilogue multiplies each sum by its channel's and
+RMSNorm or SiLU·mul prologue applied there), or, with ``KernelConfig.mma_gemv_quantizes``, every
+program quantizes its rows itself with the same helpers (a launch fewer per GEMM, x re-read from L2
+by each program: four launches a layer that decode at one row may not afford); the epilogue multiplies each sum by its channel's and
 its row's scale (int8's exact int32 sums first converted) and adds the bias or residual with
 ``gemv.gemv_epilogue``, so the result is ``gemv_quantized``'s. fp8 products are moved into an f32
 accumulator every ``FP8_PROMOTE_EVERY`` values of K: Hopper's fp8 MMA keeps fewer bits than f32 in its
@@ -31,9 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .act_quant_triton import ACT_INT8, ACT_KINDS, quantize_rows
+from .act_quant_triton import ACT_INT8, ACT_KINDS, HARDWARE_FP8, act_scale, quantize_act, quantize_rows, row_amax
 from .config import DEFAULTS, KernelConfig
-from .gemv import gemv_epilogue
+from .gemv import NORM, RAW, SILU_MUL, gemv_epilogue, input_tile, row_rstd, tile_input
 from .triton_support import INTERPRET, await_previous_kernel, pdl_launch, pow2
 
 # wgmma's left operand is 64 rows (a warpgroup's tile); its right operand 8-256 columns, 16 here at
@@ -46,11 +48,15 @@ FP8_PROMOTE_EVERY = 128
 
 
 @triton.jit
-def _mma_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N, K, x_st, w_st, r_st, y_st,
-                     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DOT_F32: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+def _mma_gemv_kernel(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N, K, eps, x_st, w_st, r_st, y_st,
+                     ACT: tl.constexpr, QUANTIZE: tl.constexpr, PROLOGUE: tl.constexpr, HARDWARE: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DOT_F32: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PASS_K: tl.constexpr,
                      PROMOTE_EVERY: tl.constexpr, PDL: tl.constexpr):
-    # Program (p, q) computes output columns p*BLOCK_N.. of rows q*BLOCK_T.. as acc[column, row].
+    # Program (p, q) computes output columns p*BLOCK_N.. of rows q*BLOCK_T.. as acc[column, row]. With
+    # QUANTIZE, x is the GEMM's 16-bit input before its PROLOGUE and each program quantizes its rows
+    # itself (their rstd and largest magnitude from passes over x, read from L2); else x holds the
+    # quantized rows and xs_ptr their scales.
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     col_mask = cols < N
@@ -58,6 +64,14 @@ def _mma_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N, K, 
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * w_st
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_st
     await_previous_kernel(PDL)  # x is the previous kernel's output
+    dtype = x_ptr.dtype.element_ty
+    rstd = tl.zeros([BLOCK_T], tl.float32)
+    if QUANTIZE:
+        if PROLOGUE == NORM:
+            rstd = row_rstd(x_rows, row_mask, K, eps, BLOCK_T, PASS_K)
+        x_scale = act_scale(row_amax(x_rows, nw_ptr, row_mask, K, rstd, PROLOGUE, dtype, PASS_K, BLOCK_T), ACT)
+    else:
+        x_scale = tl.load(xs_ptr + rows, mask=row_mask, other=1.0)
     if ACT == ACT_INT8:
         acc = tl.zeros([BLOCK_N, BLOCK_T], tl.int32)
     else:
@@ -67,7 +81,12 @@ def _mma_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N, K, 
         k_mask = k < K
         # other=0.0: an integer fill cannot be cast to fp8.
         w = tl.load(w_rows + k[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        if QUANTIZE:
+            xk, partner = input_tile(x_rows, nw_ptr, row_mask, k, K, PROLOGUE)
+            v = tile_input(xk, partner, rstd, PROLOGUE, dtype).to(tl.float32)
+            x = quantize_act(tl.math.div_rn(v, x_scale[:, None]), ACT, HARDWARE)
+        else:
+            x = tl.load(x_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if DOT_F32:  # the interpreter multiplies 8-bit values' bit patterns: f32 copies (exact) instead
             acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee").to(acc.dtype)
         elif ACT == ACT_INT8:
@@ -75,7 +94,7 @@ def _mma_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T, N, K, 
         else:
             acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE_EVERY)
     scaled = acc.to(tl.float32) * tl.load(s_ptr + cols, mask=col_mask, other=0.0)[:, None]
-    scaled *= tl.load(xs_ptr + rows, mask=row_mask, other=1.0)[None, :]
+    scaled *= x_scale[None, :]
     gemv_epilogue(tl.trans(scaled), b_ptr, r_ptr, y_ptr, rows, cols, row_mask, col_mask, r_st, y_st,
                   y_ptr.dtype.element_ty, HAS_BIAS, HAS_RESIDUAL)
 
@@ -96,17 +115,25 @@ def launch_mma_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
                     bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, eps: float = 0.0,
                     config: KernelConfig = DEFAULTS) -> None:
     """``gemv_quantized.launch_quantized_gemv``'s result for an 8-bit per-channel ``weight`` [N, K] with
-    activations quantized per token (``act_quant``), for checked operands: two launches, the quantized
-    rows (prologue applied), then the transposed tensor-core GEMV on them."""
+    activations quantized per token (``act_quant``), for checked operands: the quantized rows (prologue
+    applied) by a launch of their own, then the transposed tensor-core GEMV on them; or, with
+    ``mma_gemv_quantizes``, one launch that quantizes x in every program."""
     rows, (n, k) = x.shape[0], weight.shape
     if rows == 0 or n == 0:
         return
-    q, x_scale = quantize_rows(x, act_quant, norm_weight=norm_weight, gated=gated, eps=eps, config=config)
     block_n, block_t, block_k = mma_gemv_tiles(rows, k, config)
+    prologue = NORM if norm_weight is not None else SILU_MUL if gated else RAW
+    x_scale = x
+    if not config.mma_gemv_quantizes:
+        x, x_scale = quantize_rows(x, act_quant, norm_weight=norm_weight, gated=gated, eps=eps, config=config)
+        prologue = RAW
     res = residual if residual is not None else out
     _mma_gemv_kernel[(triton.cdiv(n, block_n), triton.cdiv(rows, block_t))](
-        q, x_scale, weight, weight_scale, bias if bias is not None else out, res, out, rows, n, k, q.stride(0),
-        weight.stride(0), res.stride(0), out.stride(0), ACT=ACT_KINDS[act_quant], HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None, DOT_F32=INTERPRET, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_K=block_k,
+        x, x_scale, norm_weight if norm_weight is not None else x, weight, weight_scale,
+        bias if bias is not None else out, res, out, rows, n, k, eps, x.stride(0), weight.stride(0), res.stride(0),
+        out.stride(0), ACT=ACT_KINDS[act_quant], QUANTIZE=config.mma_gemv_quantizes, PROLOGUE=prologue,
+        HARDWARE=HARDWARE_FP8, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, DOT_F32=INTERPRET,
+        BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_K=block_k,
+        PASS_K=min(pow2(k, 16), max(16, config.gemv_norm_pass_elements // block_t)),
         PROMOTE_EVERY=min(FP8_PROMOTE_EVERY, block_k), num_warps=4, num_stages=config.mma_gemv_num_stages,
         **pdl_launch(x, config.pdl))

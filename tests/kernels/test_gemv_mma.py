@@ -17,6 +17,8 @@ from .test_linear_quantized_triton import OPS, _assert_matches, _operands, _tole
 
 W8A8 = [("int8_channel", "int8_per_token"), ("fp8_channel", "fp8_per_token")]
 MMA = KernelConfig(mma_gemv_max_rows=16)
+# Both ways x reaches the GEMV: quantized by its own launch, or by every program (mma_gemv_quantizes).
+CONFIGS = [MMA, KernelConfig(mma_gemv_max_rows=16, mma_gemv_quantizes=True)]
 # On the GPU, f32 outputs of fp8 products: Hopper's fp8 MMA sums each 128 values of K with fewer bits
 # than f32 before they reach the f32 accumulator (~1e-3 of unit outputs; int8's sums are exact).
 FP8_MMA_F32 = dict(rtol=2e-3, atol=2e-3)
@@ -28,30 +30,36 @@ def _matches(op, scheme, act_quant, args, scales, config=MMA):
     _assert_matches(op, scheme, act_quant, args, scales, config, tolerance)
 
 
+@pytest.mark.parametrize("config", CONFIGS, ids=["quantized-before", "quantized-in-gemv"])
 @pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize("scheme,act_quant", W8A8)
 @pytest.mark.parametrize("op", OPS)
-def test_mma_gemv_matches_reference(op, scheme, act_quant, rows):
+def test_mma_gemv_matches_reference(op, scheme, act_quant, rows, config):
     # 37 columns: one 64-row tile, most of it past N; K 200: one partial K step; rows padded to 16.
     args, scales = _operands(op, scheme, rows, 37, torch.float32, has_bias=rows != 3)
-    _matches(op, scheme, act_quant, args, scales)
+    _matches(op, scheme, act_quant, args, scales, config)
 
 
+@pytest.mark.parametrize("config", CONFIGS, ids=["quantized-before", "quantized-in-gemv"])
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("scheme,act_quant", W8A8)
-def test_mma_gemv_in_bf16(scheme, act_quant, rows):
-    args, scales = _operands("silu_mul_linear_residual", scheme, rows, 24, torch.bfloat16)
-    _matches("silu_mul_linear_residual", scheme, act_quant, args, scales)
+@pytest.mark.parametrize("op", ["rmsnorm_linear", "silu_mul_linear_residual"])
+def test_mma_gemv_in_bf16(op, scheme, act_quant, rows, config):
+    args, scales = _operands(op, scheme, rows, 24, torch.bfloat16)
+    _matches(op, scheme, act_quant, args, scales, config)
 
 
+@pytest.mark.parametrize("quantizes", [False, True])
 @pytest.mark.parametrize("scheme,act_quant", W8A8)
-def test_mma_gemv_steps_through_k_and_column_tiles(scheme, act_quant):
-    # 130 columns: three 64-row tiles, the last of 2; K 600 in steps of 256, the last partial.
+def test_mma_gemv_steps_through_k_and_column_tiles(scheme, act_quant, quantizes):
+    # 130 columns: three 64-row tiles, the last of 2; K 600 in steps of 256, the last partial; the
+    # in-GEMV quantizer's passes over x in 64-value steps (gemv_norm_pass_elements / 16 rows).
     k, n = 600, 130
     stored, scales = quantize(torch.randn(n, k) * k ** -0.5, SCHEMES[scheme])
-    args = (torch.randn(2, k, device=DEVICE), stored.to(DEVICE), None)
-    _matches("linear", scheme, act_quant, args, tuple(s.to(DEVICE) for s in scales),
-             KernelConfig(mma_gemv_max_rows=16, mma_gemv_block_k=256))
+    args = (torch.randn(2, k, device=DEVICE), torch.randn(k, device=DEVICE), stored.to(DEVICE), None)
+    _matches("rmsnorm_linear", scheme, act_quant, args, tuple(s.to(DEVICE) for s in scales),
+             KernelConfig(mma_gemv_max_rows=16, mma_gemv_block_k=256, mma_gemv_quantizes=quantizes,
+                          gemv_norm_pass_elements=1024))
 
 
 def test_rows_above_the_bound_take_the_other_gemvs():
@@ -61,9 +69,10 @@ def test_rows_above_the_bound_take_the_other_gemvs():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("quantizes", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 64])
 @pytest.mark.parametrize("scheme,act_quant", W8A8)
-def test_mma_gemv_at_llama_shapes_on_gpu(scheme, act_quant, rows):
+def test_mma_gemv_at_llama_shapes_on_gpu(scheme, act_quant, rows, quantizes):
     # Llama-3-8B's down projection (K 14336) in bf16, as decode runs it on Hopper (the default bound).
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("gemv_mma runs on Hopper (wgmma)")
@@ -71,7 +80,8 @@ def test_mma_gemv_at_llama_shapes_on_gpu(scheme, act_quant, rows):
     stored, scales = quantize(torch.randn(n, k) * k ** -0.5, SCHEMES[scheme])
     x, residual = torch.randn(rows, k, device="cuda").bfloat16(), torch.randn(rows, n, device="cuda").bfloat16()
     _assert_matches("linear_residual", scheme, act_quant, (x, stored.cuda(), residual),
-                    tuple(s.cuda() for s in scales), KernelConfig(), _tolerance(torch.bfloat16, act_quant))
+                    tuple(s.cuda() for s in scales), KernelConfig(mma_gemv_quantizes=quantizes),
+                    _tolerance(torch.bfloat16, act_quant))
 
 
 def test_tiles():

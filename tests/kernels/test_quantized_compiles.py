@@ -10,6 +10,7 @@ the dequantizer of the library path.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -91,14 +92,18 @@ def compile_all() -> None:
                      dict(x_ptr="*bf16", nw_ptr="*bf16", q_ptr=q_type, s_ptr="*fp32"),
                      dict(PROLOGUE=prologue, ACT=act, HARDWARE=True, BLOCK_K=16384 if one_tile else 2048,
                           ONE_TILE=one_tile, PDL=True), DEFAULTS.act_quant_num_warps)
-    for weight, act, x_type, mma in (("fp8", ACT_FP8, "*fp8e4nv", "m64n16k32.f32.e4m3.e4m3"),
-                                     ("int8", ACT_INT8, "*i8", "m64n16k32.s32.s8.s8")):
-        # gemv_mma exists to run wgmma on the 8-bit values as stored: no conversion, no mma.sync.
+    for (weight, act, x_type, mma), quantizes in itertools.product(
+            (("fp8", ACT_FP8, "*fp8e4nv", "m64n16k32.f32.e4m3.e4m3"), ("int8", ACT_INT8, "*i8", "m64n16k32.s32.s8.s8")),
+            (False, True)):
+        # gemv_mma exists to run wgmma on the 8-bit values as stored: no conversion, no mma.sync; with
+        # its own quantizer (x bf16, the SiLU·mul prologue) as well.
         block_n, block_t, block_k = gemv_mma.mma_gemv_tiles(1, 4096)
-        ptx = _compile(gemv_mma._mma_gemv_kernel, dict(x_ptr=x_type, xs_ptr="*fp32", w_ptr=_WEIGHTS[weight][0],
-                                                        s_ptr="*fp32", b_ptr="*bf16", r_ptr="*bf16", y_ptr="*bf16"),
-                       dict(ACT=act, HAS_BIAS=False, HAS_RESIDUAL=True, DOT_F32=False, BLOCK_N=block_n,
-                            BLOCK_T=block_t, BLOCK_K=block_k, PROMOTE_EVERY=gemv_mma.FP8_PROMOTE_EVERY, PDL=True),
+        pointers = dict(x_ptr="*bf16" if quantizes else x_type, xs_ptr="*fp32", nw_ptr="*bf16",
+                        w_ptr=_WEIGHTS[weight][0], s_ptr="*fp32", b_ptr="*bf16", r_ptr="*bf16", y_ptr="*bf16")
+        ptx = _compile(gemv_mma._mma_gemv_kernel, pointers,
+                       dict(ACT=act, QUANTIZE=quantizes, PROLOGUE=SILU_MUL if quantizes else RAW, HARDWARE=True,
+                            HAS_BIAS=False, HAS_RESIDUAL=True, DOT_F32=False, BLOCK_N=block_n, BLOCK_T=block_t,
+                            BLOCK_K=block_k, PASS_K=256, PROMOTE_EVERY=gemv_mma.FP8_PROMOTE_EVERY, PDL=True),
                        4, DEFAULTS.mma_gemv_num_stages).asm["ptx"]
         assert f"wgmma.mma_async.sync.aligned.{mma}" in ptx and "mma.sync" not in ptx, f"{weight}: no {mma} wgmma"
     for weight in ("fp8", "mxfp4"):
