@@ -50,6 +50,10 @@ for _ in range(1200):
       --input-len 256 --output-len 128 --ignore-eos --max-concurrency $c --workers $(( c < 4 ? c : 4 )) \
       --out "$out/served_${shape}_$c.json" 2>&1 | tail -12
   done
+  # Each server process's CPU per output token at 256 concurrent (bench/experiments/server_cpu.py).
+  timeout 120 python3 bench/experiments/server_cpu.py --server-pid $server -- --base-url http://127.0.0.1:$port \
+    --model m --num-prompts 512 --input-len 256 --output-len 128 --ignore-eos --max-concurrency 256 --workers 4 \
+    2>&1 | grep -A9 "output tokens in"
   kill $server; wait $server
   rm -rf "$art"  # Llama-3-8B's is 16 GB of the machine's 64 GB disk
 }
