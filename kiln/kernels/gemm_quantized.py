@@ -36,15 +36,6 @@ from .triton_support import pow2
 SCALED_MM, INT_MM, DEQUANTIZED = "scaled_mm", "int_mm", "dequantized"
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
-def device_capability(t: torch.Tensor) -> tuple[int, int]:
-    return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
-
-
 def library_path(x: torch.Tensor, weight: torch.Tensor, scheme: QuantScheme, act_quant: str | None) -> str | None:
     """Which library GEMM runs these operands on the GPU, or None where none fits: ``_scaled_mm`` needs
     bf16 activations and K, N multiples of 16; ``_int_mm`` more than 16 rows and K, N multiples of 8."""

@@ -33,10 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .act_quant_triton import ACT_INT8, ACT_KINDS, HARDWARE_FP8, act_scale, quantize_act, quantize_rows, row_amax
+from .act_quant_triton import ACT_INT8, ACT_KINDS, ACT_NONE, HARDWARE_FP8, act_scale, quantize_act, quantize_rows, \
+    row_amax
 from .config import DEFAULTS, KernelConfig
 from .gemv import NORM, RAW, SILU_MUL, gemv_epilogue, input_tile, row_rstd, tile_input
-from .triton_support import INTERPRET, await_previous_kernel, pdl_launch, pow2
+from .triton_support import INTERPRET, await_previous_kernel, device_capability, dot_in_f32, pdl_launch, pow2
 
 # wgmma's left operand is 64 rows (a warpgroup's tile); its right operand 8-256 columns, 16 here at
 # least (tl.dot's smallest).
@@ -54,9 +55,10 @@ def _mma_gemv_kernel(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T
                      BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PASS_K: tl.constexpr,
                      PROMOTE_EVERY: tl.constexpr, PDL: tl.constexpr):
     # Program (p, q) computes output columns p*BLOCK_N.. of rows q*BLOCK_T.. as acc[column, row]. With
-    # QUANTIZE, x is the GEMM's 16-bit input before its PROLOGUE and each program quantizes its rows
-    # itself (their rstd and largest magnitude from passes over x, read from L2); else x holds the
-    # quantized rows and xs_ptr their scales.
+    # 8-bit weights (ACT set) and QUANTIZE, x is the GEMM's 16-bit input before its PROLOGUE and each
+    # program quantizes its rows itself (their rstd and largest magnitude from passes over x, read
+    # from L2), else x holds the quantized rows and xs_ptr their scales. With 16-bit weights (ACT_NONE)
+    # x is the input before its PROLOGUE, applied to each tile as gemv.py applies it.
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     col_mask = cols < N
@@ -66,9 +68,11 @@ def _mma_gemv_kernel(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T
     await_previous_kernel(PDL)  # x is the previous kernel's output
     dtype = x_ptr.dtype.element_ty
     rstd = tl.zeros([BLOCK_T], tl.float32)
-    if QUANTIZE:
-        if PROLOGUE == NORM:
-            rstd = row_rstd(x_rows, row_mask, K, eps, BLOCK_T, PASS_K)
+    if PROLOGUE == NORM:
+        rstd = row_rstd(x_rows, row_mask, K, eps, BLOCK_T, PASS_K)
+    if ACT == ACT_NONE:
+        x_scale = rstd  # unused
+    elif QUANTIZE:
         x_scale = act_scale(row_amax(x_rows, nw_ptr, row_mask, K, rstd, PROLOGUE, dtype, PASS_K, BLOCK_T), ACT)
     else:
         x_scale = tl.load(xs_ptr + rows, mask=row_mask, other=1.0)
@@ -81,59 +85,81 @@ def _mma_gemv_kernel(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T
         k_mask = k < K
         # other=0.0: an integer fill cannot be cast to fp8.
         w = tl.load(w_rows + k[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        if QUANTIZE:
+        if ACT == ACT_NONE or QUANTIZE:
             xk, partner = input_tile(x_rows, nw_ptr, row_mask, k, K, PROLOGUE)
-            v = tile_input(xk, partner, rstd, PROLOGUE, dtype).to(tl.float32)
-            x = quantize_act(tl.math.div_rn(v, x_scale[:, None]), ACT, HARDWARE)
+            x = tile_input(xk, partner, rstd, PROLOGUE, dtype)
+            if ACT != ACT_NONE:
+                x = quantize_act(tl.math.div_rn(x.to(tl.float32), x_scale[:, None]), ACT, HARDWARE)
         else:
             x = tl.load(x_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        if DOT_F32:  # the interpreter multiplies 8-bit values' bit patterns: f32 copies (exact) instead
+        if DOT_F32:  # f32 x, or the interpreter, which multiplies bf16 and 8-bit bit patterns: f32 copies
             acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee").to(acc.dtype)
+        elif ACT == ACT_NONE:
+            acc = tl.dot(w, tl.trans(x), acc)
         elif ACT == ACT_INT8:
             acc += tl.dot(w, tl.trans(x), out_dtype=tl.int32)
         else:
             acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE_EVERY)
-    scaled = acc.to(tl.float32) * tl.load(s_ptr + cols, mask=col_mask, other=0.0)[:, None]
-    scaled *= x_scale[None, :]
+    scaled = acc.to(tl.float32)
+    if ACT != ACT_NONE:
+        scaled *= tl.load(s_ptr + cols, mask=col_mask, other=0.0)[:, None] * x_scale[None, :]
     gemv_epilogue(tl.trans(scaled), b_ptr, r_ptr, y_ptr, rows, cols, row_mask, col_mask, r_st, y_st,
                   y_ptr.dtype.element_ty, HAS_BIAS, HAS_RESIDUAL)
 
 
-def mma_gemv_tiles(rows: int, k: int, config: KernelConfig = DEFAULTS) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_T, BLOCK_K) of the MMA GEMV for ``rows`` rows over ``k``: K steps of
-    ``mma_gemv_block_k``, halved until the pipelined weight and x tiles fit ``mma_gemv_smem_bytes``
-    (at 64 rows, 512 would take 256 KB of an H100's 227)."""
+def mma_gemv_tiles(rows: int, k: int, config: KernelConfig = DEFAULTS, weight_bytes: int = 1,
+                   x_bytes: int = 1) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_T, BLOCK_K) of the MMA GEMV for ``rows`` rows over ``k`` with weight and x
+    values of those sizes in shared memory: K steps of ``mma_gemv_block_k``, halved until the
+    pipelined tiles fit ``mma_gemv_smem_bytes`` (8-bit at 64 rows: 512 would take 256 KB of an
+    H100's 227)."""
     block_t = max(MIN_BLOCK_T, pow2(rows))
     block_k = min(config.mma_gemv_block_k, pow2(k, 32))
-    while block_k > 32 and (MMA_ROWS + block_t) * block_k * config.mma_gemv_num_stages > config.mma_gemv_smem_bytes:
+    while block_k > 32 and (MMA_ROWS * weight_bytes + block_t * x_bytes) * block_k * config.mma_gemv_num_stages \
+            > config.mma_gemv_smem_bytes:
         block_k //= 2
     return MMA_ROWS, block_t, block_k
 
 
-def launch_mma_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out: torch.Tensor, *,
-                    act_quant: str, norm_weight: torch.Tensor | None = None, gated: bool = False,
+def runs_mma_gemv(x: torch.Tensor, act_quant: str | None, config: KernelConfig = DEFAULTS) -> bool:
+    """Whether ``launch_mma_gemv`` takes these rows: W8A8 up to ``mma_gemv_max_rows``, 16-bit weights at
+    2 to ``mma_gemv_16bit_max_rows`` (one row is gemv.py's); on compute capability 9.x (wgmma) or under
+    the interpreter."""
+    rows = x.shape[0]
+    if act_quant is not None:
+        fits = rows <= config.mma_gemv_max_rows
+    else:
+        fits = 1 < rows <= config.mma_gemv_16bit_max_rows and (INTERPRET or x.dtype != torch.float32)
+    return fits and (INTERPRET or (x.device.type == "cuda" and device_capability(x)[0] == 9))
+
+
+def launch_mma_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, out: torch.Tensor, *,
+                    act_quant: str | None, norm_weight: torch.Tensor | None = None, gated: bool = False,
                     bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, eps: float = 0.0,
                     config: KernelConfig = DEFAULTS) -> None:
-    """``gemv_quantized.launch_quantized_gemv``'s result for an 8-bit per-channel ``weight`` [N, K] with
-    activations quantized per token (``act_quant``), for checked operands: the quantized rows (prologue
-    applied) by a launch of their own, then the transposed tensor-core GEMV on them; or, with
-    ``mma_gemv_quantizes``, one launch that quantizes x in every program."""
+    """``out = epilogue(prologue(x) @ W.T)`` for checked operands: ``weight`` [N, K] 8-bit per channel
+    with its scales and activations quantized per token (``act_quant``; ``gemv_quantized``'s result),
+    or 16-bit (``act_quant`` None, no scale; ``gemv.launch_gemv``'s). W8A8 takes two launches, the
+    quantized rows (prologue applied), then the GEMV on them, or, with ``mma_gemv_quantizes``, one
+    that quantizes x in every program; 16-bit weights one, the prologue applied to each tile."""
     rows, (n, k) = x.shape[0], weight.shape
     if rows == 0 or n == 0:
         return
-    block_n, block_t, block_k = mma_gemv_tiles(rows, k, config)
     prologue = NORM if norm_weight is not None else SILU_MUL if gated else RAW
     x_scale = x
-    if not config.mma_gemv_quantizes:
+    quantizes = config.mma_gemv_quantizes or act_quant is None
+    if not quantizes:
         x, x_scale = quantize_rows(x, act_quant, norm_weight=norm_weight, gated=gated, eps=eps, config=config)
         prologue = RAW
+    block_n, block_t, block_k = mma_gemv_tiles(rows, k, config, weight.element_size(),
+                                               x.element_size() if act_quant is None else 1)
     res = residual if residual is not None else out
     _mma_gemv_kernel[(triton.cdiv(n, block_n), triton.cdiv(rows, block_t))](
-        x, x_scale, norm_weight if norm_weight is not None else x, weight, weight_scale,
-        bias if bias is not None else out, res, out, rows, n, k, eps, x.stride(0), weight.stride(0), res.stride(0),
-        out.stride(0), ACT=ACT_KINDS[act_quant], QUANTIZE=config.mma_gemv_quantizes, PROLOGUE=prologue,
-        HARDWARE=HARDWARE_FP8, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, DOT_F32=INTERPRET,
-        BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_K=block_k,
+        x, x_scale, norm_weight if norm_weight is not None else x, weight,
+        weight_scale if weight_scale is not None else x, bias if bias is not None else out, res, out, rows, n, k, eps,
+        x.stride(0), weight.stride(0), res.stride(0), out.stride(0), ACT=ACT_KINDS[act_quant], QUANTIZE=quantizes,
+        PROLOGUE=prologue, HARDWARE=HARDWARE_FP8, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        DOT_F32=INTERPRET or dot_in_f32(x.dtype), BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_K=block_k,
         PASS_K=min(pow2(k, 16), max(16, config.gemv_norm_pass_elements // block_t)),
         PROMOTE_EVERY=min(FP8_PROMOTE_EVERY, block_k), num_warps=4, num_stages=config.mma_gemv_num_stages,
         **pdl_launch(x, config.pdl))

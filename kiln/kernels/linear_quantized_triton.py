@@ -33,12 +33,13 @@ from kiln.tensors import torch_dtype
 
 from .act_quant_triton import ACT_KINDS
 from .config import DEFAULTS, KernelConfig
-from .gemm_quantized import device_capability, library_gemm, library_path
+from .gemm_quantized import library_gemm, library_path
 from .gemv_quantized import launch_quantized_gemv
-from .gemv_mma import launch_mma_gemv
+from .gemv_mma import launch_mma_gemv, runs_mma_gemv
 from .gemv_quantized_row import launch_quantized_row_gemv
 from .registry import Checker, register_impl
-from .triton_support import INTERPRET, IR_FLOATS, require, require_device, require_float, require_unit_last_stride
+from .triton_support import INTERPRET, IR_FLOATS, device_capability, require, require_device, require_float, \
+    require_unit_last_stride
 
 Scales = tuple[torch.Tensor, ...]
 # The schemes these kernels read (a scheme added to SCHEMES later is not claimed until a kernel reads it).
@@ -86,18 +87,13 @@ def _check(kernel: str, x: torch.Tensor, weight: torch.Tensor, scales: Scales, o
                         f"{major}.{minor}. Compile with --backend torch to run the reference kernels instead")
 
 
-def _hopper_or_interpreted(x: torch.Tensor) -> bool:
-    """Whether ``gemv_mma``'s wgmma GEMV runs here: on compute capability 9.x, or under the interpreter."""
-    return INTERPRET or (x.device.type == "cuda" and device_capability(x)[0] == 9)
-
-
 def _run(kernel: str, x: torch.Tensor, weight: torch.Tensor, scales: Scales, out: torch.Tensor, *,
          scheme: QuantScheme, act_quant: str | None, config: KernelConfig, **fused: Any) -> None:
     _check(kernel, x, weight, scales, out, scheme=scheme, act_quant=act_quant,
            **{name: value for name, value in fused.items() if name != "eps"})
     most = config.quantized_gemv_max_rows if act_quant is not None else config.quantized_weight_only_max_rows
     path = library_path(x, weight, scheme, act_quant) if x.shape[0] > most else None
-    if act_quant is not None and x.shape[0] <= config.mma_gemv_max_rows and _hopper_or_interpreted(x):
+    if runs_mma_gemv(x, act_quant, config):
         launch_mma_gemv(x, weight, scales[0], out, act_quant=act_quant, config=config, **fused)
     elif x.shape[0] == 1:
         launch_quantized_row_gemv(x, weight, scales[0], out, scheme=scheme, act_quant=act_quant, config=config,

@@ -110,6 +110,16 @@ def multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def device_capability(t: torch.Tensor) -> tuple[int, int]:
+    """A CUDA tensor's GPU's compute capability (cached: launchers ask on every call)."""
+    return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
 def sm_count(t: torch.Tensor) -> int:
     if t.device.type != "cuda":
         return multiprocessor_count(0)
