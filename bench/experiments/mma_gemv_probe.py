@@ -1,9 +1,9 @@
-"""The W8A8 GEMVs at a few rows, Llama-3-8B's four layer GEMMs with their fusions, through the registry's
-quantized linear ops: the kernels other GPUs run (``gemv_quantized_row`` at one row, the tl.dot GEMV or ``_scaled_mm`` above)
-against ``gemv_mma``'s tensor-core GEMV under tiling variants, and the bf16 GEMV (method bf16: the
-bf16 GEMMs themselves, through ``gemv_mma`` at 2 or more rows against the GEMV or cuBLAS), replayed from CUDA
-graphs (as decode runs them), us a layer (the four GEMMs' sum) and the share of the quantized bytes'
-copy-rate roofline.
+"""The GEMVs at a few rows, Llama-3-8B's four layer GEMMs with their fusions, through the registry's
+linear ops: for W8A8 the kernels other GPUs run (``gemv_quantized_row`` at one row, the tl.dot GEMV or
+``_scaled_mm`` above) against ``gemv_mma``'s tensor-core GEMV under tiling variants, beside the bf16
+GEMV; for method bf16 the bf16 GEMMs themselves, through ``gemv_mma`` at 2 or more rows against the
+GEMV or cuBLAS. Replayed from CUDA graphs (as decode runs them), us a layer (the four GEMMs' sum) and
+the share of the weight bytes' copy-rate roofline.
 
     python bench/experiments/mma_gemv_probe.py --rows 1 5 16 64 --methods fp8 w8a8_int8
     python bench/experiments/mma_gemv_probe.py --rows 5 9 --methods bf16 --quantizes 0   # verify steps

@@ -1,30 +1,33 @@
-"""The W8A8 GEMV on Hopper's tensor cores: the weight tile is the matrix product's left operand.
+"""The GEMV on Hopper's tensor cores: the weight tile is the matrix product's left operand.
 
 At a few rows a GEMM's time is its weight bytes over the memory's rate, if the kernel does little per
 weight. ``gemv_quantized_row``'s broadcast product decodes every 8-bit weight with integer bit moves
 and multiplies in f32, ~8 instructions a weight, which on sm_90 held Llama-3-8B's fp8 layer at 127 us
-(an H100; bf16's GEMV 160 us for twice the bytes). Hopper's warpgroup MMA (wgmma) takes e4m3 and int8
-operands as they are stored, with no thread touching a weight value, but its left operand is 64 rows
-tall and x has 1-64 rows. So the product is computed transposed, ``y.T = W @ x.T``: 64 weight rows are
-the MMA's rows and x's rows, padded to 16, its columns (``m64n16k32``; ``x @ W.T`` would pad x to 64
-rows and, at fewer, go through mma.sync with every e4m3 weight converted to f16). Triton lowers the
-8-bit ``tl.dot`` to wgmma and streams the weight tiles through shared memory ahead of it
-(``num_stages``). The same layer: 97-99 us at one row, 116 us at 64 (``_scaled_mm`` with the
+(an H100; bf16's GEMV 160 us for twice the bytes). Hopper's warpgroup MMA (wgmma) takes e4m3, int8 and
+16-bit operands as they are stored, with no thread touching a weight value, but its left operand is 64
+rows tall and x has 1-64 rows. So the product is computed transposed, ``y.T = W @ x.T``: 64 weight
+rows are the MMA's rows and x's rows, padded to 16, its columns (``m64n16k32``; ``x @ W.T`` would pad x
+to 64 rows and, at fewer, go through mma.sync with every e4m3 weight converted to f16). Triton lowers
+the ``tl.dot`` to wgmma and streams the weight tiles through shared memory ahead of it
+(``num_stages``). The fp8 layer: 97-99 us at one row, 116 us at 64 (``_scaled_mm`` with the
 activation quantizer 143 us); ``bench/experiments/mma_gemv_probe.py``.
 
-x comes quantized per token (``act_quant_triton.quantize_rows``: 8-bit values and f32 scales, the
-RMSNorm or SiLU·mul prologue applied there), or, with ``KernelConfig.mma_gemv_quantizes``, every
-program quantizes its rows itself with the same helpers (a launch fewer per GEMM, x re-read from L2
-by each program: four launches a layer that decode at one row may not afford); the epilogue multiplies each sum by its channel's and
-its row's scale (int8's exact int32 sums first converted) and adds the bias or residual with
-``gemv.gemv_epilogue``, so the result is ``gemv_quantized``'s. fp8 products are moved into an f32
-accumulator every ``FP8_PROMOTE_EVERY`` values of K: Hopper's fp8 MMA keeps fewer bits than f32 in its
-own accumulator (Triton's sm_90 default never promotes), which at Llama's K of 4096-14336 costs
-percent-level errors. No split-K: every output is one program's sum in one order, deterministic as
-the other GEMVs; splitting Llama-3-8B's 4096-column GEMMs (64 tiles on 132 SMs) measured no faster.
+- W8A8 (``linear_quantized_triton``, up to ``KernelConfig.mma_gemv_max_rows``): x comes quantized per
+  token (``act_quant_triton.quantize_rows``: 8-bit values and f32 scales, the RMSNorm or SiLU·mul
+  prologue applied there), or, with ``mma_gemv_quantizes``, every program quantizes its rows itself
+  with the same helpers (a launch fewer a GEMM, x re-read from L2 by each program); the epilogue
+  multiplies each sum by its channel's and its row's scale (int8's exact int32 sums first converted).
+  fp8 products are moved into an f32 accumulator every ``FP8_PROMOTE_EVERY`` values of K: Hopper's fp8
+  MMA keeps fewer bits than f32 in its own accumulator (Triton's sm_90 default never promotes), which
+  at Llama's K of 4096-14336 costs percent-level errors.
+- 16-bit weights (``linear_fused``, 2 to ``mma_gemv_16bit_max_rows`` rows: speculative verify steps):
+  the prologue is applied to each of x's tiles as ``gemv.py`` applies it.
 
-Weight-only schemes stay with the other GEMVs: MXFP4 decoded in registers for a bf16 wgmma measured
-3.3x slower than ``gemv_quantized_row`` at one row.
+The bias or residual is added by ``gemv.gemv_epilogue``, so the results are ``gemv_quantized``'s and
+``gemv``'s. No split-K: every output is one program's sum in one order, deterministic as the other
+GEMVs; splitting Llama-3-8B's 4096-column GEMMs (64 tiles on 132 SMs) measured no faster. Weight-only
+schemes stay with the other GEMVs: MXFP4 decoded in registers for a bf16 wgmma measured 3.3x slower
+than ``gemv_quantized_row`` at one row.
 """
 
 from __future__ import annotations
