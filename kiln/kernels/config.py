@@ -156,7 +156,7 @@ class KernelConfig:
     quantized_gemm_num_stages: int = 1
     """Triton pipeline stages of the quantized GEMV above 16 rows: at 1 its loop keeps the next weight
     tile in flight itself (as the GEMV does); more let Triton's pipeliner stream the tiles of its
-    tl.dot loop ahead. Not yet tuned on a GPU."""
+    tl.dot loop ahead. H100, MXFP4 at 64 rows (``bench/experiments/dequant_probe.py``): 1 and 3 equal."""
     mma_gemv_max_rows: int = 64
     """Most rows the W8A8 GEMMs (fp8, w8a8_int8) take through ``gemv_mma``'s tensor-core GEMV (the
     weight as wgmma's 64-row operand, no weight decoded by a thread) on Hopper, instead of the
