@@ -13,7 +13,7 @@
 # The open issues' figures, each stage its GPU tests first (a failing test does not stop the stage's benchmark):
 #   lora (#23, ~4 min), spec (#24, ~3 min), quant (#27, ~6 min), mma (#27 and #24: gemv_mma's layer timings, 8-bit and bf16, and the verify step with it, ~7 min), moe (#22, ~4 min), startup and serving (#29,
 #   ~2 and ~6 min; need $TOKENIZER_DIR; $SERVING_SHAPES picks the shapes, $SERVE_ARGS replaces the
-#   kiln serve flags "--api-server-count 4"), structured (#29). Each step has its own time limit.
+#   kiln serve flags "--api-server-count 4", $LOAD_WORKERS the load processes, 4), structured (#29). Each step has its own time limit.
 set -uo pipefail
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -25,7 +25,8 @@ df -h /tmp "$PWD" | tail -n +2
 # run also writes the artifact), then one server and the load generator at 1, 64 and 256 concurrent
 # and 1024 with a queue limit (refused requests are 503s, none lost).
 serving_figures() {
-  local shape=$1 art=/tmp/$1.kiln port=30000
+  # $LOAD_WORKERS load processes (default 4; 8 tells whether 4 held the client back at 256 concurrent).
+  local shape=$1 art=/tmp/$1.kiln port=30000 workers=${LOAD_WORKERS:-4}
   timeout 300 python3 bench/offline.py --shape "$shape" --tokenizer-dir "${TOKENIZER_DIR:-.bench-tokenizer}" \
     --save-artifact "$art" --workload random --num-requests 512 --input-len 256 --output-len 128 --max-running 64 \
     --out "$out/offline_${shape}_64.json" | tail -1
@@ -47,12 +48,12 @@ for _ in range(1200):
   for c in 1 64 256 1024; do
     local n=$(( c == 1 ? 16 : (c == 1024 ? 1024 : 512) ))
     timeout 300 python3 bench/serving.py --base-url http://127.0.0.1:$port --model m --num-prompts $n \
-      --input-len 256 --output-len 128 --ignore-eos --max-concurrency $c --workers $(( c < 4 ? c : 4 )) \
+      --input-len 256 --output-len 128 --ignore-eos --max-concurrency $c --workers $(( c < workers ? c : workers )) \
       --out "$out/served_${shape}_$c.json" 2>&1 | tail -12
   done
   # Each server process's CPU per output token at 256 concurrent (bench/experiments/server_cpu.py).
   timeout 120 python3 bench/experiments/server_cpu.py --server-pid $server -- --base-url http://127.0.0.1:$port \
-    --model m --num-prompts 512 --input-len 256 --output-len 128 --ignore-eos --max-concurrency 256 --workers 4 \
+    --model m --num-prompts 512 --input-len 256 --output-len 128 --ignore-eos --max-concurrency 256 --workers $workers \
     2>&1 | grep -A9 "output tokens in"
   kill $server; wait $server
   rm -rf "$art"  # Llama-3-8B's is 16 GB of the machine's 64 GB disk
