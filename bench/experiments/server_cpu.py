@@ -53,16 +53,27 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
+# The server's processes by the module each runs (``python -m MODULE CONFIG``; the launcher is ``kiln``).
+ROLES = {"kiln.server.scheduler_process": "scheduler", "kiln.server.detokenizer_process": "detokenizer",
+         "kiln.server.api_server_process": "API server", "kiln": "launcher (API server 0)"}
+
+
+def role_of(argv: list[str]) -> str:
+    """A process's part in the server, from its command line (the launcher may also be the ``kiln``
+    console script)."""
+    if len(argv) > 2 and argv[1] == "-m":
+        module = argv[2]
+    else:
+        module = "kiln" if len(argv) > 1 and Path(argv[1]).name == "kiln" else ""
+    return ROLES.get(module, " ".join(argv)[:60])
+
+
 def role(pid: int) -> str:
-    """A process's part in the server, from its command line (the children run ``python -m MODULE``)."""
     try:
-        argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return "gone"
-    module = argv[2] if len(argv) > 2 and argv[1] == "-m" else ""
-    names = {"kiln.server.scheduler_process": "scheduler", "kiln.server.detokenizer_process": "detokenizer",
-             "kiln.server.api_server_process": "API server", "kiln": "launcher (API server 0)"}
-    return names.get(module, " ".join(argv)[:60])
+    return role_of([a.decode(errors="replace") for a in raw.split(b"\0") if a])
 
 
 def main() -> None:
