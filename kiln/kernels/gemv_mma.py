@@ -40,7 +40,7 @@ from .act_quant_triton import ACT_INT8, ACT_KINDS, ACT_NONE, HARDWARE_FP8, act_s
     row_amax
 from .config import DEFAULTS, KernelConfig
 from .gemv import NORM, RAW, SILU_MUL, gemv_epilogue, input_tile, row_rstd, tile_input
-from .triton_support import INTERPRET, await_previous_kernel, device_capability, dot_in_f32, pdl_launch, pow2
+from .triton_support import INTERPRET, await_previous_kernel, device_capability, pdl_launch, pow2
 
 # wgmma's left operand is 64 rows (a warpgroup's tile); its right operand 8-256 columns, 16 here at
 # least (tl.dot's smallest).
@@ -74,7 +74,7 @@ def _mma_gemv_kernel(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T
     if PROLOGUE == NORM:
         rstd = row_rstd(x_rows, row_mask, K, eps, BLOCK_T, PASS_K)
     if ACT == ACT_NONE:
-        x_scale = rstd  # unused
+        x_scale = rstd  # a stand-in: 16-bit weights and x take no scales
     elif QUANTIZE:
         x_scale = act_scale(row_amax(x_rows, nw_ptr, row_mask, K, rstd, PROLOGUE, dtype, PASS_K, BLOCK_T), ACT)
     else:
@@ -95,7 +95,7 @@ def _mma_gemv_kernel(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T
                 x = quantize_act(tl.math.div_rn(x.to(tl.float32), x_scale[:, None]), ACT, HARDWARE)
         else:
             x = tl.load(x_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        if DOT_F32:  # f32 x, or the interpreter, which multiplies bf16 and 8-bit bit patterns: f32 copies
+        if DOT_F32:  # the interpreter multiplies bf16 and 8-bit bit patterns: f32 copies instead
             acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee").to(acc.dtype)
         elif ACT == ACT_NONE:
             acc = tl.dot(w, tl.trans(x), acc)
@@ -162,7 +162,7 @@ def launch_mma_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
         weight_scale if weight_scale is not None else x, bias if bias is not None else out, res, out, rows, n, k, eps,
         x.stride(0), weight.stride(0), res.stride(0), out.stride(0), ACT=ACT_KINDS[act_quant], QUANTIZE=quantizes,
         PROLOGUE=prologue, HARDWARE=HARDWARE_FP8, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        DOT_F32=INTERPRET or dot_in_f32(x.dtype), BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_K=block_k,
+        DOT_F32=INTERPRET, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_K=block_k,
         PASS_K=min(pow2(k, 16), max(16, config.gemv_norm_pass_elements // block_t)),
         PROMOTE_EVERY=min(FP8_PROMOTE_EVERY, block_k), num_warps=4, num_stages=config.mma_gemv_num_stages,
         **pdl_launch(x, config.pdl))

@@ -7,7 +7,7 @@ stay the CPU path and the fallback). Each call picks its kernel from host facts,
 stays capturable in a CUDA graph:
 
 - W8A8 at up to ``KernelConfig.mma_gemv_max_rows`` rows on Hopper: ``gemv_mma``'s tensor-core GEMV
-  (the activations quantized by a launch of their own);
+  (the activations quantized by a launch of their own, or in it with ``mma_gemv_quantizes``);
 - else few rows (``KernelConfig.quantized_gemv_max_rows`` with activations quantized per token,
   ``quantized_weight_only_max_rows`` weight-only), or no library GEMM fits, or under Triton's
   interpreter: the quantized GEMV, the prologue and epilogue fused: ``gemv_quantized_row`` at one row
