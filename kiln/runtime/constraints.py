@@ -11,8 +11,9 @@ Per step, the constrained rows are served as one batch: ``mask`` fills all their
 call into a buffer reused from step to step (``StepMasks``: pinned, one non-blocking copy to the
 device), and ``advance_all`` moves all their grammars over the step's tokens in one pass.
 The engine fills the mask right after launching the step's forward, so on a GPU it is built while
-the forward runs; with overlapped decode steps the forward of step N+1 runs while step N's tokens are
-accepted and step N+1's mask is filled.
+the forward runs. Overlapped decode steps go further (``start_mask``): step N+1's forward runs while
+step N's tokens are accepted, N+1's mask is filled on a thread while the host applies N's tokens and
+hands out the events, and N+1's tokens are drawn at the start of the next step.
 """
 
 from __future__ import annotations
@@ -104,14 +105,22 @@ class Constraints:
         """The packed bitmask of a step's sampled rows (``logits``' rows), on the logits' device, or
         None when no row is constrained. Rows of finished requests (an overlapped step ran one past
         their end) allow everything: their tokens are dropped. Valid until the next ``mask``."""
-        states = [None if r.done else r.extras.get(GRAMMAR) for r in requests]
+        pending = self.start_mask(requests, logits, background=False)
+        return None if pending is None else pending.wait()
+
+    def start_mask(self, requests: list[Request], logits: torch.Tensor, background: bool = True):
+        """``mask``, filled on a thread (``background``): a ``PendingMask`` whose ``wait`` gives it, or
+        None. The requests' grammars must not move until then. A request whose grammar has ended is
+        skipped even before the engine marks it done (its token is dropped)."""
+        states = [None if r.done or (state := r.extras.get(GRAMMAR)) is None or state.is_terminated() else state
+                  for r in requests]
         if not any(states):
             return None
         if self._masks is None or self._masks.device != logits.device or self._masks.vocab_size != logits.shape[1]:
             from .grammar.step_mask import StepMasks
 
             self._masks = StepMasks(logits.shape[1], logits.device)
-        return self._masks.fill(states)
+        return self._masks.start(states, background)
 
     @staticmethod
     def advance_all(requests: list[Request], tokens: list[int]) -> list[str | None] | None:

@@ -1,5 +1,6 @@
 """The engine core: scheduler + worker (the model on one rank or several) + sampling, one ``step()``
-at a time, no threads (but one at start-up, which loads the tokenizer beside the weights).
+at a time, no threads (but one at start-up, which loads the tokenizer beside the weights, and the one
+that fills an overlapped step's grammar masks while the host applies the step before).
 
 ``add_request`` validates and queues a request (n samples become n scheduler requests; the first
 leads, the others share its cached prompt); ``step`` schedules a batch, runs it, samples, applies
@@ -20,7 +21,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from itertools import repeat
-from typing import Any, Hashable
+from typing import Any, Hashable, Iterable
 
 import torch
 
@@ -244,7 +245,7 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.constraints.has_pending() or \
-            (self.overlap is not None and self.overlap.inflight is not None)
+            (self.overlap is not None and self.overlap.busy)
 
     def stats(self) -> dict[str, float]:
         """Gauges and counters for metrics: queue lengths, KV pool use, prefix-cache hits."""
@@ -288,7 +289,7 @@ class EngineCore:
 
     def step(self) -> list[SampleEvent]:
         events = self._release_constrained()
-        if self.overlap is not None and self.overlap.inflight is not None:
+        if self.overlap is not None and self.overlap.busy:
             return events + self.overlap.continue_step()
         batch = self.scheduler.schedule()
         if batch is None:
@@ -311,7 +312,8 @@ class EngineCore:
         requests = lists.requests
         if greedy is not None and not lists.prompt_rows and all(sampled_on_device(r) for r in requests):
             by_argmax = _graph_argmax_serves(requests)
-            tokens = greedy if by_argmax else self.device_tokens(requests, logits, greedy)
+            tokens = greedy if by_argmax else self.device_tokens(requests, logits, greedy,
+                                                                 self.constraints.mask(requests, logits))
             if self.overlap is not None:
                 # Read these tokens next step, after the step that follows is already launched.
                 self.overlap.hold(lists, tokens, by_argmax)
@@ -323,25 +325,33 @@ class EngineCore:
             out = self.worker.sample(logits, SamplingBatch.pack(rows, self.vocab_size, logits.device), mask)
         return events + self.apply(lists, out)
 
-    def device_tokens(self, requests: list[Request], logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    def device_tokens(self, requests: list[Request], logits: torch.Tensor, greedy: torch.Tensor,
+                      mask: torch.Tensor | None) -> torch.Tensor:
         """The step's tokens, left on the device, for requests that pass ``sampled_on_device`` but
-        not ``_graph_argmax_serves``: the argmax under the grammar masks (filled on the CPU while the
-        step runs) when all are greedy, else the sampler's draw."""
-        mask = self.constraints.mask(requests, logits)
+        not ``_graph_argmax_serves``: the argmax under ``mask`` (the step's grammar bitmask, filled on
+        the CPU while the step runs; None: no row constrained) when all are greedy, else the sampler's draw."""
         if all(r.params.argmax_of_logits for r in requests):
             return greedy if mask is None else masked_argmax(logits, mask, self.runner.sampler_kernels)
         rows = [SamplingRow(r.params, r.seed, len(r.output_ids)) for r in requests]
         return self.worker.sample(logits, SamplingBatch.pack(rows, self.vocab_size, logits.device), mask).token_ids
 
-    def apply(self, lists: StepLists, out: SamplerOutput) -> list[SampleEvent]:
+    def advance_grammars(self, lists: StepLists, tokens: list[int]) -> Iterable[str | None]:
+        """Moves every constrained row's grammar over its token (``tokens[i]`` is row i's), in one
+        pass; per row the finish reason that gives (``Constraints.advance_all``)."""
+        return Constraints.advance_all(lists.requests, tokens) or repeat(None)
+
+    def apply(self, lists: StepLists, out: SamplerOutput,
+              grammar_reasons: Iterable[str | None] | None = None) -> list[SampleEvent]:
         """Appends each sampled token (filling the PENDING slot an overlapped step left for it),
-        applies the stop rules and makes the events. (This loop runs for every running sample every
-        step, so it reads each request's fields once and skips the logprobs unless some were taken.)"""
+        applies the stop rules and makes the events; the grammars move over the tokens first, unless
+        the caller did (``grammar_reasons``: ``advance_grammars``' verdicts). (This loop runs for every
+        running sample every step, so it reads each request's fields once and skips the logprobs unless
+        some were taken.)"""
         events: list[SampleEvent] = []
         tokens = out.token_ids.tolist()
         logprobs = _token_logprobs(lists.requests, tokens, out) if out.logprobs is not None else repeat(())
-        # Every constrained row's grammar moves over its token in one pass, before the per-row loop.
-        grammar_reasons = Constraints.advance_all(lists.requests, tokens) or repeat(None)
+        if grammar_reasons is None:
+            grammar_reasons = self.advance_grammars(lists, tokens)
         fail_id = self.options.debug_fail_token_id
         for request, token, token_logprobs, grammar_reason in zip(lists.requests, tokens, logprobs, grammar_reasons):
             if request.done:

@@ -7,10 +7,17 @@ applies the in-flight tokens while the new step runs, so the host's work hides b
 A request that turns out to have finished drops its extra step's result. Anything else to schedule
 (arrivals, prefill, sampling on the host, a short pool, a full context) breaks the chain: the
 in-flight tokens are applied and the core schedules its next step normally.
+
+A step whose tokens are not its graph's argmax (grammar masks, sampling on the device) needs the
+in-flight tokens applied first: the masks follow the grammars over them, the sampler's step indices
+follow the outputs. Its tokens are drawn at the start of the next ``continue_step`` (``UndrawnStep``),
+and its grammar masks fill on a thread from the moment the in-flight tokens are accepted: beside the
+rest of their application, the events' delivery and the next schedule, instead of before the draw.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +31,18 @@ from .worker.token_readback import InflightStep, TokenReadback
 
 if TYPE_CHECKING:
     from .engine_core import EngineCore
+    from .grammar.step_mask import PendingMask
+
+
+@dataclass(frozen=True)
+class UndrawnStep:
+    """A launched decode step whose tokens are drawn at the next step: its logits, its graph's
+    greedy ids, and its grammar mask being filled (None: no row constrained)."""
+
+    lists: StepLists
+    logits: torch.Tensor
+    greedy: torch.Tensor
+    mask: PendingMask | None
 
 
 class DecodeOverlap:
@@ -32,21 +51,30 @@ class DecodeOverlap:
     def __init__(self, core: EngineCore, max_rows: int, device: torch.device) -> None:
         self.core = core
         self.inflight: InflightStep | None = None
+        self.undrawn: UndrawnStep | None = None
         self._readback = TokenReadback(max_rows, device)
         self.steps = 0  # follow-up steps launched while another was in flight
+
+    @property
+    def busy(self) -> bool:
+        """A launched step is still to be read (or drawn first): the core's next step continues here."""
+        return self.inflight is not None or self.undrawn is not None
 
     def hold(self, lists: StepLists, tokens: torch.Tensor, by_argmax: bool) -> None:
         """Leaves a launched decode step in flight: its tokens are read during the next step."""
         self.inflight = self._launch_readback(lists, tokens, by_argmax)
 
     def continue_step(self) -> list[SampleEvent]:
-        """Launches the step after the in-flight one when nothing else needs scheduling (its input
-        ids taken on the device from the in-flight step's output), then reads and applies the
-        in-flight step's tokens while the new one runs."""
+        """Draws the undrawn step's tokens, launches the step after the in-flight one when nothing
+        else needs scheduling (its input ids taken on the device from the in-flight step's output),
+        then reads and applies the in-flight step's tokens while the new one runs."""
         core = self.core
+        if self.undrawn is not None:
+            self.inflight = self._draw(self.undrawn)
+            self.undrawn = None
         inflight, self.inflight = self.inflight, None
         follow_up = self._follow_up(inflight)
-        sampled_step = None
+        undrawn = None
         if follow_up is not None:
             lists, batch, rows = follow_up
             tokens = inflight.tokens if rows is None else inflight.tokens.index_select(0, rows)
@@ -55,15 +83,20 @@ class DecodeOverlap:
             if inflight.by_argmax:
                 self.inflight = self._launch_readback(lists, result.greedy, by_argmax=True)
             else:
-                # Grammar masks need the in-flight tokens accepted first, and the sampler the rows'
-                # step indices once the in-flight slots are filled: both come after apply (below).
-                sampled_step = lists, result.logits, result.greedy
+                undrawn = lists, result.logits, result.greedy
             self.steps += 1
-        events = core.apply(inflight.lists, SamplerOutput(inflight.host_tokens(), None, None, None))
-        if sampled_step is not None:
-            lists, logits, greedy = sampled_step
-            self.inflight = self._launch_readback(lists, core.device_tokens(lists.requests, logits, greedy))
-        return events
+        host_tokens = inflight.host_tokens()
+        grammar_reasons = core.advance_grammars(inflight.lists, host_tokens.tolist())
+        if undrawn is not None:
+            lists, logits, greedy = undrawn
+            self.undrawn = UndrawnStep(lists, logits, greedy, core.constraints.start_mask(lists.requests, logits))
+        return core.apply(inflight.lists, SamplerOutput(host_tokens, None, None, None), grammar_reasons)
+
+    def _draw(self, step: UndrawnStep) -> InflightStep:
+        """Launches the undrawn step's draw (its mask's argmax, or the sampler) and its readback."""
+        mask = step.mask.wait() if step.mask is not None else None
+        return self._launch_readback(step.lists, self.core.device_tokens(step.lists.requests, step.logits,
+                                                                         step.greedy, mask))
 
     def _launch_readback(self, lists: StepLists, tokens: torch.Tensor, by_argmax: bool = False) -> InflightStep:
         """Starts bringing a launched step's tokens to the host (nothing to copy when the step's

@@ -1,6 +1,7 @@
 """StepMasks: a step's bitmask from reused buffers equals one freshly allocated and filled row by row,
 step after step, as rows change between constrained, unconstrained and absent and the batch grows
-past the buffer; on CUDA, from pinned buffers in turn with one copy to the device."""
+past the buffer, filled on the calling thread or on the filler thread (``start``, overlapped steps);
+on CUDA, from pinned buffers in turn with one copy to the device."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from kiln.runtime.grammar import GrammarState, allocate_bitmask
-from kiln.runtime.grammar.step_mask import StepMasks
+from kiln.runtime.grammar.step_mask import BACKGROUND_MIN_ROWS, StepMasks
 
 from .conftest import PADDED_VOCAB
 
@@ -34,13 +35,18 @@ def walks(grammar_compiler, random_walk) -> list[tuple[GrammarState, list[int]]]
     return [(GrammarState(g), random_walk(GrammarState(g), seed)) for seed, g in enumerate(grammars)]
 
 
-def run_steps(masks: StepMasks, grammar_compiler, random_walk, layouts: list[list[int | None]]) -> None:
+def run_steps(masks: StepMasks, grammar_compiler, random_walk, layouts: list[list[int | None]],
+              background: bool = False) -> None:
     """Step the walks along; ``layouts[step][row]`` says which walk's state row ``row`` holds (None:
     an unconstrained row). Every step's mask must equal the row-by-row reference."""
     states = walks(grammar_compiler, random_walk)
     for step, layout in enumerate(layouts):
         live = [states[w][0] if w is not None and not states[w][0].is_terminated() else None for w in layout]
-        got = masks.fill(live)
+        if background:
+            pending = masks.start(live)
+            got = None if pending is None else pending.wait()
+        else:
+            got = masks.fill(live)
         if not any(live):
             assert got is None
         else:
@@ -55,10 +61,22 @@ LAYOUTS = [[0, 1, 2], [None, 1, 0], [2, None], [None, None, None], [0], [0, 1, 2
            list(range(3)) * 4 + [None] * 5, [None, 2, None, 1], [1, 0, 2]]
 
 
-def test_reused_buffers_give_the_row_by_row_masks(grammar_compiler, random_walk):
+@pytest.mark.parametrize("background", [False, True], ids=["here", "filler-thread"])
+def test_reused_buffers_give_the_row_by_row_masks(grammar_compiler, random_walk, background):
     masks = StepMasks(PADDED_VOCAB, "cpu")
-    run_steps(masks, grammar_compiler, random_walk, LAYOUTS)
+    run_steps(masks, grammar_compiler, random_walk, LAYOUTS, background)
     assert masks._host[0].mask.shape[0] == 32  # grown once, from 4 rows to the next power of two above 17
+
+
+def test_a_background_fill_raises_its_error_at_wait(grammar_compiler, random_walk):
+    # A terminated state has no next token: the filler thread's error reaches the waiting caller.
+    state, tokens = walks(grammar_compiler, random_walk)[1]
+    for token in tokens:
+        assert state.accept(token)
+    assert state.is_terminated()
+    pending = StepMasks(PADDED_VOCAB, "cpu").start([state] * BACKGROUND_MIN_ROWS)
+    with pytest.raises(RuntimeError, match="terminated"):
+        pending.wait()
 
 
 @pytest.mark.gpu
