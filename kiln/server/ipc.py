@@ -48,7 +48,7 @@ import signal
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Iterator, NoReturn
+from typing import Any, Iterator, NoReturn, Sequence
 
 import msgpack
 import zmq
@@ -162,7 +162,12 @@ def recv_ready(socket: zmq.Socket, timeout_ms: int) -> list[list[Any]]:
             return messages
 
 
-def event_to_wire(event: SampleEvent) -> list[Any]:
+def event_to_wire(event: SampleEvent) -> Sequence[Any]:
+    """An event as msgpack writes it: a ``SampleEvent`` without logprobs as it is (a NamedTuple of plain
+    values, written as the array below: the scheduler sends one a running sample a step, and building
+    the list costs more than packing it), else with its ``TokenLogprob`` records as arrays."""
+    if not event.logprobs:
+        return event
     return [event.rid, event.index, list(event.token_ids),
             [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in event.logprobs],
             event.finish_reason, event.error, event.prompt_tokens, event.cached_tokens, event.spec_verify_ct,
