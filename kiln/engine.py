@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence, Union
 
 from kiln.artifact_cache import ensure_model_artifacts, is_artifact
 from kiln.compiler.options import CompileOptions
+from kiln.loop_post import LoopPosts
 from kiln.planner.auto import LayoutHints, resolve_layout
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.engine_options import EngineOptions
@@ -87,6 +88,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._handles: dict[str, RequestHandle] = {}
+        self._posts = LoopPosts()  # async callers' outputs, one wake-up of their loop a step
         self._closed = False
         self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
@@ -131,8 +133,9 @@ class Engine:
                              ) -> RequestOutput:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
+        post = self._posts.for_loop(loop)
         handle = self._submit(self._encode(prompt), _as_params(sampling_params),
-                              on_finish=lambda out: loop.call_soon_threadsafe(_resolve, done, out), lora=lora)
+                              on_finish=lambda out: post.call(_resolve, done, out), lora=lora)
         try:
             return await done
         except asyncio.CancelledError:
@@ -141,10 +144,10 @@ class Engine:
 
     async def async_stream(self, prompt: Prompt, sampling_params: ParamsLike = None, lora: str | None = None
                            ) -> AsyncIterator[StreamDelta]:
-        loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[StreamDelta | None] = asyncio.Queue()
+        post = self._posts.for_loop(asyncio.get_running_loop())
         handle = self._submit(self._encode(prompt), _as_params(sampling_params),
-                              lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d), lora=lora)
+                              lambda d: post.call(deltas.put_nowait, d), lora=lora)
         try:
             while (delta := await deltas.get()) is not None:
                 yield delta
