@@ -21,15 +21,17 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-
 
 from .sampling import SamplingParams
 from .sampling.params import CONSTRAINT_FIELDS
 from .scheduler.request import Request
 from .text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # (the grammar modules import xgrammar: loaded on the first constrained request)
+    from .grammar.step_mask import PendingMask
 
 GRAMMAR = "grammar"
 
@@ -108,7 +110,8 @@ class Constraints:
         pending = self.start_mask(requests, logits, background=False)
         return None if pending is None else pending.wait()
 
-    def start_mask(self, requests: list[Request], logits: torch.Tensor, background: bool = True):
+    def start_mask(self, requests: list[Request], logits: torch.Tensor,
+                   background: bool = True) -> PendingMask | None:
         """``mask``, filled on a thread (``background``): a ``PendingMask`` whose ``wait`` gives it, or
         None. The requests' grammars must not move until then. A request whose grammar has ended is
         skipped even before the engine marks it done (its token is dropped)."""

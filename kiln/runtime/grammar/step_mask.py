@@ -94,8 +94,8 @@ class StepMasks:
         reached_fill.wait()
         return PendingMask(self, buffer, len(states), work)
 
-    def _upload(self, buffer: _HostBuffer, batch: int) -> torch.Tensor:
-        """The filled host rows on the device (the host rows themselves on a CPU)."""
+    def upload(self, buffer: _HostBuffer, batch: int) -> torch.Tensor:
+        """``buffer``'s first ``batch`` rows, once filled, on the device (the host rows themselves on a CPU)."""
         host = buffer.mask[:batch]
         if not self._on_gpu:
             return host
@@ -137,7 +137,7 @@ class PendingMask:
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.result()  # the fill's own error (a terminated state), raised here
-        return self._masks._upload(self._buffer, self._batch)
+        return self._masks.upload(self._buffer, self._batch)
 
 
 _FILLER: ThreadPoolExecutor | None = None
