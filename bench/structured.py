@@ -5,8 +5,9 @@ both ways; the schema's grammar is compiled once before timing (a warm cache, as
 repeated schema). Requests stream, and the time per output token (TPOT) of each is the time from
 its first token to its last over the tokens after the first: decode speed, the usual serving metric,
 without the prefill and request set-up that time to first token covers. Also reported: wall time
-over all output tokens, which includes them, and the grammar's host time per engine step (the step's
-mask filled and its tokens accepted, all constrained rows at once: ``Constraints.mask`` and
+over all output tokens, which includes them, and the grammar's host time per engine step on the
+engine's thread (the step's mask filled, or handed to the filler thread and waited for, and its tokens
+accepted, all constrained rows at once: ``Constraints.start_mask``, ``PendingMask.wait`` and
 ``Constraints.advance_all``), to set beside the GPU's step time: the overlap hides it only while the
 host's whole step stays under the GPU's. ``--profile`` prints where the engine's steps spend host time
 (cProfile) for each batch size and mode.
@@ -37,6 +38,7 @@ import torch
 
 from kiln import Engine, SamplingParams
 from kiln.runtime.constraints import Constraints
+from kiln.runtime.grammar.step_mask import PendingMask
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40},
@@ -82,7 +84,7 @@ def _clocked(function, clock: list[float]):
 def timed(engine: Engine, prompts: list[list[int]], params: SamplingParams, profile: str | None = None) -> Timing:
     profiler = cProfile.Profile() if profile else None
     core = engine.core
-    step, mask, advance_all = core.step, core.constraints.mask, Constraints.advance_all
+    step, start_mask, advance_all, wait = core.step, core.constraints.start_mask, Constraints.advance_all, PendingMask.wait
     steps, grammar = [0.0, 0], [0.0, 0]
     if profiler is not None:
         # The engine's thread runs the steps: profile those calls (the benchmark's thread only waits).
@@ -95,14 +97,16 @@ def timed(engine: Engine, prompts: list[list[int]], params: SamplingParams, prof
         core.step = _clocked(profiled_step, steps)
     else:
         core.step = _clocked(step, steps)
-    core.constraints.mask = _clocked(mask, grammar)
+    core.constraints.start_mask = _clocked(start_mask, grammar)
     Constraints.advance_all = staticmethod(_clocked(advance_all, grammar))
+    PendingMask.wait = _clocked(wait, grammar)
     start = time.perf_counter()
     try:
         results = asyncio.run(_stream_all(engine, prompts, params))
     finally:
-        core.step, core.constraints.mask = step, mask
+        core.step, core.constraints.start_mask = step, start_mask
         Constraints.advance_all = staticmethod(advance_all)
+        PendingMask.wait = wait
     seconds = time.perf_counter() - start
     if params.json_schema is not None:
         # Valid by construction: every output the grammar ended must parse (a cut-off one may not).
