@@ -47,7 +47,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Coroutine, TypeVar
 
-import aiohttp
+try:
+    import aiohttp
+except ImportError:  # a test dependency (pip install -e .[test]), not one of kiln's own
+    sys.exit("bench/serving.py drives its load with aiohttp: pip install aiohttp")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving_stats import Result, WorkerRun, parse_metrics, server_figures, summarize  # noqa: E402
