@@ -6,7 +6,8 @@ and seeded sampling: plain steps, overlapped steps (decode buckets: masks filled
 step N's tokens are accepted) and n-gram speculation (drafts walked through the grammar and rolled
 back) must all match the requests run one at a time. (Speculation matches token for token on greedy
 rows only: its sampled rows follow the target's distribution through rejection sampling, not plain
-decoding's draws; they must still follow their constraints.)"""
+decoding's draws; they must still follow their constraints.) Overlapped chains broken by an arrival
+and an abort while a step is undrawn leave the others' tokens unchanged and nothing held."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.engine_options import EngineOptions
 from kiln.runtime.sampling import SamplingParams
+from tests.runtime.test_engine_core import assert_no_leaks
 from tests.server.harness import tiny_artifact
 
 SCHEMA = {"type": "object", "properties": {
@@ -102,3 +104,33 @@ def test_a_mixed_batch_equals_each_request_alone(artifact, one_at_a_time, mode):
     assert together == one_at_a_time
     if mode == "overlapped":
         assert core.overlapped_steps > 10
+
+
+def test_overlapped_constrained_chains_break_for_arrivals_and_aborts(artifact, one_at_a_time):
+    # Overlapped constrained steps leave a step undrawn (its mask filling on the filler thread) between
+    # core steps; a request arriving or aborted then breaks the chain. The others' tokens stay those
+    # they get alone, and nothing is left held.
+    core = EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=4096, decode_buckets=(1, 2, 4, 8),
+                                                   overlap_schedule=True))
+    requests = batch()
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(requests))}
+    for i, (prompt, params) in enumerate(requests[:6]):
+        core.add_request(str(i), prompt, params)
+    steps = 0
+    while core.has_work():
+        for event in core.step():
+            assert event.error is None, event.error
+            tokens[event.rid] += event.token_ids
+        steps += 1
+        if steps in (6, 12):
+            assert core.overlap.undrawn is not None  # the chain breaks with a step undrawn
+        if steps == 6:
+            for i in (6, 7):
+                core.add_request(str(i), *requests[i])
+        if steps == 12:
+            core.abort("0")
+    assert core.overlapped_steps > 10
+    for i in range(1, len(requests)):
+        assert tokens[str(i)] == one_at_a_time[i][0], f"request {i}"
+    assert tokens["0"] == one_at_a_time[0][0][:len(tokens["0"])] and len(tokens["0"]) < len(one_at_a_time[0][0])
+    assert_no_leaks(core)
