@@ -30,9 +30,9 @@ import zmq
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.startup import StartupTimer, process_phases
 from kiln.runtime.text.text_stream import SampleText
+from kiln.runtime.text.token_bytes import TokenBytes
 from kiln.runtime.text.tokenizer import Tokenizer
 from kiln.server import ipc
-from kiln.server.token_text import TokenBytes
 
 log = logging.getLogger("kiln.server.detokenizer")
 
@@ -40,7 +40,7 @@ log = logging.getLogger("kiln.server.detokenizer")
 class Detokenizer:
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
-        self.token_bytes = TokenBytes(tokenizer)
+        self.token_bytes = tokenizer.token_bytes if tokenizer is not None else TokenBytes(None)
         self._texts: dict[str, list[SampleText | None]] = {}
         self._open: dict[str, int] = {}  # samples of each request not finished yet
         self._origin: dict[str, int] = {}  # the API server each request came from

@@ -31,6 +31,7 @@ import zmq.asyncio
 
 from kiln.runtime.outputs import INTERNAL_ERROR
 from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.text.token_bytes import TokenBytes
 from kiln.runtime.text.tokenizer import Tokenizer
 
 from . import ipc
@@ -38,7 +39,6 @@ from .errors import APIError, from_value_error, invalid
 from .in_flight import SamplesInFlight
 from .metrics import ServerMetrics
 from .request_stream import PromptEcho, RequestStream, SampleOutput, TokenLogprob
-from .token_text import TokenBytes
 from .router import CacheAwareRouter
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -101,7 +101,7 @@ class TokenizerManager:
         self._on_fatal = on_fatal
         self._live: dict[str, _Live] = {}
         self.failure: str | None = None
-        self.token_bytes = TokenBytes(tokenizer)
+        self.token_bytes = tokenizer.token_bytes if tokenizer is not None else TokenBytes(None)
 
     # ---- prompts -------------------------------------------------------------------------------
 

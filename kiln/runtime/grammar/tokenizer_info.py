@@ -23,6 +23,7 @@ from typing import Iterable, Mapping
 
 import xgrammar
 
+from ..text.token_bytes import BYTE_LEVEL_CHARS
 from ..text.tokenizer import Tokenizer
 
 # A byte-fallback vocabulary holds the 256 pieces "<0x00>".."<0xFF>"; half of them is proof enough.
@@ -31,15 +32,7 @@ _MIN_BYTE_PIECES = 128
 _BYTE_LEVEL_SHARE = 0.99
 
 
-def _byte_level_alphabet() -> frozenset[str]:
-    """The 256 characters GPT-2's byte-to-unicode table maps bytes to: printable bytes stand for
-    themselves, the others are shifted to code points from 256 up."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    shifted = [256 + n for n in range(256 - len(printable))]
-    return frozenset(chr(code) for code in printable + shifted)
-
-
-_BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
+_BYTE_LEVEL_ALPHABET = frozenset(BYTE_LEVEL_CHARS)  # GPT-2's 256 stand-in characters for bytes
 
 
 def vocab_type_of_vocab(vocab: Mapping[str, int]) -> xgrammar.VocabType | None:

@@ -12,7 +12,11 @@ character completes; ``finish`` emits whatever remains, replacement characters i
 the sequence really ends on invalid bytes. For valid UTF-8 the deltas join to ``decode(all ids)``;
 for invalid bytes they can differ where a decoder replaces a whole run of byte tokens once any of
 it is invalid (tokenizers' ByteFallback does), since the stream has already sent the valid bytes
-before the bad one and never takes text back.
+before the bad one and never takes text back. That is two decodes of the window a token (~8 us on
+a server's CPU, per token of every stream): where decoding is only concatenating the tokens' bytes
+(``Tokenizer.decodes_bytes``: byte-level BPE), ``ByteLevelDetokenizer`` reads each token's cached
+bytes through an incremental UTF-8 decoder instead, which holds an unfinished character by itself
+(``detokenizer_for`` picks).
 
 ``StopChecker`` watches that text for stop strings: it says when one occurred (the output is cut
 before it) and holds back a tail that could still become one, so a client never sees text that a
@@ -25,6 +29,7 @@ the output where the streamed text ends.
 
 from __future__ import annotations
 
+import codecs
 import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -88,6 +93,45 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self.text += delta
         return delta
+
+
+class ByteLevelDetokenizer:
+    """``IncrementalDetokenizer``'s deltas for a tokenizer whose decode is its tokens' bytes read as
+    UTF-8 (``Tokenizer.decodes_bytes``): the deltas join to ``decode(generated ids)``, invalid bytes
+    replaced as the decoder replaces them. No decoder rule looks at context, so the prompt is not
+    needed. A server runs ``add`` for every token of every stream: ~1 us here against ~8 for the
+    window's two decodes (codecs' own incremental decoder would add a Python frame a call)."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._bytes_of = tokenizer.token_bytes.bytes_of
+        self._skipped = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        self._pending = b""  # the start of a character whose other bytes have not arrived
+
+    def add(self, token_ids: int | Sequence[int]) -> str:
+        """Feed one id or several; return the new text that is complete (possibly empty)."""
+        ids = (token_ids,) if isinstance(token_ids, int) else token_ids
+        if len(ids) == 1:  # the common case: one token a step
+            data = b"" if ids[0] in self._skipped else self._bytes_of(ids[0])
+        else:
+            data = b"".join([self._bytes_of(i) for i in ids if i not in self._skipped])
+        return self._decode(self._pending + data, final=False)
+
+    def finish(self) -> str:
+        """An unfinished character's bytes, as U+FFFD, once the sequence has ended."""
+        return self._decode(self._pending, final=True)
+
+    def _decode(self, data: bytes, final: bool) -> str:
+        text, used = codecs.utf_8_decode(data, "replace", final)
+        self._pending = data[used:]
+        return text
+
+
+def detokenizer_for(tokenizer: Tokenizer, prompt_ids: Sequence[int] = (),
+                    skip_special_tokens: bool = True) -> IncrementalDetokenizer | ByteLevelDetokenizer:
+    """The fastest detokenizer whose deltas are ``IncrementalDetokenizer``'s for this tokenizer."""
+    if tokenizer.decodes_bytes:
+        return ByteLevelDetokenizer(tokenizer, skip_special_tokens)
+    return IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
 
 
 @dataclass(frozen=True)

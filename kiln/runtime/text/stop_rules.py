@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..constraints import GRAMMAR, Constraints
 from ..sampling import SamplingParams
 from ..scheduler.request import Request
-from .detokenizer import IncrementalDetokenizer, StopChecker
+from .detokenizer import StopChecker, detokenizer_for
 from .tokenizer import Tokenizer
 
 STOP_RULES = "stop"
@@ -19,7 +19,7 @@ class StopWatch:
     """Stop-string and stop-regex detection for one sample."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self._detok = detokenizer_for(tokenizer, prompt_ids, params.skip_special_tokens)
         self._checker = StopChecker(params.stop, params.stop_regex)
 
     def push(self, token: int) -> str | None:

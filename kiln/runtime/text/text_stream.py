@@ -11,20 +11,20 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..sampling import SamplingParams
-from .detokenizer import IncrementalDetokenizer, StopChecker
+from .detokenizer import StopChecker, detokenizer_for
 from .tokenizer import Tokenizer
 
 
 class SampleText:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self._detok = detokenizer_for(tokenizer, prompt_ids, params.skip_special_tokens)
         self._stop = StopChecker(params.stop, params.stop_regex) if params.stop or params.stop_regex else None
         self.text = ""
         self.stop_string: str | None = None
 
     def push(self, token_ids: Sequence[int], finished: bool) -> str:
         """The text that may be shown after these tokens (all that remains, once ``finished``)."""
-        delta = self._detok.add(list(token_ids)) if token_ids else ""
+        delta = self._detok.add(token_ids) if token_ids else ""
         if finished:
             delta += self._detok.finish()
         if self._stop is None:

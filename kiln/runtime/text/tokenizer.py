@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 import tokenizers
 from tokenizers import processors
 
+from .token_bytes import TokenBytes, is_byte_level
 from .user_text import SpecialTokenMask, require_unicode
 from .tool_templates import builtin_tool_template, mentions_tools, uses_tools
 
@@ -187,6 +188,23 @@ class Tokenizer:
         """The decoder's text without the ``clean_up_tokenization_spaces`` rewrite, which depends on
         what follows and so cannot be streamed; the incremental detokenizer uses this."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def token_bytes(self) -> TokenBytes:
+        """Each token's raw bytes (``token_bytes.TokenBytes``), cached for every user of this tokenizer."""
+        return TokenBytes(self)
+
+    @cached_property
+    def decodes_bytes(self) -> bool:
+        """Whether decoding ids is concatenating their ``token_bytes`` and reading them as UTF-8 (invalid
+        bytes as U+FFFD): a byte-level decoder (GPT-2, Llama 3, SmolLM2, Qwen) whose added tokens decode
+        as their bytes say (checked here, so that a tokenizers release that decodes them apart from
+        the decoder turns the byte-level detokenizer off rather than changing its text)."""
+        if not is_byte_level(self.backend.decoder):
+            return False
+        added = self.backend.get_added_tokens_decoder()
+        return all(self.token_bytes.bytes_of(i).decode("utf-8", "replace") ==
+                   self.backend.decode([i], skip_special_tokens=False) for i in added)
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)

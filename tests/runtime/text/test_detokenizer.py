@@ -7,10 +7,10 @@ import random
 
 import pytest
 from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, normalizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers
 
-from kiln.runtime.text.detokenizer import (IncrementalDetokenizer, StopChecker, find_stop, find_stop_regex,
-                                          partial_stop_length)
+from kiln.runtime.text.detokenizer import (ByteLevelDetokenizer, IncrementalDetokenizer, StopChecker,
+                                          detokenizer_for, find_stop, find_stop_regex, partial_stop_length)
 from kiln.runtime.text.tokenizer import Tokenizer
 
 TEXTS = [
@@ -132,6 +132,62 @@ def test_smollm2_streams_chat_output_after_prompt(smollm2):
     deltas = stream(smollm2, output, prompt_ids=prompt)
     assert "".join(deltas) == "Bonjour ! 👋 Ça va ?"
     assert not any("\ufffd" in d for d in deltas)
+
+
+# --- the byte-level detokenizer ------------------------------------------------------------------
+
+def byte_level_stream(tokenizer: Tokenizer, ids: list[int], chunk_sizes: list[int], skip: bool) -> str:
+    detokenizer = detokenizer_for(tokenizer, skip_special_tokens=skip)
+    deltas, position = [], 0
+    for size in chunk_sizes:
+        deltas.append(detokenizer.add(ids[position:position + size] if size > 1 else ids[position]))
+        position += size
+    return "".join(deltas) + detokenizer.finish()
+
+
+def test_smollm2_takes_the_byte_level_detokenizer_and_sentencepiece_the_window(smollm2, sentencepiece):
+    assert smollm2.decodes_bytes and isinstance(detokenizer_for(smollm2), ByteLevelDetokenizer)
+    assert not sentencepiece.decodes_bytes
+    assert isinstance(detokenizer_for(sentencepiece), IncrementalDetokenizer)
+
+
+def test_byte_level_deltas_join_to_decode_of_any_ids(smollm2):
+    """Random ids (partial UTF-8 characters, lone continuation bytes, special tokens), fed one and
+    several at a time, with special tokens skipped and kept: the deltas join to what the tokenizers
+    library decodes, replacement characters included."""
+    rng = random.Random(1)
+    byte_tokens = [smollm2.token_to_id(char) for char in ("Ã", "Â", "ð", "Ł", "¤", "Ċ")]
+    for _ in range(400):
+        ids = [rng.choice([rng.randrange(smollm2.vocab_size), rng.choice(byte_tokens), rng.randrange(17)])
+               for _ in range(rng.randint(1, 24))]
+        for skip in (True, False):
+            streamed = byte_level_stream(smollm2, ids, random_chunks(len(ids), rng), skip)
+            assert streamed == smollm2.decode_raw(ids, skip), ids
+
+
+def test_byte_level_holds_a_character_until_its_last_byte(smollm2):
+    ids = smollm2.encode("a😀", add_special_tokens=False)
+    detokenizer = ByteLevelDetokenizer(smollm2)
+    assert "".join(detokenizer.add(i) for i in ids) == "a😀"
+    cut = ByteLevelDetokenizer(smollm2)
+    assert cut.add(smollm2.token_to_id("ð")) == ""  # the first of four bytes
+    assert cut.finish() == "\ufffd"
+
+
+def test_added_tokens_outside_the_byte_alphabet_still_decode_as_the_library_does():
+    """A byte-level tokenizer with added tokens spelled with a space and with Latin-1 letters: whichever
+    detokenizer ``detokenizer_for`` picks, its text is the library's decode."""
+    alphabet = {char: i for i, char in enumerate(sorted(set("abcdefgh Ġ!")))}
+    backend = BackendTokenizer(models.BPE(alphabet, []))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_tokens(["two words", "café"])
+    backend.add_special_tokens(["<|end|>"])
+    tokenizer = Tokenizer(backend, eos_token="<|end|>")
+    ids = [alphabet["a"], backend.token_to_id("two words"), alphabet["Ġ"], backend.token_to_id("café"),
+           backend.token_to_id("<|end|>"), alphabet["b"]]
+    for skip in (True, False):
+        assert byte_level_stream(tokenizer, ids, [1] * len(ids), skip) == tokenizer.decode_raw(ids, skip)
 
 
 # --- stop strings --------------------------------------------------------------------------------
