@@ -82,7 +82,8 @@ class Engine:
             speculative_draft_model_path=speculative_draft_model_path,
             speculative_ngram_min_match_window_size=speculative_ngram_min_match_window_size,
             speculative_ngram_max_match_window_size=speculative_ngram_max_match_window_size))
-        self.tokenizer = self.core.tokenizer
+        # Prompts are user text: its encoder is made now (the scheduler process's core never needs it).
+        self.tokenizer = self.core.tokenizer.prepare_user_text() if self.core.tokenizer else None
         for name, path in (lora_modules or {}).items():
             self.core.load_lora(name, str(path))
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()

@@ -83,9 +83,6 @@ class Tokenizer:
                  pad_token: str | None = None, extra_eos_token_ids: Sequence[int] = (),
                  chat_template: str | None = None, clean_up_tokenization_spaces: bool = False) -> None:
         self.backend = backend
-        # The same tokenizer with special tokens matched as text, for what users write.
-        self._text_backend = tokenizers.Tokenizer.from_str(backend.to_str())
-        self._text_backend.encode_special_tokens = True
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.pad_token = pad_token
@@ -188,6 +185,21 @@ class Tokenizer:
         """The decoder's text without the ``clean_up_tokenization_spaces`` rewrite, which depends on
         what follows and so cannot be streamed; the incremental detokenizer uses this."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def _text_backend(self) -> tokenizers.Tokenizer:
+        """The same tokenizer with special tokens matched as text, for what users write: a second parse
+        of tokenizer.json (~half of ``from_dir``'s time), made on first use, since the scheduler and
+        the detokenizer never encode user text (HTTP processes make it as they start:
+        ``prepare_user_text``)."""
+        text_backend = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        text_backend.encode_special_tokens = True
+        return text_backend
+
+    def prepare_user_text(self) -> "Tokenizer":
+        """Makes the backend that encodes user text now, so that the first request does not wait for it."""
+        self._text_backend  # noqa: B018 (a cached property, made here)
+        return self
 
     @cached_property
     def token_bytes(self) -> TokenBytes:
