@@ -37,6 +37,9 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--api-server-count", type=int, default=1,
                    help="HTTP processes on the port (vLLM's name), each with its own tokenizer manager, all sending "
                         "to the same scheduler(s): more when one HTTP process is the bottleneck (default 1)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="a streaming sample's text arrives every this many tokens, its first token at once (SGLang's "
+                        "name): fewer, larger chunks for less server CPU a token at high concurrency (default 1)")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="most requests waiting beyond those running; more get 503 with Retry-After (default: no limit)")
     p.add_argument("--nnodes", type=int, default=1,
@@ -104,6 +107,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise ValueError("--dp: data-parallel replicas run on one node; with --nnodes > 1 leave --dp at 1")
     if args.node_rank > 0:
         return _run_node(str(artifact), args)
+    if args.stream_interval < 1:
+        raise ValueError(f"--stream-interval: must be at least 1, got {args.stream_interval}")
     engine = {"device": args.device, "kv_cache_tokens": args.kv_cache_tokens, "mem_fraction": args.mem_fraction,
               "max_batch_tokens": args.max_batch_tokens, "schedule_policy": args.schedule_policy,
               "world_size": args.world_size, "reference_fallback": args.reference_fallback,
@@ -118,7 +123,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     # The model loads in the children while this process imports its web stack (launch).
     started = start_processes(str(artifact), args.host, args.port, args.dp, engine, dict(args.lora_modules),
                               args.log_level, args.disaggregation_mode, args.disaggregation_bootstrap_port,
-                              args.api_server_count)
+                              args.api_server_count, args.stream_interval)
     if started is None:
         exit_now(1)
     with startup.phase("server_imports"):
@@ -132,7 +137,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level, tool_call_parser=args.tool_call_parser, grpc_port=args.grpc_port,
         engine=engine, dp=args.dp, admission=Admission(args.max_queued_requests),
         lora_modules=dict(args.lora_modules), disaggregation_mode=args.disaggregation_mode,
-        bootstrap_port=args.disaggregation_bootstrap_port, api_server_count=args.api_server_count)
+        bootstrap_port=args.disaggregation_bootstrap_port, api_server_count=args.api_server_count,
+        stream_interval=args.stream_interval)
     # Its child processes are gone; the interpreter's teardown would only delay a prompt exit.
     exit_now(serve(str(artifact), config, startup, started))
 

@@ -140,10 +140,10 @@ def bind_ports(host: str, port: int, count: int) -> list[socket.socket]:
 
 def start_processes(artifact: str, host: str, port: int, replicas: int, engine: dict[str, Any],
                     lora_modules: dict[str, str], log_level: str, disaggregation: str = "null",
-                    bootstrap_port: int = 8998, api_servers: int = 1) -> StartedProcesses | None:
+                    bootstrap_port: int = 8998, api_servers: int = 1, stream_interval: int = 1) -> StartedProcesses | None:
     """Binds the port and starts the scheduler(s) and the detokenizer; None (the reason logged)
-    when the port is busy. ``disaggregation``, ``bootstrap_port`` and ``api_servers``: ``ServeConfig``'s
-    ``disaggregation_mode``, ``bootstrap_port`` and ``api_server_count``."""
+    when the port is busy. ``disaggregation``, ``bootstrap_port``, ``api_servers`` and ``stream_interval``:
+    ``ServeConfig``'s ``disaggregation_mode``, ``bootstrap_port``, ``api_server_count`` and ``stream_interval``."""
     try:
         listeners = bind_ports(host, port, api_servers)
     except OSError as exc:
@@ -157,7 +157,7 @@ def start_processes(artifact: str, host: str, port: int, replicas: int, engine: 
         children.start(scheduler_name(replica, replicas), "kiln.server.scheduler_process",
                        {**base, "artifact": artifact, "engine": engine, "replica": replica,
                         "lora_modules": lora_modules, "disaggregation": disaggregation,
-                        "bootstrap_port": bootstrap_port})
+                        "bootstrap_port": bootstrap_port, "stream_interval": stream_interval})
     # The detokenizer loads the tokenizer at once, while the scheduler loads the model.
     children.start("detokenizer", "kiln.server.detokenizer_process",
                    {**base, "tokenizer_dir": artifact_tokenizer_dir(artifact)})

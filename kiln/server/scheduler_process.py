@@ -37,12 +37,14 @@ import zmq
 
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.engine_options import EngineOptions
+from kiln.runtime.outputs import SampleEvent
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.startup import process_phases
 from kiln.runtime.text.detokenizer import PROMPT_CONTEXT_TOKENS
 from kiln.server import ipc
 from kiln.runtime.disagg.kv_link import KVLinkError
 from kiln.server.disaggregation import DecodeSide, PrefillSide
+from kiln.server.stream_interval import StreamInterval
 
 log = logging.getLogger("kiln.server.scheduler")
 
@@ -53,8 +55,10 @@ HANDOFF_POLL_MS = 2
 
 class SchedulerLoop:
     def __init__(self, core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, parent: ipc.ParentWatch,
-                 replica: int = 0, disaggregation: str = "null", bootstrap_port: int = 0) -> None:
+                 replica: int = 0, disaggregation: str = "null", bootstrap_port: int = 0,
+                 stream_interval: int = 1) -> None:
         self.core = core
+        self.stream = StreamInterval(stream_interval)  # which events go out now (--stream-interval)
         # Prefill/decode disaggregation (server/disaggregation.py): at most one of these.
         self.prefill = PrefillSide(core, bootstrap_port) if disaggregation == "prefill" else None
         self.decode = DecodeSide(core, self._reject) if disaggregation == "decode" else None
@@ -93,8 +97,7 @@ class SchedulerLoop:
                 self._stats_dirty = True
                 if self.prefill is not None:
                     self.prefill.after_step(events)
-                if events:
-                    self._send([ipc.EVENTS, [ipc.event_to_wire(e) for e in events]])
+                self._send_events(events)
             elif warming and not messages:
                 self._warm_up_one()
             self._publish_stats()
@@ -114,9 +117,7 @@ class SchedulerLoop:
         if kind == ipc.ADD:
             self._route(*message[1:])
         elif kind == ipc.ABORT:
-            events = self.core.abort(message[1])
-            if events:
-                self._send([ipc.EVENTS, [ipc.event_to_wire(e) for e in events]])
+            self._send_events(self.core.abort(message[1]))
         elif kind == ipc.LORA_LOAD:
             self._lora(self.core.load_lora, *message[1:])
         elif kind == ipc.LORA_UNLOAD:
@@ -180,6 +181,11 @@ class SchedulerLoop:
             self._stats_sent_at = now
             self._stats_dirty = False
 
+    def _send_events(self, events: list[SampleEvent]) -> None:
+        released = self.stream.release(events)
+        if released:
+            self._send([ipc.EVENTS, [ipc.event_to_wire(e) for e in released]])
+
     def _send(self, message: list[Any]) -> None:
         self.outbox.send(ipc.pack(message))
 
@@ -204,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         try:
             loop = SchedulerLoop(core, inbox, outbox, ipc.ParentWatch(config["parent_pid"]), replica,
-                                 config.get("disaggregation", "null"), config.get("bootstrap_port", 0))
+                                 config.get("disaggregation", "null"), config.get("bootstrap_port", 0),
+                                 config.get("stream_interval", 1))
         except KVLinkError as exc:  # the prefill side's bootstrap port is taken
             outbox.send(ipc.pack([ipc.FATAL, f"--disaggregation-bootstrap-port: {exc}"]))
             log.error("%s", exc)

@@ -32,6 +32,7 @@ class ServeConfig:
     disaggregation_mode: str = "null"
     bootstrap_port: int = 8998   # the prefill side's KV handoff port
     api_server_count: int = 1    # HTTP processes sharing the port (--api-server-count)
+    stream_interval: int = 1     # a running sample's tokens leave the scheduler every this many (--stream-interval)
 
     def scheduler_name(self, replica: int) -> str:
         return scheduler_name(replica, self.dp)
@@ -39,7 +40,8 @@ class ServeConfig:
     def start_processes(self, artifact: str) -> StartedProcesses | None:
         """Binds the port and starts the children (None when the port is busy; the reason logged)."""
         return start_processes(artifact, self.host, self.port, self.dp, self.engine, self.lora_modules,
-                               self.log_level, self.disaggregation_mode, self.bootstrap_port, self.api_server_count)
+                               self.log_level, self.disaggregation_mode, self.bootstrap_port, self.api_server_count,
+                               self.stream_interval)
 
     def to_json(self) -> dict[str, Any]:
         """Everything but the API key (which must not show in a command line), as JSON data."""
