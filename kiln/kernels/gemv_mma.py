@@ -154,8 +154,10 @@ def launch_mma_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     if not quantizes:
         x, x_scale = quantize_rows(x, act_quant, norm_weight=norm_weight, gated=gated, eps=eps, config=config)
         prologue = RAW
-    block_n, block_t, block_k = mma_gemv_tiles(rows, k, config, weight.element_size(),
-                                               x.element_size() if act_quant is None else 1)
+    # x's shared-memory tiles: 8-bit rows quantized before; 16-bit ones, and with 8-bit weights also
+    # their quantized copy (the MMA's operand), where the program quantizes them itself.
+    x_bytes = 1 if not quantizes else x.element_size() + (act_quant is not None)
+    block_n, block_t, block_k = mma_gemv_tiles(rows, k, config, weight.element_size(), x_bytes)
     res = residual if residual is not None else out
     _mma_gemv_kernel[(triton.cdiv(n, block_n), triton.cdiv(rows, block_t))](
         x, x_scale, norm_weight if norm_weight is not None else x, weight,
