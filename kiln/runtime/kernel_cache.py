@@ -10,9 +10,11 @@ kernel compiled; when they do not, Triton compiles them (JIT) as usual, and ONE 
 (``triton 3.5.0 != 3.6.0``, ``sm_90 != sm_100``, or that the artifact holds none).
 
 Either way, what Triton compiles in this process goes to the user's Triton cache (``TRITON_CACHE_DIR``,
-by default ``~/.triton/cache``), and ``KernelCache.save`` (after start-up) copies it into the artifact's
-directory for this machine when the artifact is writable, so the first start on a GPU warms the
-artifact for the next (``kiln compile --warm`` does that at compile time). A read-only artifact
+by default ``~/.triton/cache``), and ``KernelCache.save`` (after start-up) copies it, and whatever this
+process read from that cache rather than from the artifact (kernels an earlier process on this machine
+compiled), into the artifact's directory for this machine when the artifact is writable, so the first
+start on a GPU warms the artifact for the next and for fresh machines (``kiln compile --warm`` does that
+at compile time). A read-only artifact
 keeps them in the user's cache, which the next start on this machine reads too.
 
 Triton's full cache key holds more than version and architecture (hashes of its own files, the
@@ -99,8 +101,9 @@ class KernelCache:
             log.info("Triton kernels: JIT, %s", reason)
         else:
             log.info("Triton kernels: from %s", self.shipped)
-        self.written: set[str] = set()  # the cache keys Triton wrote (compiled) in this process
-        self.manager_class = _manager_class(self.shipped, self.written)
+        # The cache keys this process compiled or read from the user's cache: what the artifact lacks.
+        self.unshipped: set[str] = set()
+        self.manager_class = _manager_class(self.shipped, self.unshipped)
 
     def install(self) -> None:
         """Makes Triton read the shipped binaries first (for this whole process)."""
@@ -109,22 +112,22 @@ class KernelCache:
         triton.knobs.cache.manager_class = self.manager_class
 
     def save(self) -> Path | None:
-        """Copies what Triton compiled in this process into the artifact's directory for this machine;
-        the directory, or None when nothing was new or the artifact is not writable (the binaries
-        stay in the user's Triton cache then)."""
-        if not self.written:
+        """Copies what this process compiled or read from the user's Triton cache into the artifact's
+        directory for this machine; the directory, or None when nothing was missing there or the
+        artifact is not writable (the binaries stay in the user's Triton cache then)."""
+        if not self.unshipped:
             return None
         target = self.artifact / KERNELS_DIR / self.machine.dir_name
         try:
             target.mkdir(parents=True, exist_ok=True)
-            for key in sorted(self.written):
+            for key in sorted(self.unshipped):
                 _copy_entry(Path(_user_cache_dir()) / key, target / key)
         except OSError as exc:
-            log.info("Triton kernels: %d compiled now stay in the user's cache (%s): %s", len(self.written),
-                     _user_cache_dir(), exc)
+            log.info("Triton kernels: %d not in the artifact stay in the user's cache (%s): %s",
+                     len(self.unshipped), _user_cache_dir(), exc)
             return None
-        log.info("Triton kernels: %d compiled now saved into %s", len(self.written), target)
-        self.written.clear()
+        log.info("Triton kernels: %d saved into %s", len(self.unshipped), target)
+        self.unshipped.clear()
         return target
 
 
@@ -151,9 +154,9 @@ def _copy_entry(source: Path, target: Path) -> None:
             raise
 
 
-def _manager_class(shipped: Path | None, written: set[str]) -> type:
+def _manager_class(shipped: Path | None, unshipped: set[str]) -> type:
     """A ``FileCacheManager`` (the user's Triton cache, where writes go) that looks in ``shipped``
-    first and records the keys it writes in ``written``."""
+    first and records in ``unshipped`` the keys it writes or finds in the user's cache only."""
     from triton.runtime.cache import FileCacheManager
 
     class ArtifactCacheManager(FileCacheManager):
@@ -165,7 +168,7 @@ def _manager_class(shipped: Path | None, written: set[str]) -> type:
         def get_file(self, filename: str) -> str | None:
             if self._shipped is not None and (self._shipped / filename).is_file():
                 return str(self._shipped / filename)
-            return super().get_file(filename)
+            return self._recorded(super().get_file(filename))
 
         def get_group(self, filename: str) -> dict[str, str] | None:
             # A group file names its members by absolute path where they were written: shipped ones
@@ -177,12 +180,16 @@ def _manager_class(shipped: Path | None, written: set[str]) -> type:
                          if (self._shipped / Path(path).name).is_file()}
                 if len(found) == len(members):
                     return found
-            return super().get_group(filename)
+            return self._recorded(super().get_group(filename))
 
         def put(self, data, filename: str, binary: bool = True) -> str:
-            if self._records:
-                written.add(self.key)
-            return super().put(data, filename, binary)
+            return self._recorded(super().put(data, filename, binary))
+
+        def _recorded(self, found):
+            # What the user's cache gave or took (None: a miss) is a key the artifact lacks.
+            if found is not None and self._records:
+                unshipped.add(self.key)
+            return found
 
     return ArtifactCacheManager
 

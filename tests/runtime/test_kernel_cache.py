@@ -1,6 +1,7 @@
 """Kernel binaries in the artifact (``kernels/triton-<version>-<arch>/``): the selection for this
 machine with one log line when none match, Triton's cache manager reading shipped binaries (their
-group files written elsewhere) before the user's cache, and the write-back of what was compiled.
+group files written elsewhere) before the user's cache, and the write-back of what was compiled or
+read from the user's cache.
 The GPU side (a second start compiles nothing) is tests/e2e/test_gpu_kernel_cache.py."""
 
 from __future__ import annotations
@@ -92,6 +93,20 @@ def test_what_triton_compiles_is_saved_into_the_artifact(artifact, tmp_path, mon
     # The next start on this machine reads them from the artifact.
     again = KernelCache(artifact, MACHINE)
     assert again.manager_class("NEWKEY").get_group("k.json") == {"k.cubin": str(saved / "NEWKEY" / "k.cubin")}
+
+
+def test_kernels_read_from_the_users_cache_are_saved_into_the_artifact(artifact, tmp_path, monkeypatch):
+    # An earlier process on this machine compiled the kernel (``kiln compile --warm`` after other
+    # starts): this one reads it from the user's cache, and the artifact still gets it.
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "user-cache"))
+    earlier = KernelCache(artifact, MACHINE).manager_class("OLDKEY")
+    earlier.put_group("k.json", {"k.cubin": earlier.put(b"binary", "k.cubin")})
+    cache = KernelCache(artifact, MACHINE)
+    manager = cache.manager_class("OLDKEY")
+    assert manager.get_group("k.json") is not None and manager.get_file("k.cubin") is not None
+    saved = cache.save()
+    assert sorted(p.name for p in (saved / "OLDKEY").iterdir()) == ["__grp__k.json", "k.cubin"]
+    assert KernelCache(artifact, MACHINE).shipped == saved
 
 
 def test_a_read_only_artifact_keeps_new_binaries_in_the_users_cache(artifact, tmp_path, monkeypatch, caplog):
