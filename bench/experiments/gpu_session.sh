@@ -11,7 +11,7 @@
 # and the verify step with it: ~6 min), gemv-policy (Llama-3-8B step under each one-row GEMV weight bound),
 # prefill (bench/experiments/prefill_breakdown.py: host and GPU time of a prefill, graphs and eager), decode (bench/decode.py; extra arguments in $DECODE_ARGS, e.g. "--batches 1 --kernel-config NAME=VALUE").
 # The open issues' figures, each stage its GPU tests first (a failing test does not stop the stage's benchmark):
-#   lora (#23, ~4 min), spec (#24, ~3 min), quant (#27, ~6 min), mma (#27 and #24: gemv_mma's layer timings, 8-bit and bf16, and the verify step with it, ~7 min), moe (#22, ~4 min), startup and serving (#29,
+#   lora (#23, ~4 min), spec (#24, ~3 min), quant (#27, ~6 min), mma (#27: gemv_mma's fp8 and int8 layer timings, ~3 min), moe (#22, ~4 min), startup and serving (#29,
 #   ~2 and ~6 min; need $TOKENIZER_DIR; $SERVING_SHAPES picks the shapes, $SERVE_ARGS replaces the
 #   kiln serve flags "--api-server-count 4", $LOAD_WORKERS the load processes, 4), structured (#29). Each step has its own time limit.
 set -uo pipefail
@@ -123,13 +123,7 @@ for stage in "$@"; do
     mma) # gemv_mma (the W8A8 tensor-core GEMV) against the GEMVs other GPUs run and bf16, Llama-3-8B's layer.
          python3 -m pytest tests/kernels/test_gemv_mma.py -q -p no:cacheprovider --tb=line 2>&1 | tail -3 | tee "$out/mma.log"
          timeout 300 python3 bench/experiments/mma_gemv_probe.py --rows 1 5 16 64 --methods fp8 w8a8_int8 \
-           --block-k 256 512 --stages 4 --quantizes 0 1 --out "$out/mma.json" 2>&1 | grep -v Warning | tee -a "$out/mma.log"
-         # bf16 at a verify step's rows, then the verify step itself with gemv_mma's 16-bit GEMV.
-         timeout 120 python3 bench/experiments/mma_gemv_probe.py --rows 5 9 --methods bf16 --block-k 128 256 \
-           --stages 3 4 2>&1 | grep -v Warning | tee -a "$out/mma.log"
-         timeout 240 python3 bench/spec_decode.py --shape llama3-8b --batch 1 --draft-tokens 4 8 --new-tokens 256 \
-           --drafters oracle --kernel-config mma_gemv_16bit_max_rows=16 2>&1 | grep -v Warning | tail -4 \
-           | tee -a "$out/mma.log" ;;
+           --block-k 256 512 --stages 3 4 --quantizes 0 1 --out "$out/mma.json" 2>&1 | grep -v Warning | tee -a "$out/mma.log" ;;
     startup) python3 -m pytest tests/e2e/test_gpu_kernel_cache.py -m gpu -q -rfE --tb=line -p no:cacheprovider 2>&1 | tail -15 \
                | tee "$out/startup.log"
              for shape in smollm2-135m llama3-8b; do

@@ -1,12 +1,10 @@
-"""The GEMVs at a few rows, Llama-3-8B's four layer GEMMs with their fusions, through the registry's
-linear ops: for W8A8 the kernels other GPUs run (``gemv_quantized_row`` at one row, the tl.dot GEMV or
-``_scaled_mm`` above) against ``gemv_mma``'s tensor-core GEMV under tiling variants, beside the bf16
-GEMV; for method bf16 the bf16 GEMMs themselves, through ``gemv_mma`` at 2 or more rows against the
-GEMV or cuBLAS. Replayed from CUDA graphs (as decode runs them), us a layer (the four GEMMs' sum) and
-the share of the weight bytes' copy-rate roofline.
+"""The W8A8 GEMVs at a few rows, Llama-3-8B's four layer GEMMs with their fusions, through the
+registry's linear ops: the kernels other GPUs run (``gemv_quantized_row`` at one row, the tl.dot GEMV
+or ``_scaled_mm`` above) against ``gemv_mma``'s tensor-core GEMV under tiling variants, beside the bf16
+GEMV. Replayed from CUDA graphs (as decode runs them), us a layer (the four GEMMs' sum) and the share
+of the weight bytes' copy-rate roofline.
 
     python bench/experiments/mma_gemv_probe.py --rows 1 5 16 64 --methods fp8 w8a8_int8
-    python bench/experiments/mma_gemv_probe.py --rows 5 9 --methods bf16 --quantizes 0   # verify steps
 """
 
 from __future__ import annotations
@@ -26,8 +24,7 @@ from kiln.kernels.quantize import quantize
 SHAPES = {"qkv": (6144, 4096, "rmsnorm_linear"), "o": (4096, 4096, "linear_residual"),
           "gate_up": (28672, 4096, "rmsnorm_linear"), "down": (4096, 14336, "silu_mul_linear_residual")}
 # The schemes by their compile names: (stored scheme, activation quantization).
-SCHEME_ACT = {"fp8": ("fp8_channel", "fp8_per_token"), "w8a8_int8": ("int8_channel", "int8_per_token"),
-              "bf16": (None, None)}
+SCHEME_ACT = {"fp8": ("fp8_channel", "fp8_per_token"), "w8a8_int8": ("int8_channel", "int8_per_token")}
 EPS = 1e-5
 
 
@@ -68,17 +65,14 @@ def copy_rate() -> float:
 
 def layer_calls(method: str, rows: int):
     """(calls, weight bytes): a callable a GEMM taking a KernelConfig (None: the bf16 weights under the
-    default config), for one layer; ``method`` bf16 calls the bf16 ops with the config given."""
+    default config), for one layer."""
     scheme_name, act_quant = SCHEME_ACT[method]
     calls, weight_bytes = [], 0
     for n, k, op in SHAPES.values():
         dense = torch.randn(n, k, device="cuda") * k ** -0.5
         bf16 = dense.to(torch.bfloat16)
-        if scheme_name is None:
-            stored, scales = bf16, ()
-        else:
-            stored, scales = quantize(dense, SCHEMES[scheme_name])
-            stored, scales = stored.cuda(), tuple(s.cuda() for s in scales)
+        stored, scales = quantize(dense, SCHEMES[scheme_name])
+        stored, scales = stored.cuda(), tuple(s.cuda() for s in scales)
         weight_bytes += sum(t.numel() * t.element_size() for t in (stored, *scales))
         x = torch.randn(rows, 2 * k if op == "silu_mul_linear_residual" else k, device="cuda", dtype=torch.bfloat16)
         out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
@@ -92,8 +86,6 @@ def layer_calls(method: str, rows: int):
             kwargs = dict(eps=EPS) if op == "rmsnorm_linear" else {}
             if config is None:
                 get_impl(f"triton.{op}").fn(*args, out=out, **kwargs)
-            elif scheme_name is None:
-                get_impl(f"triton.{op}").fn(*args, out=out, config=config, **kwargs)
             else:
                 get_impl(f"triton.{op}.{scheme_name}").fn(*args, out=out, weight_scales=scales,
                                                           act_quant=act_quant, config=config, **kwargs)
@@ -126,12 +118,11 @@ def main() -> None:
             return lambda: [call(config) for call in calls]
 
         bf16 = timed_us(layer(None))
-        default = timed_us(layer(KernelConfig(mma_gemv_max_rows=0, mma_gemv_16bit_max_rows=0)))
+        default = timed_us(layer(KernelConfig(mma_gemv_max_rows=0)))
         results += [dict(method=method, rows=rows, us=bf16, bf16=True), dict(method=method, rows=rows, us=default)]
         variants = []
-        quantizes_variants = [0] if method == "bf16" else args.quantizes
-        for block_k, stages, quantizes in itertools.product(args.block_k, args.stages, quantizes_variants):
-            config = KernelConfig(mma_gemv_max_rows=64, mma_gemv_16bit_max_rows=64, mma_gemv_block_k=block_k,
+        for block_k, stages, quantizes in itertools.product(args.block_k, args.stages, args.quantizes):
+            config = KernelConfig(mma_gemv_max_rows=64, mma_gemv_block_k=block_k,
                                   mma_gemv_num_stages=stages, mma_gemv_quantizes=bool(quantizes))
             try:
                 variants.append((timed_us(layer(config)), f"{block_k}, {stages}, {quantizes}"))

@@ -171,12 +171,6 @@ class KernelConfig:
     mma_gemv_num_stages: int = 4
     """Weight and x tiles ``gemv_mma``'s GEMV keeps in flight through shared memory (Triton's pipeliner):
     at Llama-3-8B's 4096 columns it runs 64 programs on 132 SMs, so each one's stream must be deep."""
-    mma_gemv_16bit_max_rows: int = 0
-    """Most rows (2 or more) of a bf16/f16 GEMM ``gemv_mma`` takes on Hopper, the weight as wgmma's
-    64-row operand and the RMSNorm or SiLU·mul applied to x's tiles, instead of cuBLAS with the norm
-    and activation kernels around it or the tl.dot GEMV (speculative verify steps: 5-9 rows a
-    sequence, where cuBLAS streamed Llama-3-8B's layer at 86% of the copy rate); 0: never. Not yet
-    timed on a GPU."""
     mma_gemv_quantizes: bool = False
     """Whether ``gemv_mma``'s programs quantize their rows of x themselves (the prologue applied, their
     magnitude found by passes over x from L2) instead of reading rows quantized by a launch before:
@@ -346,7 +340,6 @@ _POWERS_OF_TWO = frozenset({
     "lora_row_block_k", "lora_norm_block", "lora_tile_block_k", "lora_tile_block_n",
 })
 _ZERO_ALLOWED = frozenset({"decode_preload_max_programs_per_sm", "gemv_max_weight_bytes", "mma_gemv_max_rows",
-                           "mma_gemv_16bit_max_rows",
                            "gemv_one_row_max_weight_bytes", "gemv_few_rows_max"})
 # Fields with a largest value: the few-row GEMV writes out an accumulator for each of up to 8 rows.
 _MOST = {"gemv_few_rows_max": 8}

@@ -20,14 +20,14 @@ activation quantizer 143 us); ``bench/experiments/mma_gemv_probe.py``.
   fp8 products are moved into an f32 accumulator every ``FP8_PROMOTE_EVERY`` values of K: Hopper's fp8
   MMA keeps fewer bits than f32 in its own accumulator (Triton's sm_90 default never promotes), which
   at Llama's K of 4096-14336 costs percent-level errors.
-- 16-bit weights (``linear_fused``, 2 to ``mma_gemv_16bit_max_rows`` rows: speculative verify steps):
-  the prologue is applied to each of x's tiles as ``gemv.py`` applies it.
 
 The bias or residual is added by ``gemv.gemv_epilogue``, so the results are ``gemv_quantized``'s and
 ``gemv``'s. No split-K: every output is one program's sum in one order, deterministic as the other
 GEMVs; splitting Llama-3-8B's 4096-column GEMMs (64 tiles on 132 SMs) measured no faster. Weight-only
 schemes stay with the other GEMVs: MXFP4 decoded in registers for a bf16 wgmma measured 3.3x slower
-than ``gemv_quantized_row`` at one row.
+than ``gemv_quantized_row`` at one row. So do 16-bit weights: bf16 through this kernel (the prologue
+applied to x's tiles) took 250 us for Llama-3-8B's layer at 5 and 9 rows against cuBLAS's 175 (H100),
+and a speculative verify step 1.56x a plain step against cuBLAS's 1.19x.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .act_quant_triton import ACT_INT8, ACT_KINDS, ACT_NONE, HARDWARE_FP8, act_scale, quantize_act, quantize_rows, \
+from .act_quant_triton import ACT_INT8, ACT_KINDS, HARDWARE_FP8, act_scale, quantize_act, quantize_rows, \
     row_amax
 from .config import DEFAULTS, KernelConfig
 from .gemv import NORM, RAW, SILU_MUL, gemv_epilogue, input_tile, row_rstd, tile_input
@@ -58,10 +58,9 @@ def _mma_gemv_kernel(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T
                      BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PASS_K: tl.constexpr,
                      PROMOTE_EVERY: tl.constexpr, PDL: tl.constexpr):
     # Program (p, q) computes output columns p*BLOCK_N.. of rows q*BLOCK_T.. as acc[column, row]. With
-    # 8-bit weights (ACT set) and QUANTIZE, x is the GEMM's 16-bit input before its PROLOGUE and each
-    # program quantizes its rows itself (their rstd and largest magnitude from passes over x, read
-    # from L2), else x holds the quantized rows and xs_ptr their scales. With 16-bit weights (ACT_NONE)
-    # x is the input before its PROLOGUE, applied to each tile as gemv.py applies it.
+    # QUANTIZE, x is the GEMM's 16-bit input before its PROLOGUE and each program quantizes its rows
+    # itself (their rstd and largest magnitude from passes over x, read from L2), else x holds the
+    # quantized rows and xs_ptr their scales.
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     col_mask = cols < N
@@ -73,9 +72,7 @@ def _mma_gemv_kernel(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T
     rstd = tl.zeros([BLOCK_T], tl.float32)
     if PROLOGUE == NORM:
         rstd = row_rstd(x_rows, row_mask, K, eps, BLOCK_T, PASS_K)
-    if ACT == ACT_NONE:
-        x_scale = rstd  # a stand-in: 16-bit weights and x take no scales
-    elif QUANTIZE:
+    if QUANTIZE:
         x_scale = act_scale(row_amax(x_rows, nw_ptr, row_mask, K, rstd, PROLOGUE, dtype, PASS_K, BLOCK_T), ACT)
     else:
         x_scale = tl.load(xs_ptr + rows, mask=row_mask, other=1.0)
@@ -88,80 +85,66 @@ def _mma_gemv_kernel(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T
         k_mask = k < K
         # other=0.0: an integer fill cannot be cast to fp8.
         w = tl.load(w_rows + k[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        if ACT == ACT_NONE or QUANTIZE:
+        if QUANTIZE:
             xk, partner = input_tile(x_rows, nw_ptr, row_mask, k, K, PROLOGUE)
             x = tile_input(xk, partner, rstd, PROLOGUE, dtype)
-            if ACT != ACT_NONE:
-                x = quantize_act(tl.math.div_rn(x.to(tl.float32), x_scale[:, None]), ACT, HARDWARE)
+            x = quantize_act(tl.math.div_rn(x.to(tl.float32), x_scale[:, None]), ACT, HARDWARE)
         else:
             x = tl.load(x_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if DOT_F32:  # the interpreter multiplies bf16 and 8-bit bit patterns: f32 copies instead
             acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee").to(acc.dtype)
-        elif ACT == ACT_NONE:
-            acc = tl.dot(w, tl.trans(x), acc)
         elif ACT == ACT_INT8:
             acc += tl.dot(w, tl.trans(x), out_dtype=tl.int32)
         else:
             acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE_EVERY)
-    scaled = acc.to(tl.float32)
-    if ACT != ACT_NONE:
-        scaled *= tl.load(s_ptr + cols, mask=col_mask, other=0.0)[:, None] * x_scale[None, :]
+    scaled = acc.to(tl.float32) * tl.load(s_ptr + cols, mask=col_mask, other=0.0)[:, None] * x_scale[None, :]
     gemv_epilogue(tl.trans(scaled), b_ptr, r_ptr, y_ptr, rows, cols, row_mask, col_mask, r_st, y_st,
                   y_ptr.dtype.element_ty, HAS_BIAS, HAS_RESIDUAL)
 
 
-def mma_gemv_tiles(rows: int, k: int, config: KernelConfig = DEFAULTS, weight_bytes: int = 1,
-                   x_bytes: int = 1) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_T, BLOCK_K) of the MMA GEMV for ``rows`` rows over ``k`` with weight and x
-    values of those sizes in shared memory: K steps of ``mma_gemv_block_k``, halved until the
-    pipelined tiles fit ``mma_gemv_smem_bytes`` (8-bit at 64 rows: 512 would take 256 KB of an
-    H100's 227)."""
+def mma_gemv_tiles(rows: int, k: int, config: KernelConfig = DEFAULTS, x_bytes: int = 1) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_T, BLOCK_K) of the MMA GEMV for ``rows`` rows over ``k`` with 8-bit weights and
+    ``x_bytes`` of x's tiles a value in shared memory: K steps of ``mma_gemv_block_k``, halved until
+    the pipelined tiles fit ``mma_gemv_smem_bytes`` (at 64 rows: 512 would take 256 KB of an H100's
+    227)."""
     block_t = max(MIN_BLOCK_T, pow2(rows))
     block_k = min(config.mma_gemv_block_k, pow2(k, 32))
-    while block_k > 32 and (MMA_ROWS * weight_bytes + block_t * x_bytes) * block_k * config.mma_gemv_num_stages \
+    while block_k > 32 and (MMA_ROWS + block_t * x_bytes) * block_k * config.mma_gemv_num_stages \
             > config.mma_gemv_smem_bytes:
         block_k //= 2
     return MMA_ROWS, block_t, block_k
 
 
 def runs_mma_gemv(x: torch.Tensor, act_quant: str | None, config: KernelConfig = DEFAULTS) -> bool:
-    """Whether ``launch_mma_gemv`` takes these rows: W8A8 up to ``mma_gemv_max_rows``, 16-bit weights at
-    2 to ``mma_gemv_16bit_max_rows`` (one row is gemv.py's); on compute capability 9.x (wgmma) or under
-    the interpreter."""
-    rows = x.shape[0]
-    if act_quant is not None:
-        fits = rows <= config.mma_gemv_max_rows
-    else:
-        fits = 1 < rows <= config.mma_gemv_16bit_max_rows and (INTERPRET or x.dtype != torch.float32)
+    """Whether ``launch_mma_gemv`` takes these rows: W8A8 (``act_quant`` set) up to
+    ``mma_gemv_max_rows``, on compute capability 9.x (wgmma) or under the interpreter."""
+    fits = act_quant is not None and x.shape[0] <= config.mma_gemv_max_rows
     return fits and (INTERPRET or (x.device.type == "cuda" and device_capability(x)[0] == 9))
 
 
-def launch_mma_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, out: torch.Tensor, *,
-                    act_quant: str | None, norm_weight: torch.Tensor | None = None, gated: bool = False,
+def launch_mma_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out: torch.Tensor, *,
+                    act_quant: str, norm_weight: torch.Tensor | None = None, gated: bool = False,
                     bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, eps: float = 0.0,
                     config: KernelConfig = DEFAULTS) -> None:
     """``out = epilogue(prologue(x) @ W.T)`` for checked operands: ``weight`` [N, K] 8-bit per channel
-    with its scales and activations quantized per token (``act_quant``; ``gemv_quantized``'s result),
-    or 16-bit (``act_quant`` None, no scale; ``gemv.launch_gemv``'s). W8A8 takes two launches, the
-    quantized rows (prologue applied), then the GEMV on them, or, with ``mma_gemv_quantizes``, one
-    that quantizes x in every program; 16-bit weights one, the prologue applied to each tile."""
+    with its scales and activations quantized per token (``act_quant``; ``gemv_quantized``'s result):
+    two launches, the quantized rows (prologue applied), then the GEMV on them, or, with
+    ``mma_gemv_quantizes``, one that quantizes x in every program."""
     rows, (n, k) = x.shape[0], weight.shape
     if rows == 0 or n == 0:
         return
     prologue = NORM if norm_weight is not None else SILU_MUL if gated else RAW
     x_scale = x
-    quantizes = config.mma_gemv_quantizes or act_quant is None
+    quantizes = config.mma_gemv_quantizes
     if not quantizes:
         x, x_scale = quantize_rows(x, act_quant, norm_weight=norm_weight, gated=gated, eps=eps, config=config)
         prologue = RAW
-    # x's shared-memory tiles: 8-bit rows quantized before; 16-bit ones, and with 8-bit weights also
-    # their quantized copy (the MMA's operand), where the program quantizes them itself.
-    x_bytes = 1 if not quantizes else x.element_size() + (act_quant is not None)
-    block_n, block_t, block_k = mma_gemv_tiles(rows, k, config, weight.element_size(), x_bytes)
+    # x's shared-memory tiles: the 8-bit rows quantized before, or, where the program quantizes them
+    # itself, its 16-bit tiles and their quantized copy (the MMA's operand).
+    block_n, block_t, block_k = mma_gemv_tiles(rows, k, config, x_bytes=x.element_size() + 1 if quantizes else 1)
     res = residual if residual is not None else out
     _mma_gemv_kernel[(triton.cdiv(n, block_n), triton.cdiv(rows, block_t))](
-        x, x_scale, norm_weight if norm_weight is not None else x, weight,
-        weight_scale if weight_scale is not None else x, bias if bias is not None else out, res, out, rows, n, k, eps,
+        x, x_scale, norm_weight if norm_weight is not None else x, weight, weight_scale, bias if bias is not None else out, res, out, rows, n, k, eps,
         x.stride(0), weight.stride(0), res.stride(0), out.stride(0), ACT=ACT_KINDS[act_quant], QUANTIZE=quantizes,
         PROLOGUE=prologue, HARDWARE=HARDWARE_FP8, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         DOT_F32=INTERPRET, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_K=block_k,

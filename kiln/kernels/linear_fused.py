@@ -6,10 +6,10 @@ At decode's few rows (``T <= GEMV_MAX_ROWS``) the Triton implementations are one
 (``gemv.py``) that reads the weights once and applies the RMSNorm or the SiLU gate before (a
 prologue over the tiny input) and the bias or residual add after (an epilogue on the accumulator).
 At more rows they compose the unfused fast paths instead (Triton rmsnorm or silu_mul, cuBLAS): the
-GEMM is then compute bound and cuBLAS is the better kernel. On Hopper, 2 to
-``KernelConfig.mma_gemv_16bit_max_rows`` rows may instead take ``gemv_mma``'s tensor-core GEMV (the
-weight as wgmma's operand, the prologue applied to x's tiles). The row count is a host fact (the
-input's shape), never a device value, so the decode path can be captured in a CUDA graph.
+GEMM is then compute bound and cuBLAS is the better kernel. (``gemv_mma``'s tensor-core GEMV on bf16
+weights, the prologue applied to x's tiles, measured 1.4x cuBLAS's time at 5 and 9 rows of Llama-3-8B's
+layer on an H100, so it is not used here.) The row count is a host fact (the input's shape), never a
+device value, so the decode path can be captured in a CUDA graph.
 
 The GEMV rounds where the unfused graph does: the normalized input, silu(gate) * up and the GEMM
 output are rounded to the activation dtype before the next step uses them. The composed residual
@@ -28,7 +28,6 @@ from .config import DEFAULTS, KernelConfig
 from .elementwise import ref_silu_mul, triton_silu_mul
 from .gemv import GEMV_MAX_ROWS
 from .gemv_few_rows import launch_gemv_for_rows
-from .gemv_mma import launch_mma_gemv, runs_mma_gemv
 from .linear import ref_linear, torch_linear
 from .norm import ref_rmsnorm, triton_rmsnorm
 from .registry import Checker, register_impl
@@ -135,9 +134,7 @@ def composed_silu_mul_linear_residual(gate_up: torch.Tensor, weight: torch.Tenso
 def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, out: torch.Tensor,
                   config: KernelConfig = DEFAULTS) -> None:
     _check_gemv("triton.linear", x, weight, out, bias=bias)
-    if runs_mma_gemv(x, None, config):
-        launch_mma_gemv(x, weight, None, out, act_quant=None, bias=bias, config=config)
-    elif not uses_gemv(x, weight, config):
+    if not uses_gemv(x, weight, config):
         torch_linear(x, weight, bias, out=out)
     else:
         launch_gemv_for_rows(x, weight, out, bias=bias, config=config)
@@ -147,10 +144,7 @@ def triton_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: to
                           bias: torch.Tensor | None = None, *, out: torch.Tensor, eps: float,
                           config: KernelConfig = DEFAULTS) -> None:
     _check_gemv("triton.rmsnorm_linear", x, weight, out, norm_weight=norm_weight, bias=bias)
-    if runs_mma_gemv(x, None, config):
-        launch_mma_gemv(x, weight, None, out, act_quant=None, norm_weight=norm_weight, bias=bias, eps=eps,
-                        config=config)
-    elif not uses_gemv(x, weight, config):
+    if not uses_gemv(x, weight, config):
         composed_rmsnorm_linear(x, norm_weight, weight, bias, out=out, eps=eps, config=config)
     else:
         launch_gemv_for_rows(x, weight, out, norm_weight=norm_weight, bias=bias, eps=eps, config=config)
@@ -159,9 +153,7 @@ def triton_rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: to
 def triton_linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
                            out: torch.Tensor, config: KernelConfig = DEFAULTS) -> None:
     _check_gemv("triton.linear_residual", x, weight, out, residual=residual)
-    if runs_mma_gemv(x, None, config):
-        launch_mma_gemv(x, weight, None, out, act_quant=None, residual=residual, config=config)
-    elif not uses_gemv(x, weight, config):
+    if not uses_gemv(x, weight, config):
         composed_linear_residual(x, weight, residual, out=out)
     else:
         launch_gemv_for_rows(x, weight, out, residual=residual, config=config)
@@ -170,9 +162,7 @@ def triton_linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torc
 def triton_silu_mul_linear_residual(gate_up: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
                                     out: torch.Tensor, config: KernelConfig = DEFAULTS) -> None:
     _check_gemv("triton.silu_mul_linear_residual", gate_up, weight, out, residual=residual, gated=True)
-    if runs_mma_gemv(gate_up, None, config):
-        launch_mma_gemv(gate_up, weight, None, out, act_quant=None, gated=True, residual=residual, config=config)
-    elif not uses_gemv(gate_up, weight, config):
+    if not uses_gemv(gate_up, weight, config):
         composed_silu_mul_linear_residual(gate_up, weight, residual, out=out, config=config)
     else:
         launch_gemv_for_rows(gate_up, weight, out, gated=True, residual=residual, config=config)

@@ -97,7 +97,7 @@ def compile_all() -> None:
             (False, True)):
         # gemv_mma exists to run wgmma on the 8-bit values as stored: no conversion, no mma.sync; with
         # its own quantizer (x bf16, the SiLU·mul prologue) as well.
-        block_n, block_t, block_k = gemv_mma.mma_gemv_tiles(1, 4096)
+        block_n, block_t, block_k = gemv_mma.mma_gemv_tiles(1, 4096, x_bytes=3 if quantizes else 1)
         pointers = dict(x_ptr="*bf16" if quantizes else x_type, xs_ptr="*fp32", nw_ptr="*bf16",
                         w_ptr=_WEIGHTS[weight][0], s_ptr="*fp32", b_ptr="*bf16", r_ptr="*bf16", y_ptr="*bf16")
         ptx = _compile(gemv_mma._mma_gemv_kernel, pointers,
@@ -106,14 +106,6 @@ def compile_all() -> None:
                             BLOCK_K=block_k, PASS_K=256, PROMOTE_EVERY=gemv_mma.FP8_PROMOTE_EVERY, PDL=True),
                        4, DEFAULTS.mma_gemv_num_stages).asm["ptx"]
         assert f"wgmma.mma_async.sync.aligned.{mma}" in ptx and "mma.sync" not in ptx, f"{weight}: no {mma} wgmma"
-    # And on 16-bit weights (the RMSNorm prologue applied to x's tiles): a bf16 wgmma.
-    block_n, block_t, block_k = gemv_mma.mma_gemv_tiles(5, 4096, weight_bytes=2, x_bytes=2)
-    ptx = _compile(gemv_mma._mma_gemv_kernel, dict(x_ptr="*bf16", xs_ptr="*bf16", nw_ptr="*bf16", w_ptr="*bf16",
-                                                    s_ptr="*bf16", b_ptr="*bf16", r_ptr="*bf16", y_ptr="*bf16"),
-                   dict(ACT=ACT_NONE, QUANTIZE=True, PROLOGUE=NORM, HARDWARE=True, HAS_BIAS=True, HAS_RESIDUAL=False,
-                        DOT_F32=False, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_K=block_k, PASS_K=256,
-                        PROMOTE_EVERY=gemv_mma.FP8_PROMOTE_EVERY, PDL=True), 4, DEFAULTS.mma_gemv_num_stages).asm["ptx"]
-    assert "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16" in ptx and "mma.sync" not in ptx
     for weight in ("fp8", "mxfp4"):
         w_type, s_type = _WEIGHTS[weight]
         _compile(gemm_quantized._dequantize_kernel, dict(w_ptr=w_type, s_ptr=s_type, out_ptr="*bf16"),
