@@ -123,14 +123,15 @@ def timed(engine: Engine, prompts: list[list[int]], params: SamplingParams, prof
                   1e6 * grammar[0] / max(1, steps[1]))
 
 
-def random_artifact(shape: str, tokenizer_dir: Path | None, workdir: Path, on_gpu: bool) -> Path:
-    """An artifact of random ``shape`` weights with the tokenizer files found in ``tokenizer_dir``."""
+def random_artifact(shape: str, tokenizer_dir: Path | None, workdir: Path, on_gpu: bool, layers: int | None) -> Path:
+    """An artifact of random ``shape`` weights (``layers`` of them, None: all) with the tokenizer files
+    found in ``tokenizer_dir``."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import models
 
     if tokenizer_dir is None or not (tokenizer_dir / "tokenizer.json").is_file():
         sys.exit("--random-shape needs --tokenizer-dir holding tokenizer.json (and tokenizer_config.json)")
-    return models.random_artifact(shape, workdir / "model.kiln", on_gpu, tokenizer_dir)
+    return models.random_artifact(shape, workdir / "model.kiln", on_gpu, tokenizer_dir, layers)
 
 
 def main() -> None:
@@ -141,12 +142,14 @@ def main() -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--random-shape", default=None, help="random weights of this shape (bench/models.py)")
     parser.add_argument("--tokenizer-dir", type=Path, default=None, help="tokenizer files for --random-shape")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="cut --random-shape to this many layers (on the CPU: the host's work shows)")
     parser.add_argument("--profile", action="store_true", help="print the engine steps' host profile of each run")
     args = parser.parse_args()
     on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     model = args.model
     if args.random_shape:
-        model = random_artifact(args.random_shape, args.tokenizer_dir, Path(tempfile.mkdtemp()), on_gpu)
+        model = random_artifact(args.random_shape, args.tokenizer_dir, Path(tempfile.mkdtemp()), on_gpu, args.layers)
         args.model = f"random {args.random_shape}"
     with Engine(model, dtype="bf16" if on_gpu else "fp32", device=args.device, max_seq_len=2048,
                 kv_cache_tokens=None if on_gpu else 65536, enable_prefix_cache=False) as engine:
