@@ -102,11 +102,14 @@ def _mma_gemv_kernel(x_ptr, xs_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, T
                   y_ptr.dtype.element_ty, HAS_BIAS, HAS_RESIDUAL)
 
 
-def mma_gemv_tiles(rows: int, k: int, config: KernelConfig = DEFAULTS, x_bytes: int = 1) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_T, BLOCK_K) of the MMA GEMV for ``rows`` rows over ``k`` with 8-bit weights and
-    ``x_bytes`` of x's tiles a value in shared memory: K steps of ``mma_gemv_block_k``, halved until
-    the pipelined tiles fit ``mma_gemv_smem_bytes`` (at 64 rows: 512 would take 256 KB of an H100's
-    227)."""
+def mma_gemv_tiles(rows: int, k: int, config: KernelConfig = DEFAULTS,
+                   input_bytes: int | None = None) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_T, BLOCK_K) of the MMA GEMV for ``rows`` rows over ``k``: K steps of
+    ``mma_gemv_block_k``, halved until the pipelined tiles fit ``mma_gemv_smem_bytes`` (at 64 rows:
+    512 would take 256 KB of an H100's 227). Shared memory holds the 8-bit weight tiles and x's: its
+    8-bit rows quantized before the launch, or (``input_bytes``: the size of x's values, which each
+    program quantizes itself) x's tiles and their quantized copy, the MMA's operand."""
+    x_bytes = 1 if input_bytes is None else input_bytes + 1
     block_t = max(MIN_BLOCK_T, pow2(rows))
     block_k = min(config.mma_gemv_block_k, pow2(k, 32))
     while block_k > 32 and (MMA_ROWS + block_t * x_bytes) * block_k * config.mma_gemv_num_stages \
@@ -139,12 +142,11 @@ def launch_mma_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     if not quantizes:
         x, x_scale = quantize_rows(x, act_quant, norm_weight=norm_weight, gated=gated, eps=eps, config=config)
         prologue = RAW
-    # x's shared-memory tiles: the 8-bit rows quantized before, or, where the program quantizes them
-    # itself, its 16-bit tiles and their quantized copy (the MMA's operand).
-    block_n, block_t, block_k = mma_gemv_tiles(rows, k, config, x_bytes=x.element_size() + 1 if quantizes else 1)
+    block_n, block_t, block_k = mma_gemv_tiles(rows, k, config, x.element_size() if quantizes else None)
     res = residual if residual is not None else out
     _mma_gemv_kernel[(triton.cdiv(n, block_n), triton.cdiv(rows, block_t))](
-        x, x_scale, norm_weight if norm_weight is not None else x, weight, weight_scale, bias if bias is not None else out, res, out, rows, n, k, eps,
+        x, x_scale, norm_weight if norm_weight is not None else x, weight, weight_scale,
+        bias if bias is not None else out, res, out, rows, n, k, eps,
         x.stride(0), weight.stride(0), res.stride(0), out.stride(0), ACT=ACT_KINDS[act_quant], QUANTIZE=quantizes,
         PROLOGUE=prologue, HARDWARE=HARDWARE_FP8, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         DOT_F32=INTERPRET, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_K=block_k,

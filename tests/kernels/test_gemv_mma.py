@@ -91,6 +91,6 @@ def test_tiles():
     assert mma_gemv_tiles(64, 4096) == (MMA_ROWS, 64, 256)
     # 20 rows pad to 32; a short K takes one step.
     assert mma_gemv_tiles(20, 40) == (MMA_ROWS, 32, 64)
-    # A program quantizing its own rows keeps bf16 tiles and their 8-bit copy: (64 + 16 x 3) x 512 x 4
-    # = 224 KB, so 256 at one row (232 KB asked for at 512 did not launch on an H100).
-    assert mma_gemv_tiles(1, 4096, x_bytes=3) == (MMA_ROWS, 16, 256)
+    # A program quantizing its own bf16 rows keeps their tiles and their 8-bit copy: (64 + 16 x 3) x 512
+    # x 4 = 224 KB, so 256 at one row (232 KB asked for at 512 did not launch on an H100).
+    assert mma_gemv_tiles(1, 4096, input_bytes=2) == (MMA_ROWS, 16, 256)

@@ -97,7 +97,7 @@ def compile_all() -> None:
             (False, True)):
         # gemv_mma exists to run wgmma on the 8-bit values as stored: no conversion, no mma.sync; with
         # its own quantizer (x bf16, the SiLU·mul prologue) as well.
-        block_n, block_t, block_k = gemv_mma.mma_gemv_tiles(1, 4096, x_bytes=3 if quantizes else 1)
+        block_n, block_t, block_k = gemv_mma.mma_gemv_tiles(1, 4096, input_bytes=2 if quantizes else None)
         pointers = dict(x_ptr="*bf16" if quantizes else x_type, xs_ptr="*fp32", nw_ptr="*bf16",
                         w_ptr=_WEIGHTS[weight][0], s_ptr="*fp32", b_ptr="*bf16", r_ptr="*bf16", y_ptr="*bf16")
         ptx = _compile(gemv_mma._mma_gemv_kernel, pointers,
