@@ -41,10 +41,10 @@ for _ in range(1200):
         if httpx.get('http://127.0.0.1:$port/health', timeout=2).status_code == 200: break
     except httpx.TransportError: pass
     time.sleep(0.5)"
-  # The idle server captures its prefill graphs (EngineCore.warm_up_idle) before the load, as the
+  # The idle server captures its decode and prefill graphs (EngineCore.warm_up_idle) before the load, as the
   # offline engine does before its clock starts.
-  for _ in $(seq 120); do grep -q "prefill graphs:" "$out/serve_$shape.log" && break; sleep 0.5; done
-  grep "ready in\|prefill graphs:" "$out/serve_$shape.log"
+  for _ in $(seq 120); do grep -q "step graphs:" "$out/serve_$shape.log" && break; sleep 0.5; done
+  grep "ready in\|step graphs:" "$out/serve_$shape.log"
   for c in 1 64 256 1024; do
     local n=$(( c == 1 ? 16 : (c == 1024 ? 1024 : 512) ))
     timeout 300 python3 bench/serving.py --base-url http://127.0.0.1:$port --model m --num-prompts $n \

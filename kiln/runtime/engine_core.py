@@ -229,19 +229,22 @@ class EngineCore:
             self.kernel_cache.save()
 
     def warm_up_idle(self) -> bool:
-        """Captures the next prefill graph not captured yet (``PrefillGraphs.uncaptured``) with a step
-        that stores nothing; False when none is left (or the step did not capture its bucket, which
-        would otherwise be warmed again and again). For a server with nothing else to do: a capture
-        costs a warm-up run and the capture itself, which the first prefill of each bucket would
-        otherwise wait for (on an H100, a fresh SmolLM2 server's first 512 requests ran at 89% of the
-        rate of the next 512)."""
-        graphs = getattr(self.runner, "prefill_graphs", None)
-        pending = graphs.uncaptured() if graphs is not None and not self.has_work() else []
-        if not pending:
+        """Captures the next step graph not captured yet, with a step that stores nothing: a decode
+        bucket first (every decoding step needs one), then a verify bucket, then a prefill bucket
+        (each set's ``uncaptured``, smallest first); False when none is left (or the step did not
+        capture its bucket, which would otherwise be warmed again and again). For a server with
+        nothing else to do: a capture costs a warm-up run and the capture itself, which the first step
+        of each bucket would otherwise wait for (on an H100, a fresh SmolLM2 server's first 512
+        requests ran at 89% of the rate of the next 512 before prefill graphs were warmed)."""
+        if self.has_work():
             return False
-        bucket = pending[0]
-        self.worker.forward(graphs.warm_up_lists(*bucket))
-        return bucket not in graphs.uncaptured()
+        for name in ("decode_graphs", "verify_graphs", "prefill_graphs"):
+            graphs = getattr(self.runner, name, None)
+            pending = graphs.uncaptured() if graphs is not None else []
+            if pending:
+                self.worker.forward(graphs.warm_up_lists(pending[0]))
+                return pending[0] not in graphs.uncaptured()
+        return False
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.constraints.has_pending() or \

@@ -11,7 +11,7 @@ It loads the model, reports READY with its start-up phases (``kiln.runtime.start
 when loading fails), then repeats: take every waiting
 ADD/ABORT, run one step while there is work, send the step's events to the detokenizer, and publish
 the core's stats (every ``STATS_INTERVAL_S`` while they change). With nothing to do it captures the
-prefill graphs that real traffic would otherwise wait for, one between looks at its inbox. A request the core refuses is
+decode and prefill graphs that real traffic would otherwise wait for, one between looks at its inbox. A request the core refuses is
 answered with REJECT and the loop goes on; an error inside a step is fatal (the core's state is no
 longer trustworthy): it reports FATAL and exits non-zero, and the HTTP process fails what is in
 flight and stops; so does a worker rank's death (``EngineOptions.world_size`` > 1), idle or not. It
@@ -76,7 +76,7 @@ class SchedulerLoop:
     def run(self) -> None:
         while self.parent.alive():
             self.core.worker.check()  # a dead worker rank ends the server, also while it is idle
-            # Nothing to do: capture the next prefill graph (EngineCore.warm_up_idle) between looks
+            # Nothing to do: capture the next step graph (EngineCore.warm_up_idle) between looks
             # at the inbox, so a request waits for at most one capture.
             warming = self._graphs_to_warm and not self.core.has_work() and \
                 not (self.decode is not None and self.decode.has_work())
@@ -110,7 +110,7 @@ class SchedulerLoop:
             self._warmed += 1
             self._warm_up_s += time.monotonic() - began
         elif self._warmed:
-            log.info("prefill graphs: %d captured while idle in %.2f s", self._warmed, self._warm_up_s)
+            log.info("step graphs: %d captured while idle in %.2f s", self._warmed, self._warm_up_s)
 
     def _handle(self, message: list[Any]) -> bool:
         kind = message[0]

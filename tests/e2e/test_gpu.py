@@ -208,22 +208,25 @@ def test_prefill_graph_replay_equals_eager(tmp_path, dtype):
     assert len(runner.prefill_graphs._graphs) == 4
 
 
-def test_idle_warm_up_captures_every_prefill_bucket_and_changes_no_output(tmp_path):
-    """EngineCore.warm_up_idle (an idle server's) captures each prefill bucket with steps that store
-    nothing: the prompts after it replay those graphs (no capture of their own) and generate the
-    tokens a core that did not warm up generates."""
+def test_idle_warm_up_captures_every_decode_and_prefill_bucket_and_changes_no_output(tmp_path):
+    """A core captures its largest decode bucket at start-up, the others at first use (the cold core
+    below) or ahead of it: EngineCore.warm_up_idle (an idle server's) captures each decode bucket,
+    smallest first, then each prefill bucket, with steps that store nothing. The prompts after it
+    replay those graphs (no capture of their own) and generate the tokens the cold core generates."""
     _, core = build("smollm2-135m", 4, torch.bfloat16, tmp_path)
-    graphs = core.runner.prefill_graphs
+    assert core.runner.decode_graphs.uncaptured() == list(BUCKETS[:-1])
     prompts = [[(7 * i + j) % 1000 + 1 for j in range(length)] for i, length in enumerate((20, 3, 45, 130))]
     cold = generate(core, prompts)
     _, core = build("smollm2-135m", 4, torch.bfloat16, tmp_path / "warm")
-    graphs = core.runner.prefill_graphs
-    warmed = 0
+    decode, prefill = core.runner.decode_graphs, core.runner.prefill_graphs
+    warmed = []
     while core.warm_up_idle():
-        warmed += 1
-    assert warmed == len(graphs.warm_up_buckets()) and graphs.uncaptured() == []
+        warmed.append((decode.uncaptured(), len(prefill.uncaptured())))
+    assert warmed[0] == (list(BUCKETS[1:-1]), len(prefill.warm_up_buckets()))  # the smallest decode bucket first
+    assert len(warmed) == len(BUCKETS) - 1 + len(prefill.warm_up_buckets())
+    assert decode.uncaptured() == [] and prefill.uncaptured() == []
     assert generate(core, prompts) == cold
-    assert len(graphs._graphs) == warmed  # every prefill step replayed a warmed graph
+    assert len(prefill._graphs) == len(prefill.warm_up_buckets())  # every prefill step replayed a warmed graph
 
 
 def test_an_added_step_field_is_a_captured_graphs_input(tmp_path):

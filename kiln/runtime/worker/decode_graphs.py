@@ -26,6 +26,13 @@ Events order the rest: a turn's transfer waits for the last replay that read its
 it writes the ids, for the last replay, whose argmax writes them); each replay waits for its
 transfer. The host reads step N's tokens before it stages step N+2, which reuses N's pinned buffers.
 
+Only the largest bucket is captured at start-up (its capture sizes the graphs' shared memory pool);
+each other bucket is captured the first time a step needs it, after one eager warm-up run of that
+step, or earlier while a server has nothing to do (``uncaptured``, ``warm_up_lists``,
+``EngineCore.warm_up_idle``), as prefill graphs are. Every bucket's capture costs a warm-up step and
+the capture (loading that size's kernels from the artifact's cache first): on an H100, SmolLM2's
+nine buckets took 1.5 s of a 5.4 s start, which a server now spends while idle.
+
 Inputs outside the step schema (``extra_inputs``: an EAGLE head's hidden states) get a device buffer
 per turn, which ``run`` copies the step's rows into on the compute stream.
 
@@ -42,6 +49,7 @@ from ..sampling import SamplerKernels
 from ..scheduler.batch import StepLists
 from ..startup import StartupTimer
 from .executor import Executor, StepInputs, StepResult
+from .expert_load import counted_once
 from .graph_capture import WARMUP_RUNS, capture_graph
 from .step_buffers import StepLayout
 
@@ -53,8 +61,8 @@ class DecodeGraphs:
     def __init__(self, executor: Executor, kv_views: dict[str, torch.Tensor], buckets: list[int],
                  page_table_width: int, tokens_per_sequence: int = 1, startup: StartupTimer | None = None,
                  extra_inputs: dict[str, tuple[torch.dtype, int]] | None = None) -> None:
-        """``startup`` gets the capture's two phases: ``kernel_warmup`` (the runs before each capture,
-        where Triton compiles or loads its kernels) and ``graph_capture``. ``extra_inputs``: graph
+        """``startup`` gets the largest bucket's capture's two phases: ``kernel_warmup`` (the run before
+        the capture, where Triton compiles or loads its kernels) and ``graph_capture``. ``extra_inputs``: graph
         inputs beyond the step schema's, a row of ``(dtype, width)`` per token (a draft head's hidden
         states), given to ``run`` on the device each step."""
         self.executor = executor
@@ -103,11 +111,15 @@ class DecodeGraphs:
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._outputs: dict[int, dict[str, torch.Tensor]] = {}
         self._last_tokens: torch.Tensor | None = None  # the last replay's greedy tokens, on the device
+        self._capturing = on_gpu
         if on_gpu:
             self._copy_stream = torch.cuda.Stream(device)
+            self._warm_up_stream = torch.cuda.Stream(device)
             self._replayed = [torch.cuda.Event() for _ in range(2)]  # each turn's last replay
             self._uploaded = [torch.cuda.Event() for _ in range(2)]  # each turn's last input transfer
-            self._capture(startup or StartupTimer("engine"))
+            self._pool = torch.cuda.graph_pool_handle()
+            self._argmax_rows = SamplerKernels.for_device(device, executor.artifact.kernel_config).argmax_rows
+            self._capture_largest(startup or StartupTimer("engine"))
 
     def fits(self, lists: StepLists) -> bool:
         """A step of k tokens a sequence, with every row's logits, small enough for a bucket."""
@@ -135,10 +147,12 @@ class DecodeGraphs:
         for name, buffer in self._extras[turn].items():
             # On the compute stream: after the last replay that read this turn's buffer, before this one.
             buffer[:n].copy_(extra_feeds[name])
-        if bucket not in self._graphs:
+        if not self._capturing:
             outputs = {name: value[:n] for name, value in self.executor.run(self._inputs(bucket, turn),
                                                                              self.kv_views).items()}
             return StepResult(outputs, outputs["logits"].argmax(dim=-1))
+        if bucket not in self._graphs:
+            self._capture(bucket, turn)
         torch.cuda.current_stream().wait_event(self._uploaded[turn])
         self._graphs[bucket][turn].replay()
         self._replayed[turn].record()
@@ -152,6 +166,19 @@ class DecodeGraphs:
         if last is None or tokens.data_ptr() != last.data_ptr() or tokens.shape != last.shape:
             return None
         return self._mirrors[self._turn ^ 1][:len(tokens)]
+
+    def uncaptured(self) -> list[int]:
+        """The buckets with no graph yet, smallest first (none on a CPU, which captures nothing)."""
+        return [b for b in self.buckets if b not in self._graphs] if self._capturing else []
+
+    def warm_up_lists(self, bucket: int) -> StepLists:
+        """A step of ``bucket`` sequences of k tokens that stores nothing: every K/V slot is -1 and
+        every context is k tokens on page 0, as padding sequences' are. Run, it takes (and at its
+        first run captures) the bucket's graph."""
+        k, rows = self.k, self.k * bucket
+        return StepLists(token_ids=[0] * rows, positions=list(range(k)) * bucket, slots=[-1] * rows,
+                         q_start=list(range(0, rows, k)), q_len=[k] * bucket, kv_len=[k] * bucket,
+                         page_table=[self._padding_row] * bucket, logits_index=list(range(rows)))
 
     def graph(self, bucket: int) -> torch.cuda.CUDAGraph:
         """A bucket's captured step (its first turn's), for benchmarks that replay it alone."""
@@ -205,44 +232,49 @@ class DecodeGraphs:
         # max_kv_len stays at the table's reach: the graph must serve any context up to it.
         return StepInputs(views, max_q_len=self.k, max_kv_len=self.width * self.executor.page_size)
 
-    def _capture(self, startup: StartupTimer) -> None:
+    def _capture_largest(self, startup: StartupTimer) -> None:
+        """The largest bucket's graphs, on padding rows, timed as start-up's ``kernel_warmup`` (the
+        eager run where Triton compiles or loads its kernels) and ``graph_capture``."""
         began = time.time()
-        warmup = 0.0
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.executor.device)
-        empty = StepLists.empty(self.executor.schema)
-        argmax_rows = SamplerKernels.for_device(self.executor.device, self.executor.artifact.kernel_config).argmax_rows
-        for bucket in reversed(self.buckets):
-            graphs = []
-            for turn in range(2):
-                self._stage(empty, bucket, turn)
-                torch.cuda.current_stream().wait_event(self._uploaded[turn])
-                inputs = self._inputs(bucket, turn)
-                # The tokens (the other turn's input ids, with one token a sequence) reach the host in the mirror.
-                rows = self.k * bucket
-                ids, mirror = self._greedy_target(turn)[:rows], self._mirrors[turn][:rows]
-                if turn == 0:  # the other turn runs the same kernels at the same sizes on other buffers
-                    stream.wait_stream(torch.cuda.current_stream())
-                    warmup_began = time.time()
-                    with torch.cuda.stream(stream):
-                        # Warm-up: Triton compiles and autotunes outside the capture, and the argmax's
-                        # first launch sizes the semaphore counters, which must not be allocated inside it.
-                        for _ in range(WARMUP_RUNS):
-                            argmax_rows(self.executor.run(inputs, self.kv_views)["logits"], ids, mirror=mirror)
-                    torch.cuda.current_stream().wait_stream(stream)
-                    torch.cuda.current_stream().synchronize()
-                    warmup += time.time() - warmup_began
-                graph = torch.cuda.CUDAGraph()
-                with capture_graph(graph, pool):
-                    outputs = self.executor.run(inputs, self.kv_views)
-                    # torch's argmax reduces each row in one thread block (~28 us for a 128k
-                    # vocabulary on an H200); the Triton kernel spreads every row over the SMs.
-                    argmax_rows(outputs["logits"], ids, mirror=mirror)
-                graphs.append(graph)
-                # Both turns' outputs are views of the one arena, so either turn's views serve.
-                kept = self._outputs.setdefault(bucket, outputs)
-                assert all(kept[name].data_ptr() == value.data_ptr() for name, value in outputs.items())
-            self._graphs[bucket] = graphs
+        self._stage(StepLists.empty(self.executor.schema), self.max_batch, 0)
+        warmup = self._capture(self.max_batch, 0)
         torch.cuda.synchronize()
         startup.add("kernel_warmup", began, warmup)
         startup.add("graph_capture", began + warmup, time.time() - began - warmup)
+
+    def _capture(self, bucket: int, turn: int) -> float:
+        """Captures ``bucket``'s graph for both turns after one eager warm-up run of the inputs staged
+        in ``turn`` (the other turn runs the same kernels at the same sizes on other buffers); the
+        warm-up's seconds. The staged step may be real (a bucket's first step): the warm-up computes it,
+        storing its K/V and writing its tokens, and the replay that follows computes the same again;
+        its expert counters are put back (``counted_once``), so the step counts once."""
+        rows = self.k * bucket
+        current = torch.cuda.current_stream()
+        current.wait_event(self._uploaded[turn])
+        self._warm_up_stream.wait_stream(current)
+        began = time.time()
+        # Warm-up: Triton compiles and autotunes outside the capture, and the argmax's first launch
+        # sizes the semaphore counters, which must not be allocated inside it.
+        with torch.cuda.stream(self._warm_up_stream), counted_once(self.kv_views):
+            for _ in range(WARMUP_RUNS):
+                logits = self.executor.run(self._inputs(bucket, turn), self.kv_views)["logits"]
+                self._argmax_rows(logits, self._greedy_target(turn)[:rows], mirror=self._mirrors[turn][:rows])
+        current.wait_stream(self._warm_up_stream)
+        current.synchronize()
+        warmup = time.time() - began
+        graphs = []
+        for each in range(2):
+            graph = torch.cuda.CUDAGraph()
+            with capture_graph(graph, self._pool):
+                outputs = self.executor.run(self._inputs(bucket, each), self.kv_views)
+                # torch's argmax reduces each row in one thread block (~28 us for a 128k vocabulary on
+                # an H200); the Triton kernel spreads every row over the SMs. The tokens (the other
+                # turn's input ids, with one token a sequence) reach the host in the mirror.
+                self._argmax_rows(outputs["logits"], self._greedy_target(each)[:rows],
+                                  mirror=self._mirrors[each][:rows])
+            graphs.append(graph)
+            # Both turns' outputs are views of the one arena, so either turn's views serve.
+            kept = self._outputs.setdefault(bucket, outputs)
+            assert all(kept[name].data_ptr() == value.data_ptr() for name, value in outputs.items())
+        self._graphs[bucket] = graphs
+        return warmup

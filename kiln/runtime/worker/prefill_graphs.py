@@ -109,10 +109,11 @@ class PrefillGraphs:
             return []
         return [(t, b) for t, b in self.warm_up_buckets() if _graph_key(self._buckets(t, b, b)) not in self._graphs]
 
-    def warm_up_lists(self, tokens: int, sequences: int) -> StepLists:
-        """A step of ``tokens`` tokens over ``sequences`` sequences (split evenly, the first ones a token
+    def warm_up_lists(self, bucket: tuple[int, int]) -> StepLists:
+        """A step of ``tokens`` tokens over ``sequences`` sequences (``bucket``) (split evenly, the first ones a token
         more), a logits row each, that stores nothing: every K/V slot is -1 and every context is on page 0,
         as padding sequences' are. Run, it takes the graph of bucket ``(tokens, sequences)``."""
+        tokens, sequences = bucket
         lengths = [tokens // sequences + (i < tokens % sequences) for i in range(sequences)]
         starts = [sum(lengths[:i]) for i in range(sequences)]
         return StepLists(token_ids=[0] * tokens, positions=[p for n in lengths for p in range(n)],

@@ -59,7 +59,7 @@ def test_warm_up_steps_take_their_buckets_and_store_nothing(runner):
     assert graphs.uncaptured() == []  # a CPU captures nothing
     pool = [t.clone() for t in runner.pool.layer_views().values()]
     for tokens, sequences in graphs.warm_up_buckets():
-        lists = graphs.warm_up_lists(tokens, sequences)
+        lists = graphs.warm_up_lists((tokens, sequences))
         assert graphs.fits(lists) and not (runner.decode_graphs and runner.decode_graphs.fits(lists))
         assert graphs._buckets(len(lists.token_ids), len(lists.q_len), len(lists.logits_index)) == \
             {"T": tokens, "B": sequences, "N": sequences}
