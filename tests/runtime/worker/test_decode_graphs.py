@@ -58,3 +58,24 @@ def test_ids_already_on_the_device_are_left_alone():
     assert graphs._inputs(2, 0).feeds["token_ids"].tolist() == [11, 12]
     graphs._stage(decode_lists([[1], [2]]), 2, 0)
     assert graphs._inputs(2, 0).feeds["token_ids"].tolist() == [7, 7]
+
+
+def test_warm_up_steps_take_their_buckets_and_store_nothing(tmp_path):
+    """``warm_up_lists(b)``, what an idle server runs to capture bucket ``b`` ahead of traffic: a step
+    the graphs take at exactly that bucket, one token a sequence or several (a verify step's), whose
+    padding sequences store no K/V."""
+    from tests.support.runners import cpu_runner
+
+    runner = cpu_runner(tmp_path, max_batch_tokens=32, max_batch_size=4, max_seq_len=32, max_logit_rows=12)
+    assert runner.decode_graphs is None  # a CPU core takes no decode buckets by default: made here
+    pool = [t.clone() for t in runner.pool.layer_views().values()]
+    for k in (1, 3):
+        graphs = DecodeGraphs(runner.executor, runner.kv_views, [1, 2, 4], runner.executor.bounds["P"],
+                              tokens_per_sequence=k)
+        assert graphs.uncaptured() == []  # a CPU captures nothing
+        for bucket in graphs.buckets:
+            lists = graphs.warm_up_lists(bucket)
+            assert graphs.fits(lists) and len(lists.q_len) == bucket
+            assert graphs.run(lists).logits.shape[0] == k * bucket
+    for before, after in zip(pool, runner.pool.layer_views().values()):
+        assert torch.equal(before, after)
