@@ -28,7 +28,7 @@ import torch
 from .artifact import load_artifact
 from .constraints import Constraints, constraint_of
 from .engine_options import DEFAULT_CPU_KV_TOKENS, EngineOptions, graph_settings
-from .kernel_cache import open_kernel_cache
+from .kernel_cache import hash_triton_early, open_kernel_cache
 from .kvcache.allocator import PageAllocator
 from .device_support import uses_references
 from .kvcache.pool import pages_for_mem_fraction, pages_for_tokens, pool_dtype
@@ -62,6 +62,8 @@ class EngineCore:
         rt = self.artifact.runtime
         bounds = rt["symbol_bounds"]
         device = self.options.resolved_device()
+        if device.type == "cuda":
+            hash_triton_early()
         spec = SpecConfig.from_options(self.options, bounds)  # refused before anything starts
         self.max_seq_len: int = rt["max_seq_len"]
         self.vocab_size: int = rt["vocab_size"]

@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,6 +130,18 @@ class KernelCache:
         log.info("Triton kernels: %d saved into %s", len(self.unshipped), target)
         self.unshipped.clear()
         return target
+
+
+def hash_triton_early() -> None:
+    """Starts computing, on a thread, the hash of Triton's own files that every kernel lookup's cache
+    key begins with (``triton.runtime.cache.triton_key``: its 400 MB libtriton among them, ~0.3 s,
+    once a process), which the warm-up's first kernel would otherwise wait for. The engine core calls
+    this first thing on a GPU, so the hash runs beside the CUDA context's creation and the weights'
+    load (file reads and sha256 release the GIL). The result is cached by Triton; were the warm-up
+    to ask before the thread is done, it would hash again itself, as without this."""
+    from triton.runtime.cache import triton_key
+
+    threading.Thread(target=triton_key, name="kiln-triton-key", daemon=True).start()
 
 
 def _user_cache_dir() -> str:

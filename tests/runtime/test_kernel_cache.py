@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import threading
 
 import pytest
 import triton
+from triton.runtime.cache import triton_key
 
 from kiln.compiler.compile import compile_model
 from kiln.compiler.options import CompileOptions
-from kiln.runtime.kernel_cache import KernelCache, KernelKey, select_binaries
+from kiln.runtime.kernel_cache import KernelCache, KernelKey, hash_triton_early, select_binaries
 from tests.support.hf_models import make_hf_model
 
 MACHINE = KernelKey(triton.__version__, "sm_90")  # the machine the tests pretend to be
@@ -120,3 +122,14 @@ def test_a_read_only_artifact_keeps_new_binaries_in_the_users_cache(artifact, tm
         assert cache.save() is None
     assert "stay in the user's cache" in caplog.text
     assert (tmp_path / "user-cache" / "NEWKEY" / "k.cubin").is_file()
+
+
+def test_triton_files_are_hashed_on_a_thread():
+    """``hash_triton_early`` leaves Triton's own-files hash (every kernel cache key's start) computed,
+    so the first kernel lookup of the warm-up finds it cached."""
+    triton_key.cache_clear()
+    hash_triton_early()
+    for thread in threading.enumerate():
+        if thread.name == "kiln-triton-key":
+            thread.join()
+    assert triton_key.cache_info().currsize == 1
