@@ -8,9 +8,9 @@ without the prefill and request set-up that time to first token covers. Also rep
 over all output tokens, which includes them, and the grammar's host time per engine step on the
 engine's thread (the step's mask filled, or handed to the filler thread and waited for, and its tokens
 accepted, all constrained rows at once: ``Constraints.start_mask``, ``PendingMask.wait`` and
-``Constraints.advance_all``), to set beside the GPU's step time: the overlap hides it only while the
-host's whole step stays under the GPU's. ``--profile`` prints where the engine's steps spend host time
-(cProfile) for each batch size and mode.
+``Constraints.advance_all``, each reported apart too), to set beside the GPU's step time: the overlap
+hides it only while the host's whole step stays under the GPU's. ``--profile`` prints where the
+engine's steps spend host time (cProfile) for each batch size and mode.
 
     python bench/structured.py --batches 1 16 64
     python bench/structured.py --random-shape smollm2-135m --tokenizer-dir DIR   # GPU: random weights
@@ -54,6 +54,7 @@ class Timing:
     tokens: int  # output tokens of all requests
     tpot_ms: float  # mean over requests of (last token time - first token time) / (tokens - 1)
     grammar_us_per_step: float  # host time filling masks and accepting tokens, over the engine's steps
+    grammar_parts_us: dict[str, float]  # that time by part (start_mask, wait, advance_all), per step
 
 
 async def _stream_one(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[list[float], str, str]:
@@ -85,7 +86,8 @@ def timed(engine: Engine, prompts: list[list[int]], params: SamplingParams, prof
     profiler = cProfile.Profile() if profile else None
     core = engine.core
     step, start_mask, advance_all, wait = core.step, core.constraints.start_mask, Constraints.advance_all, PendingMask.wait
-    steps, grammar = [0.0, 0], [0.0, 0]
+    steps = [0.0, 0]
+    parts = {"start": [0.0, 0], "wait": [0.0, 0], "accept": [0.0, 0]}
     if profiler is not None:
         # The engine's thread runs the steps: profile those calls (the benchmark's thread only waits).
         def profiled_step():
@@ -97,9 +99,9 @@ def timed(engine: Engine, prompts: list[list[int]], params: SamplingParams, prof
         core.step = _clocked(profiled_step, steps)
     else:
         core.step = _clocked(step, steps)
-    core.constraints.start_mask = _clocked(start_mask, grammar)
-    Constraints.advance_all = staticmethod(_clocked(advance_all, grammar))
-    PendingMask.wait = _clocked(wait, grammar)
+    core.constraints.start_mask = _clocked(start_mask, parts["start"])
+    Constraints.advance_all = staticmethod(_clocked(advance_all, parts["accept"]))
+    PendingMask.wait = _clocked(wait, parts["wait"])
     start = time.perf_counter()
     try:
         results = asyncio.run(_stream_all(engine, prompts, params))
@@ -119,8 +121,9 @@ def timed(engine: Engine, prompts: list[list[int]], params: SamplingParams, prof
         print(f"## engine steps, {profile}: host time by function (cProfile, tottime)")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
     gaps = [(t[-1] - t[0]) / (len(t) - 1) for t, _, _ in results if len(t) > 1]
+    per_step = {name: 1e6 * clock[0] / max(1, steps[1]) for name, clock in parts.items()}
     return Timing(seconds, sum(len(t) for t, _, _ in results), 1e3 * sum(gaps) / max(1, len(gaps)),
-                  1e6 * grammar[0] / max(1, steps[1]))
+                  sum(per_step.values()), per_step)
 
 
 def random_artifact(shape: str, tokenizer_dir: Path | None, workdir: Path, on_gpu: bool, layers: int | None) -> Path:
@@ -177,17 +180,19 @@ def main() -> None:
                          "tpot_overhead": json_run.tpot_ms / free_run.tpot_ms - 1,
                          "free_wall_ms_per_token": wall_f, "json_wall_ms_per_token": wall_c,
                          "wall_overhead": wall_c / wall_f - 1, "grammar_us_per_step": json_run.grammar_us_per_step,
+                         "grammar_parts_us": json_run.grammar_parts_us,
                          "first_json_wall_ms_per_token": 1e3 * first_json.seconds / first_json.tokens})
     hardware = torch.cuda.get_device_name() if on_gpu else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
     print(f"# structured outputs, {args.model}, {hardware}; ms per output token")
     print("| batch | tokens/request | TPOT unconstrained | TPOT JSON schema | TPOT overhead "
-          "| wall/token unconstrained | wall/token JSON schema | wall overhead | grammar host µs/step |")
+          "| wall/token unconstrained | wall/token JSON schema | wall overhead | grammar host µs/step "
+          "(start / wait / accept) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['tokens_per_request']:.0f} | {r['free_tpot_ms']:.3f} | {r['json_tpot_ms']:.3f} | "
               f"{100 * r['tpot_overhead']:+.1f}% | {r['free_wall_ms_per_token']:.3f} | "
               f"{r['json_wall_ms_per_token']:.3f} | {100 * r['wall_overhead']:+.1f}% | "
-              f"{r['grammar_us_per_step']:.0f} |")
+              f"{r['grammar_us_per_step']:.0f} ({' / '.join(f'{v:.0f}' for v in r['grammar_parts_us'].values())}) |")
     print(json.dumps(rows))
 
 
