@@ -24,6 +24,8 @@ list, and ``shared-prefix``: ``--num-groups`` long prefixes of ``--prefix-len`` 
 shared by its group's requests (a system prompt for chat), followed by a unique ``--input-len``
 part. Lengths are calibrated with the server's ``/tokenize`` when it has one (kiln and vLLM do),
 else counted in words. Token counts come from the streamed ``usage`` when the server sends it.
+``--json-schema FILE`` constrains every output to a JSON schema (OpenAI's ``response_format``), to
+set structured output's TPOT beside an unconstrained run's of the same lengths.
 
     python bench/serving.py --base-url http://127.0.0.1:30000 --model smollm2-135m-instruct \\
         --dataset shared-prefix --num-prompts 200 --request-rate 8 --max-concurrency 64 --out serving.json
@@ -128,6 +130,8 @@ def request_body(args: argparse.Namespace, prompt: Prompt) -> dict:
             "stream_options": {"include_usage": True}}
     if args.ignore_eos:
         body["ignore_eos"] = True  # an extension kiln, vLLM and SGLang accept: fixed output lengths
+    if args.json_schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": args.json_schema}}
     if args.endpoint == "chat":
         messages = [{"role": "system", "content": prompt.prefix}] if prompt.prefix else []
         body["messages"] = messages + [{"role": "user", "content": prompt.text}]
@@ -321,6 +325,13 @@ def table(summary: dict) -> str:
     return "\n".join(lines + [f"error: {e}" for e in summary["errors"]])
 
 
+def _schema_file(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read a JSON schema from {path}: {exc}") from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:30000")
@@ -339,6 +350,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1, help="load processes (default 1)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length (an extension)")
+    p.add_argument("--json-schema", type=_schema_file, default=None, metavar="FILE",
+                   help="constrain every output to the JSON schema in FILE (response_format json_schema)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--offline-shape", default=None,

@@ -140,3 +140,20 @@ def test_workers_server_figures_and_offline_in_one_run(tiny_server, tmp_path):
     offline = report["offline"]
     assert offline["requests"] == 10 and offline["output_tokens"] == 50 and offline["prompt_tokens"] == 160
     assert offline["served_over_offline"] == pytest.approx(report["output_throughput"] / offline["output_tok_s"])
+
+
+def test_outputs_constrained_to_a_json_schema(tiny_server, tmp_path):
+    """``--json-schema``: every request carries the schema as its response_format, so the grammar ends
+    each output (a constant string and the end of text) long before its max_tokens."""
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"const": "yes"}))
+    report = bench(tiny_server, tmp_path / "serving.json", "--num-prompts", "4", "--input-len", "16",
+                   "--output-len", "32", "--max-concurrency", "4", "--json-schema", str(schema))
+    assert report["completed"] == 4 and report["failed"] == 0
+    assert 4 <= report["output_tokens"] < 4 * 8
+
+
+def test_an_unreadable_json_schema_is_refused(tmp_path):
+    done = subprocess.run([sys.executable, str(BENCH / "serving.py"), "--model", MODEL, "--json-schema",
+                           str(tmp_path / "missing.json")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "cannot read a JSON schema" in done.stderr
