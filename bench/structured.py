@@ -40,12 +40,9 @@ from kiln import Engine, SamplingParams
 from kiln.runtime.constraints import Constraints
 from kiln.runtime.grammar.step_mask import PendingMask
 
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 40},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 4},
-    "city": {"type": "string", "maxLength": 30}},
-    "required": ["name", "age", "hobbies", "city"]}
+# The JSON schema every constrained request follows (also `bench/serving.py --json-schema`'s in
+# bench/experiments/gpu_session.sh): a person with a name, an age, hobbies and a city.
+SCHEMA = json.loads((Path(__file__).resolve().parent / "person_schema.json").read_text())
 
 
 @dataclasses.dataclass

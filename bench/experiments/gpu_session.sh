@@ -5,7 +5,8 @@
 # Stages: tests (GPU tests), kernels (bench/kernel_bench.py), breakdown (bench/experiments/step_breakdown.py with --timeline, SmolLM2 batch 1 and
 # Llama-3-8B shape with 8 layers), structured (bench/structured.py on random SmolLM2 weights; needs the real
 # tokenizer files in $TOKENIZER_DIR, default .bench-tokenizer), structured-profile (the same at batch 1 with the
-# engine steps' host profile, into structured_profile.log), sweep (SmolLM2 batch 1 step time under tuning variants:
+# engine steps' host profile, into structured_profile.log), structured-served (the schema through kiln serve at 16
+# and 64 concurrent against unconstrained outputs of the same length, ~3 min), sweep (SmolLM2 batch 1 step time under tuning variants:
 # bench/experiments/step_breakdown.py --kernel-config/--skip-pass), gemv-sweep (bench/experiments/gemv_sweep.py: the decode GEMV against cuBLAS at
 # Llama-3-8B shapes under tiling variants), few-rows (the few-row GEMV against the tl.dot GEMV and cuBLAS at 2-8 rows,
 # and the verify step with it: ~6 min), gemv-policy (Llama-3-8B step under each one-row GEMV weight bound),
@@ -21,6 +22,18 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # Printed, not saved: a call brings back at most 8 files, which the stages' logs and figures already take.
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 df -h /tmp "$PWD" | tail -n +2
+# Waits until the server on port $1 (logging to $2) answers /health and has captured its decode and prefill
+# graphs while idle (EngineCore.warm_up_idle), as the offline engine does before its clock starts.
+wait_for_server() {
+  python3 -c "import time, httpx
+for _ in range(1200):
+    try:
+        if httpx.get('http://127.0.0.1:$1/health', timeout=2).status_code == 200: break
+    except httpx.TransportError: pass
+    time.sleep(0.5)"
+  for _ in $(seq 120); do grep -q "step graphs:" "$2" && break; sleep 0.5; done
+  grep "ready in\|step graphs:" "$2"
+}
 # Issue 29's served-vs-offline rows for one shape: the offline engine at 64 and 256 running (the first
 # run also writes the artifact), then one server and the load generator at 1, 64 and 256 concurrent
 # and 1024 with a queue limit (refused requests are 503s, none lost).
@@ -35,16 +48,7 @@ serving_figures() {
   python3 -m kiln serve "$art" --port $port --mem-fraction 0.5 --served-model-name m --max-queued-requests 512 \
     ${SERVE_ARGS:---api-server-count 4} > "$out/serve_$shape.log" 2>&1 &
   local server=$!
-  python3 -c "import time, httpx
-for _ in range(1200):
-    try:
-        if httpx.get('http://127.0.0.1:$port/health', timeout=2).status_code == 200: break
-    except httpx.TransportError: pass
-    time.sleep(0.5)"
-  # The idle server captures its decode and prefill graphs (EngineCore.warm_up_idle) before the load, as the
-  # offline engine does before its clock starts.
-  for _ in $(seq 120); do grep -q "step graphs:" "$out/serve_$shape.log" && break; sleep 0.5; done
-  grep "ready in\|step graphs:" "$out/serve_$shape.log"
+  wait_for_server $port "$out/serve_$shape.log"
   for c in 1 64 256 1024; do
     local n=$(( c == 1 ? 16 : (c == 1024 ? 1024 : 512) ))
     timeout 300 python3 bench/serving.py --base-url http://127.0.0.1:$port --model m --num-prompts $n \
@@ -102,6 +106,27 @@ for stage in "$@"; do
              done | tee "$out/prefill.log" ;;
     structured) python3 bench/structured.py --random-shape smollm2-135m --tokenizer-dir "${TOKENIZER_DIR:-.bench-tokenizer}" \
                   --batches 1 16 64 2>&1 | tee "$out/structured.log" | tail -7 ;;
+    structured-served) # The same schema through kiln serve (SmolLM2's shape, 4 API servers, the load from 4
+                       # processes): TPOT at 16 and 64 concurrent, then unconstrained at the constrained outputs' mean length.
+                       art=/tmp/smollm2-135m.kiln
+                       [ -d "$art" ] || timeout 300 python3 bench/offline.py --shape smollm2-135m --tokenizer-dir \
+                         "${TOKENIZER_DIR:-.bench-tokenizer}" --save-artifact "$art" --workload random --num-requests 8 \
+                         --input-len 256 --output-len 2 > /dev/null 2>&1
+                       python3 -m kiln serve "$art" --port 30001 --mem-fraction 0.5 --served-model-name m \
+                         --api-server-count 4 > "$out/serve_structured.log" 2>&1 &
+                       server=$!
+                       wait_for_server 30001 "$out/serve_structured.log"
+                       for c in 16 64; do
+                         load="--base-url http://127.0.0.1:30001 --model m --endpoint chat --num-prompts $((4 * c)) --input-len 64
+                           --max-concurrency $c --workers 4"
+                         timeout 200 python3 bench/serving.py $load --output-len 128 --json-schema bench/person_schema.json \
+                           --out "$out/structured_served_$c.json" 2>&1 | tail -9
+                         tokens=$(python3 -c "import json; r = json.load(open('$out/structured_served_$c.json'))
+print(max(2, round(r['output_tokens'] / max(1, r['completed']))))")
+                         timeout 200 python3 bench/serving.py $load --output-len "$tokens" --ignore-eos \
+                           --out "$out/free_served_$c.json" 2>&1 | tail -9
+                       done 2>&1 | tee "$out/structured_served.log"
+                       kill $server; wait $server ;;
     structured-profile) python3 bench/structured.py --random-shape smollm2-135m \
                   --tokenizer-dir "${TOKENIZER_DIR:-.bench-tokenizer}" --batches 1 --profile > "$out/structured_profile.log" 2>&1
                   tail -4 "$out/structured_profile.log" ;;
