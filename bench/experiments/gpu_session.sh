@@ -6,7 +6,8 @@
 # Llama-3-8B shape with 8 layers), structured (bench/structured.py on random SmolLM2 weights; needs the real
 # tokenizer files in $TOKENIZER_DIR, default .bench-tokenizer), structured-profile (the same at batch 1 with the
 # engine steps' host profile, into structured_profile.log), structured-served (the schema through kiln serve at 16
-# and 64 concurrent against unconstrained outputs of the same length, ~3 min), sweep (SmolLM2 batch 1 step time under tuning variants:
+# and 64 concurrent against unconstrained outputs of the same length, ~3 min), grammar-fill (xgrammar's mask
+# fill on this host by grammar position and thread count, CPU only), sweep (SmolLM2 batch 1 step time under tuning variants:
 # bench/experiments/step_breakdown.py --kernel-config/--skip-pass), gemv-sweep (bench/experiments/gemv_sweep.py: the decode GEMV against cuBLAS at
 # Llama-3-8B shapes under tiling variants), few-rows (the few-row GEMV against the tl.dot GEMV and cuBLAS at 2-8 rows,
 # and the verify step with it: ~6 min), gemv-policy (Llama-3-8B step under each one-row GEMV weight bound),
@@ -127,6 +128,8 @@ print(max(2, round(r['output_tokens'] / max(1, r['completed']))))")
                            --out "$out/free_served_$c.json" 2>&1 | tail -9
                        done 2>&1 | tee "$out/structured_served.log"
                        kill $server; wait $server ;;
+    grammar-fill) python3 bench/experiments/grammar_fill.py --tokenizer-dir "${TOKENIZER_DIR:-.bench-tokenizer}" \
+                    --threads 1 2 4 8 15 2>&1 | grep -v Warning | tee "$out/grammar_fill.log" ;;
     structured-profile) python3 bench/structured.py --random-shape smollm2-135m \
                   --tokenizer-dir "${TOKENIZER_DIR:-.bench-tokenizer}" --batches 1 --profile > "$out/structured_profile.log" 2>&1
                   tail -4 "$out/structured_profile.log" ;;
