@@ -83,7 +83,7 @@ class Engine:
             speculative_ngram_min_match_window_size=speculative_ngram_min_match_window_size,
             speculative_ngram_max_match_window_size=speculative_ngram_max_match_window_size))
         # Prompts are user text: its encoder is made now (the scheduler process's core never needs it).
-        self.tokenizer = self.core.tokenizer.prepare_user_text() if self.core.tokenizer else None
+        self.tokenizer = self.core.tokenizer.prepare_for_requests() if self.core.tokenizer else None
         for name, path in (lora_modules or {}).items():
             self.core.load_lora(name, str(path))
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()

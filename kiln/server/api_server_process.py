@@ -64,7 +64,7 @@ async def _serve(config: dict[str, Any], serve_config: ServeConfig) -> int:
         on_exit("the launching kiln serve process is gone")
 
     ties = ProcessTies([watch_launcher], listening=lambda: peers.tell(0, [ipc.READY, {"api_server": me}]))
-    tokenizer = Tokenizer.from_dir(config["tokenizer_dir"]).prepare_user_text() if config["tokenizer_dir"] else None
+    tokenizer = Tokenizer.from_dir(config["tokenizer_dir"]).prepare_for_requests() if config["tokenizer_dir"] else None
     try:
         facts = await _wait_models(receiver, launcher)
         if facts is None:

@@ -12,6 +12,7 @@ Routes: ``/v1/chat/completions`` and ``/v1/completions`` (openai_routes), ``/v1/
 from __future__ import annotations
 
 import asyncio
+import warnings
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -29,6 +30,12 @@ from .openai_routes import add_openai_routes
 from .peers import METRICS
 from .responses_api import add_responses_route
 from .request_stream import RequestStream
+
+# FastAPI imports pydantic.v1 as it builds the first route (to tell v1 models apart: ~0.1 s); imported
+# here instead, with the web stack, which loads while the model does, not after the model is ready.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # as FastAPI imports it (v1 warns on newer Pythons)
+    import pydantic.v1  # noqa: F401
 
 # /health_generate fails when one token takes longer than this (the engine is stuck or overloaded).
 HEALTH_GENERATE_TIMEOUT_S = 30.0

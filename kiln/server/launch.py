@@ -161,7 +161,7 @@ async def _serve(started: StartedProcesses, artifact: str, config: ServeConfig, 
 def _load_tokenizer(artifact: str, startup: StartupTimer) -> Tokenizer | None:
     directory = artifact_tokenizer_dir(artifact)
     with startup.phase("tokenizer"):
-        return Tokenizer.from_dir(directory).prepare_user_text() if directory else None
+        return Tokenizer.from_dir(directory).prepare_for_requests() if directory else None
 
 
 async def _wait_ready(receiver: zmq.asyncio.Socket, children: Children, replicas: int) -> list[dict[str, Any]]:

@@ -191,14 +191,18 @@ class Tokenizer:
         """The same tokenizer with special tokens matched as text, for what users write: a second parse
         of tokenizer.json (~half of ``from_dir``'s time), made on first use, since the scheduler and
         the detokenizer never encode user text (HTTP processes make it as they start:
-        ``prepare_user_text``)."""
+        ``prepare_for_requests``)."""
         text_backend = tokenizers.Tokenizer.from_str(self.backend.to_str())
         text_backend.encode_special_tokens = True
         return text_backend
 
-    def prepare_user_text(self) -> "Tokenizer":
-        """Makes the backend that encodes user text now, so that the first request does not wait for it."""
-        self._text_backend  # noqa: B018 (a cached property, made here)
+    def prepare_for_requests(self) -> "Tokenizer":
+        """Makes now what serving requests needs and the scheduler and detokenizer never do, so that
+        neither the first request nor a server's last start-up step waits for it: the backend that
+        encodes user text and the tool template (whose check parses the chat template: jinja2's import
+        and a parse, ~0.1-0.2 s, which the server's tool-call parser asks for as it starts listening)."""
+        self._text_backend  # noqa: B018 (cached properties, made here)
+        self.tool_chat_template  # noqa: B018
         return self
 
     @cached_property
