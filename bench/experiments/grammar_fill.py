@@ -62,7 +62,8 @@ def main() -> None:
     mask = xgrammar.allocate_token_bitmask(args.rows, info.vocab_size)
     rows = list(range(args.rows))
     print(f"# {os.cpu_count()} CPUs; {args.rows} rows; us a fill")
-    print("| position | one row | " + " | ".join(f"batch, {t} threads | pool, {t} threads" for t in args.threads) + " |")
+    columns = " | ".join(f"batch, {t} threads | pool, {t} threads" for t in args.threads)
+    print(f"| position | one row | {columns} |")
     print("|---|---:|" + "---:|---:|" * len(args.threads))
     for label, text in POSITIONS.items():
         matchers = matchers_at(grammar, tokenizer.encode(text, add_special_tokens=False), args.rows)

@@ -8,14 +8,14 @@ cache and inbox (``ipc.scheduler_socket(replica)``); on GPUs replica i runs on i
 (``replica_options``). Its STATS and READY name its replica.
 
 It loads the model, reports READY with its start-up phases (``kiln.runtime.startup``; or FATAL
-when loading fails), then repeats: take every waiting
-ADD/ABORT, run one step while there is work, send the step's events to the detokenizer, and publish
-the core's stats (every ``STATS_INTERVAL_S`` while they change). With nothing to do it captures the
-decode and prefill graphs that real traffic would otherwise wait for, one between looks at its inbox. A request the core refuses is
-answered with REJECT and the loop goes on; an error inside a step is fatal (the core's state is no
-longer trustworthy): it reports FATAL and exits non-zero, and the HTTP process fails what is in
-flight and stops; so does a worker rank's death (``EngineOptions.world_size`` > 1), idle or not. It
-exits on SHUTDOWN or when its parent is gone, closing the core (its worker processes) on the way out;
+when loading fails), then repeats: take every waiting ADD/ABORT, run one step while there is work,
+send the step's events to the detokenizer, and publish the core's stats (every ``STATS_INTERVAL_S``
+while they change). With nothing to do it captures the decode and prefill graphs that real traffic
+would otherwise wait for, one between looks at its inbox. A request the core refuses is answered with
+REJECT and the loop goes on; an error inside a step is fatal (the core's state is no longer
+trustworthy): it reports FATAL and exits non-zero, and the HTTP process fails what is in flight and
+stops; so does a worker rank's death (``EngineOptions.world_size`` > 1), idle or not. It exits on
+SHUTDOWN or when its parent is gone, closing the core (its worker processes) on the way out;
 SIGINT/SIGTERM are left to the parent, which drains before stopping its children.
 
 With ``kiln serve --disaggregation-mode prefill|decode`` an ADD that names a bootstrap room goes
