@@ -11,8 +11,8 @@ the mean (1.0: perfectly even).
 
 ``--workload random``: ``--num-requests`` prompts of ``--input-len`` random token ids, each generating
 exactly ``--output-len`` tokens, at most ``--max-running`` at once, straight on an ``EngineCore`` (no
-text, prefix cache off, every prefill graph captured before the clock starts, as an idle server
-captures them): the rate ``bench/serving.py --offline-shape`` sets a server's against.
+text, prefix cache off, every decode and prefill graph captured before the clock starts, as an idle
+server captures them): the rate ``bench/serving.py --offline-shape`` sets a server's against.
 ``--shape S`` runs random weights of shape S (``bench/models.py``; ``--layers`` cuts it) instead of
 ``--model``; ``--save-artifact ART --tokenizer-dir DIR`` keeps that artifact, with a tokenizer, for
 ``kiln serve ART`` (the same seed gives the same weights).
@@ -98,8 +98,8 @@ def run_random(args: argparse.Namespace, artifact: str) -> dict:
         params = SamplingParams(temperature=0, max_new_tokens=args.output_len, ignore_eos=True)
         finish(core, {"warm-up": [1 + rng.randrange(core.vocab_size - 1) for _ in range(args.input_len)]},
                SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True))
-        # Every prefill graph captured first, as an idle server does (the timed run would pay the
-        # captures otherwise: ~4 s of Llama-3-8B's 8.4 s at 256 running on an H100).
+        # Every step graph captured first, as an idle server does (the timed run would pay the
+        # captures otherwise: the prefill graphs took ~4 s of Llama-3-8B's 8.4 s at 256 running on an H100).
         while core.warm_up_idle():
             pass
         prompts = {f"r{i}": [rng.randrange(core.vocab_size) for _ in range(args.input_len)]
