@@ -138,7 +138,8 @@ def hash_triton_early() -> None:
     once a process), which the warm-up's first kernel would otherwise wait for. The engine core calls
     this first thing on a GPU, so the hash runs beside the CUDA context's creation and the weights'
     load (file reads and sha256 release the GIL). The result is cached by Triton; were the warm-up
-    to ask before the thread is done, it would hash again itself, as without this."""
+    to ask before the thread is done, it would hash again itself, as without this. (On an H100 the
+    warm-up took 0.66-0.77 s with this and 0.78-0.79 without, on two hosts: within their noise.)"""
     from triton.runtime.cache import triton_key
 
     threading.Thread(target=triton_key, name="kiln-triton-key", daemon=True).start()

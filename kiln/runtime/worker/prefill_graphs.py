@@ -110,9 +110,9 @@ class PrefillGraphs:
         return [(t, b) for t, b in self.warm_up_buckets() if _graph_key(self._buckets(t, b, b)) not in self._graphs]
 
     def warm_up_lists(self, bucket: tuple[int, int]) -> StepLists:
-        """A step of ``tokens`` tokens over ``sequences`` sequences (``bucket``) (split evenly, the first ones a token
-        more), a logits row each, that stores nothing: every K/V slot is -1 and every context is on page 0,
-        as padding sequences' are. Run, it takes the graph of bucket ``(tokens, sequences)``."""
+        """A step of ``bucket = (tokens, sequences)``: the tokens split evenly over the sequences (the first
+        ones a token more), a logits row each, that stores nothing: every K/V slot is -1 and every context
+        is on page 0, as padding sequences' are. Run, it takes the graph of that bucket."""
         tokens, sequences = bucket
         lengths = [tokens // sequences + (i < tokens % sequences) for i in range(sequences)]
         starts = [sum(lengths[:i]) for i in range(sequences)]
