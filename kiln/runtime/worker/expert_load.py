@@ -6,9 +6,9 @@ This module owns those counters on the rank's device: zeros at start, handed to 
 the KV pool's views (the step adds to them in place, in eager steps and graph replays alike), and
 read back only when asked (``read``: one small copy to the host, the metrics' and bench's pace).
 
-A prefill graph's capture runs its real first step twice more to warm up; ``counted_once`` puts the
-counters back after those runs so that the step counts once (decode graphs warm up on padding rows,
-which count nothing).
+A graph captured at a step's first use (prefill graphs, and decode graphs but the largest) runs that
+real step eagerly to warm up before the capture's replay runs it again; ``counted_once`` puts the
+counters back after the warm-up so that the step counts once.
 """
 
 from __future__ import annotations

@@ -195,3 +195,12 @@ def test_corrupt_files_are_named(tmp_path):
     (directory / "tokenizer_config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="tokenizer_config.json does not hold a JSON object"):
         Tokenizer.from_dir(directory)
+
+
+def test_prepare_for_requests_makes_the_user_text_backend_and_the_tool_template(smollm2_dir):
+    """What an HTTP process makes while the model loads, so that neither the first request nor the
+    server's last start-up step (its tool-call parser asks for the tool template) waits for it."""
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    assert "_text_backend" not in vars(tokenizer) and "tool_chat_template" not in vars(tokenizer)
+    assert tokenizer.prepare_for_requests() is tokenizer
+    assert "_text_backend" in vars(tokenizer) and vars(tokenizer)["tool_chat_template"] is not None
