@@ -6,10 +6,13 @@ repeated schema). Requests stream, and the time per output token (TPOT) of each 
 its first token to its last over the tokens after the first: decode speed, the usual serving metric,
 without the prefill and request set-up that time to first token covers. Also reported: wall time
 over all output tokens, which includes them, and the grammar's host time per engine step on the
-engine's thread (the step's mask filled, or handed to the filler thread and waited for, and its tokens
-accepted, all constrained rows at once: ``Constraints.start_mask``, ``PendingMask.wait`` and
-``Constraints.advance_all``, each reported apart too), to set beside the GPU's step time: the overlap
-hides it only while the host's whole step stays under the GPU's. ``--profile`` prints where the
+engine's thread, each part apart: "start" (overlapped steps: the grammar threads' accepts of the step
+just read, waited for, and the next step's fills started, ``Constraints.advance_and_start_mask``),
+"wait" (the fills, when the draw needs them and they are not done: ``PendingMask.wait``) and "accept"
+(other steps' accepts on the engine's thread, ``Constraints.advance_all``). Set it beside the GPU's
+step time: the overlap hides it only while the host's whole step stays under the GPU's.
+``--grammar-threads N [N ...]`` repeats everything with each number of grammar threads (an engine
+each, on the same artifact). ``--profile`` prints where the
 engine's steps spend host time (cProfile) for each batch size and mode.
 
     python bench/structured.py --batches 1 16 64
@@ -51,7 +54,7 @@ class Timing:
     tokens: int  # output tokens of all requests
     tpot_ms: float  # mean over requests of (last token time - first token time) / (tokens - 1)
     grammar_us_per_step: float  # host time filling masks and accepting tokens, over the engine's steps
-    grammar_parts_us: dict[str, float]  # that time by part (start_mask, wait, advance_all), per step
+    grammar_parts_us: dict[str, float]  # that time by part (start, wait, accept), per step
 
 
 async def _stream_one(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[list[float], str, str]:
@@ -82,7 +85,9 @@ def _clocked(function, clock: list[float]):
 def timed(engine: Engine, prompts: list[list[int]], params: SamplingParams, profile: str | None = None) -> Timing:
     profiler = cProfile.Profile() if profile else None
     core = engine.core
-    step, start_mask, advance_all, wait = core.step, core.constraints.start_mask, Constraints.advance_all, PendingMask.wait
+    constraints = core.constraints
+    step, advance_and_start, advance_all, wait = (core.step, constraints.advance_and_start_mask, Constraints.advance_all,
+                                                  PendingMask.wait)
     steps = [0.0, 0]
     parts = {"start": [0.0, 0], "wait": [0.0, 0], "accept": [0.0, 0]}
     if profiler is not None:
@@ -96,14 +101,14 @@ def timed(engine: Engine, prompts: list[list[int]], params: SamplingParams, prof
         core.step = _clocked(profiled_step, steps)
     else:
         core.step = _clocked(step, steps)
-    core.constraints.start_mask = _clocked(start_mask, parts["start"])
+    constraints.advance_and_start_mask = _clocked(advance_and_start, parts["start"])
     Constraints.advance_all = staticmethod(_clocked(advance_all, parts["accept"]))
     PendingMask.wait = _clocked(wait, parts["wait"])
     start = time.perf_counter()
     try:
         results = asyncio.run(_stream_all(engine, prompts, params))
     finally:
-        core.step, core.constraints.start_mask = step, start_mask
+        core.step, constraints.advance_and_start_mask = step, advance_and_start
         Constraints.advance_all = staticmethod(advance_all)
         PendingMask.wait = wait
     seconds = time.perf_counter() - start
@@ -134,6 +139,34 @@ def random_artifact(shape: str, tokenizer_dir: Path | None, workdir: Path, on_gp
     return models.random_artifact(shape, workdir / "model.kiln", on_gpu, tokenizer_dir, layers)
 
 
+def run_batch(engine: Engine, batch: int, max_new_tokens: int, profile: bool) -> dict:
+    """One batch size's row: the same prompts constrained and free, warmed both ways first."""
+    prompts = [engine.chat_prompt_ids([{"role": "user", "content": f"Invent person number {i} and describe "
+                                        f"them as JSON with name, age, hobbies and city."}])
+               for i in range(batch)]
+    # ignore_eos on the free run keeps its length equal to the constrained one's.
+    free = SamplingParams(temperature=0, max_new_tokens=max_new_tokens)
+    constrained = SamplingParams(temperature=0, max_new_tokens=max_new_tokens, json_schema=SCHEMA)
+    # The first constrained run at a batch size compiles the grammar and any kernel specialized
+    # for that size (on the H100, 2026-12-06, a ~1 s stall the timed runs then included): warm
+    # both ways at this size, and report the first constrained run's wall time apart.
+    first_json = timed(engine, prompts, constrained)
+    timed(engine, prompts, dataclasses.replace(constrained, json_schema=None, ignore_eos=True))
+    label = f"batch {batch}, %s" if profile else None
+    json_run = timed(engine, prompts, constrained, label and label % "JSON schema")
+    free.max_new_tokens = max(1, json_run.tokens // batch)
+    free.ignore_eos = True
+    free_run = timed(engine, prompts, free, label and label % "unconstrained")
+    wall_c, wall_f = 1e3 * json_run.seconds / json_run.tokens, 1e3 * free_run.seconds / free_run.tokens
+    return {"batch": batch, "tokens_per_request": json_run.tokens / batch,
+            "free_tpot_ms": free_run.tpot_ms, "json_tpot_ms": json_run.tpot_ms,
+            "tpot_overhead": json_run.tpot_ms / free_run.tpot_ms - 1,
+            "free_wall_ms_per_token": wall_f, "json_wall_ms_per_token": wall_c,
+            "wall_overhead": wall_c / wall_f - 1, "grammar_us_per_step": json_run.grammar_us_per_step,
+            "grammar_parts_us": json_run.grammar_parts_us,
+            "first_json_wall_ms_per_token": 1e3 * first_json.seconds / first_json.tokens}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -145,48 +178,30 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None,
                         help="cut --random-shape to this many layers (on the CPU: the host's work shows)")
     parser.add_argument("--profile", action="store_true", help="print the engine steps' host profile of each run")
+    parser.add_argument("--grammar-threads", nargs="+", type=int, default=[None],
+                        help="grammar threads (an engine each; default: the engine's own choice)")
     args = parser.parse_args()
     on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     model = args.model
     if args.random_shape:
         model = random_artifact(args.random_shape, args.tokenizer_dir, Path(tempfile.mkdtemp()), on_gpu, args.layers)
         args.model = f"random {args.random_shape}"
-    with Engine(model, dtype="bf16" if on_gpu else "fp32", device=args.device, max_seq_len=2048,
-                kv_cache_tokens=None if on_gpu else 65536, enable_prefix_cache=False) as engine:
-        rows = []
-        for batch in args.batches:
-            prompts = [engine.chat_prompt_ids([{"role": "user", "content": f"Invent person number {i} and describe "
-                                                f"them as JSON with name, age, hobbies and city."}])
-                       for i in range(batch)]
-            # ignore_eos on the free run keeps its length equal to the constrained one's.
-            free = SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens)
-            constrained = SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens, json_schema=SCHEMA)
-            # The first constrained run at a batch size compiles the grammar and any kernel specialized
-            # for that size (on the H100, 2026-12-06, a ~1 s stall the timed runs then included): warm
-            # both ways at this size, and report the first constrained run's wall time apart.
-            first_json = timed(engine, prompts, constrained)
-            timed(engine, prompts, dataclasses.replace(constrained, json_schema=None, ignore_eos=True))
-            label = f"batch {batch}, %s" if args.profile else None
-            json_run = timed(engine, prompts, constrained, label and label % "JSON schema")
-            free.max_new_tokens = max(1, json_run.tokens // batch)
-            free.ignore_eos = True
-            free_run = timed(engine, prompts, free, label and label % "unconstrained")
-            wall_c, wall_f = 1e3 * json_run.seconds / json_run.tokens, 1e3 * free_run.seconds / free_run.tokens
-            rows.append({"batch": batch, "tokens_per_request": json_run.tokens / batch,
-                         "free_tpot_ms": free_run.tpot_ms, "json_tpot_ms": json_run.tpot_ms,
-                         "tpot_overhead": json_run.tpot_ms / free_run.tpot_ms - 1,
-                         "free_wall_ms_per_token": wall_f, "json_wall_ms_per_token": wall_c,
-                         "wall_overhead": wall_c / wall_f - 1, "grammar_us_per_step": json_run.grammar_us_per_step,
-                         "grammar_parts_us": json_run.grammar_parts_us,
-                         "first_json_wall_ms_per_token": 1e3 * first_json.seconds / first_json.tokens})
+    rows = []
+    for threads in args.grammar_threads:
+        with Engine(model, dtype="bf16" if on_gpu else "fp32", device=args.device, max_seq_len=2048,
+                    kv_cache_tokens=None if on_gpu else 65536, enable_prefix_cache=False,
+                    grammar_threads=threads) as engine:
+            for batch in args.batches:
+                rows.append(run_batch(engine, batch, args.max_new_tokens, args.profile) | {"grammar_threads": threads})
     hardware = torch.cuda.get_device_name() if on_gpu else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
     print(f"# structured outputs, {args.model}, {hardware}; ms per output token")
-    print("| batch | tokens/request | TPOT unconstrained | TPOT JSON schema | TPOT overhead "
+    print("| grammar threads | batch | tokens/request | TPOT unconstrained | TPOT JSON schema | TPOT overhead "
           "| wall/token unconstrained | wall/token JSON schema | wall overhead | grammar host µs/step "
           "(start / wait / accept) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['tokens_per_request']:.0f} | {r['free_tpot_ms']:.3f} | {r['json_tpot_ms']:.3f} | "
+        print(f"| {r['grammar_threads'] or 'default'} | {r['batch']} | {r['tokens_per_request']:.0f} | "
+              f"{r['free_tpot_ms']:.3f} | {r['json_tpot_ms']:.3f} | "
               f"{100 * r['tpot_overhead']:+.1f}% | {r['free_wall_ms_per_token']:.3f} | "
               f"{r['json_wall_ms_per_token']:.3f} | {100 * r['wall_overhead']:+.1f}% | "
               f"{r['grammar_us_per_step']:.0f} ({' / '.join(f'{v:.0f}' for v in r['grammar_parts_us'].values())}) |")

@@ -59,6 +59,8 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--reference-fallback", action="store_true",
                    help="on a GPU that cannot run the model's FP8 (compute capability < 8.9), run the torch "
                         "reference kernels (slow) instead of refusing")
+    p.add_argument("--grammar-threads", type=int, default=None,
+                   help="threads that fill structured outputs' token masks (default: half the CPUs, at most 8)")
     add_speculative_arguments(p)
     # Fault injection for tests (EngineOptions.debug_fail_token_id); not for serving.
     p.add_argument("--debug-fail-token-id", type=int, default=None, help=argparse.SUPPRESS)
@@ -113,6 +115,7 @@ def _run_serve(args: argparse.Namespace) -> int:
               "max_batch_tokens": args.max_batch_tokens, "schedule_policy": args.schedule_policy,
               "world_size": args.world_size, "reference_fallback": args.reference_fallback,
               "debug_fail_token_id": args.debug_fail_token_id, "nnodes": args.nnodes,
+              "grammar_threads": args.grammar_threads,
               "dist_init_addr": args.dist_init_addr, **speculative}
     if args.disaggregation_mode != "null":  # refused before any process starts
         from kiln.server.launch import check_disaggregation

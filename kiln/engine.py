@@ -50,7 +50,7 @@ class Engine:
                  speculative_eagle_topk: int | None = None, speculative_draft_model_path: str | None = None,
                  speculative_ngram_min_match_window_size: int = 1,
                  speculative_ngram_max_match_window_size: int = 12, lora_modules: dict[str, str] | None = None,
-                 max_loras: int | None = None, max_lora_rank: int = 16) -> None:
+                 max_loras: int | None = None, max_lora_rank: int = 16, grammar_threads: int | None = None) -> None:
         """``lora_modules`` ({name: PEFT directory}) are loaded at start; ``max_loras`` adapter slots
         (default: 1 with lora_modules, else none) of rank up to ``max_lora_rank`` are compiled in."""
         import torch
@@ -81,7 +81,8 @@ class Engine:
             speculative_num_steps=speculative_num_steps, speculative_eagle_topk=speculative_eagle_topk,
             speculative_draft_model_path=speculative_draft_model_path,
             speculative_ngram_min_match_window_size=speculative_ngram_min_match_window_size,
-            speculative_ngram_max_match_window_size=speculative_ngram_max_match_window_size))
+            speculative_ngram_max_match_window_size=speculative_ngram_max_match_window_size,
+            grammar_threads=grammar_threads))
         # Prompts are user text: its encoder is made now (the scheduler process's core never needs it).
         self.tokenizer = self.core.tokenizer.prepare_for_requests() if self.core.tokenizer else None
         for name, path in (lora_modules or {}).items():

@@ -4,10 +4,10 @@
 #   bench/experiments/gpu_session.sh decode                                 # ~5 min: bench/decode.py, both shapes, HF in the same run
 # Stages: tests (GPU tests), kernels (bench/kernel_bench.py), breakdown (bench/experiments/step_breakdown.py with --timeline, SmolLM2 batch 1 and
 # Llama-3-8B shape with 8 layers), structured (bench/structured.py on random SmolLM2 weights; needs the real
-# tokenizer files in $TOKENIZER_DIR, default .bench-tokenizer), structured-profile (the same at batch 1 with the
+# tokenizer files in $TOKENIZER_DIR, default .bench-tokenizer; $GRAMMAR_THREADS, e.g. "1 4 8", sweeps the grammar threads), structured-profile (the same at batch 1 with the
 # engine steps' host profile, into structured_profile.log), structured-served (the schema through kiln serve at 16
-# and 64 concurrent against unconstrained outputs of the same length, ~3 min), grammar-fill (xgrammar's mask
-# fill on this host by grammar position and thread count, CPU only), sweep (SmolLM2 batch 1 step time under tuning variants:
+# and 64 concurrent against unconstrained outputs of the same length, ~3 min), grammar-fill (the mask fill
+# on this host by grammar position and thread count, xgrammar's batch matcher and kiln's grammar threads, CPU only), sweep (SmolLM2 batch 1 step time under tuning variants:
 # bench/experiments/step_breakdown.py --kernel-config/--skip-pass), gemv-sweep (bench/experiments/gemv_sweep.py: the decode GEMV against cuBLAS at
 # Llama-3-8B shapes under tiling variants), few-rows (the few-row GEMV against the tl.dot GEMV and cuBLAS at 2-8 rows,
 # and the verify step with it: ~6 min), gemv-policy (Llama-3-8B step under each one-row GEMV weight bound),
@@ -106,7 +106,7 @@ for stage in "$@"; do
                python3 bench/experiments/prefill_breakdown.py $args 2>&1 | grep -v Warning
              done | tee "$out/prefill.log" ;;
     structured) python3 bench/structured.py --random-shape smollm2-135m --tokenizer-dir "${TOKENIZER_DIR:-.bench-tokenizer}" \
-                  --batches 1 16 64 2>&1 | tee "$out/structured.log" | tail -7 ;;
+                  --batches 1 16 64 ${GRAMMAR_THREADS:+--grammar-threads $GRAMMAR_THREADS} 2>&1 | tee "$out/structured.log" | grep "^|" ;;
     structured-served) # The same schema through kiln serve (SmolLM2's shape, 4 API servers, the load from 4
                        # processes): TPOT at 16 and 64 concurrent, then unconstrained at the constrained outputs' mean length.
                        art=/tmp/smollm2-135m.kiln

@@ -106,7 +106,8 @@ class EngineCore:
             page_size=self.page_size, max_logit_rows=bounds["N"], policy=self.options.schedule_policy,
             enable_prefix_cache=self.options.enable_prefix_cache), self.allocator, self.cache, self.lora)
         self.eos_ids: set[int] = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
-        self.constraints = Constraints(self.tokenizer, self.vocab_size, self.eos_ids)
+        self.constraints = Constraints(self.tokenizer, self.vocab_size, self.eos_ids,
+                                       grammar_threads=self.options.grammar_threads)
         self._requests: dict[str, list[Request]] = {}
         # Speculative decoding (runtime/spec): decode steps verify drafts; never overlapped (see SpecConfig).
         self.speculator = Speculator(spec, self) if spec is not None else None
@@ -227,6 +228,7 @@ class EngineCore:
         compiled since start-up into the artifact (lazily captured prefill graphs' kernels); the core
         is unusable after."""
         self.worker.close()
+        self.constraints.close()
         if self.kernel_cache is not None:
             self.kernel_cache.save()
 

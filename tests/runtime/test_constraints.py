@@ -1,13 +1,14 @@
 """Constrained decoding at batch in the engine core: a step's constrained rows are masked from one
-bitmask and advanced in one call, and that gives every request exactly the tokens it gets decoding
+bitmask and advanced together, and that gives every request exactly the tokens it gets decoding
 alone, where its grammar is filled and advanced as the only row. A tiny random Llama in SmolLM2's
 vocabulary (fp32, CPU) with a batch of JSON-schema, regex, EBNF and unconstrained requests, greedy
-and seeded sampling: plain steps, overlapped steps (decode buckets: masks filled for step N+1 after
-step N's tokens are accepted) and n-gram speculation (drafts walked through the grammar and rolled
-back) must all match the requests run one at a time. (Speculation matches token for token on greedy
-rows only: its sampled rows follow the target's distribution through rejection sampling, not plain
-decoding's draws; they must still follow their constraints.) Overlapped chains broken by an arrival
-and an abort while a step is undrawn leave the others' tokens unchanged and nothing held."""
+and seeded sampling: plain steps, overlapped steps (decode buckets: step N's tokens accepted and
+step N+1's masks filled by one grammar thread, or by three taking a run of rows each) and n-gram
+speculation (drafts walked through the grammar and rolled back) must all match the requests run one
+at a time. (Speculation matches token for token on greedy rows only: its sampled rows follow the
+target's distribution through rejection sampling, not plain decoding's draws; they must still follow
+their constraints.) Overlapped chains broken by an arrival and an abort while a step is undrawn
+leave the others' tokens unchanged and nothing held."""
 
 from __future__ import annotations
 
@@ -89,12 +90,17 @@ def test_outputs_follow_their_constraints(artifact, one_at_a_time):
     assert_constraints_followed(core.tokenizer, one_at_a_time)
 
 
-@pytest.mark.parametrize("mode", ["plain", "overlapped", "speculative"])
+@pytest.mark.parametrize("mode", ["plain", "overlapped", "overlapped, 3 grammar threads", "speculative"])
 def test_a_mixed_batch_equals_each_request_alone(artifact, one_at_a_time, mode):
     options = {"plain": {},
                "overlapped": dict(decode_buckets=(1, 2, 4, 8), overlap_schedule=True),
+               # Twice the batch: 12 constrained rows, so the grammar threads take 3 runs of 4 rows.
+               "overlapped, 3 grammar threads": dict(decode_buckets=(1, 2, 4, 8, 16), overlap_schedule=True,
+                                                     grammar_threads=3),
                "speculative": dict(speculative_algorithm="ngram", speculative_num_draft_tokens=4)}[mode]
-    together, core = generate(artifact, batch(), **options)
+    copies = 2 if "threads" in mode else 1
+    together, core = generate(artifact, batch() * copies, **options)
+    one_at_a_time = one_at_a_time * copies
     if mode == "speculative":
         greedy = [i for i, (_, params) in enumerate(batch()) if params.greedy]
         assert [together[i] for i in greedy] == [one_at_a_time[i] for i in greedy]
@@ -107,7 +113,7 @@ def test_a_mixed_batch_equals_each_request_alone(artifact, one_at_a_time, mode):
 
 
 def test_overlapped_constrained_chains_break_for_arrivals_and_aborts(artifact, one_at_a_time):
-    # Overlapped constrained steps leave a step undrawn (its mask filling on the filler thread) between
+    # Overlapped constrained steps leave a step undrawn (its mask filling on a grammar thread) between
     # core steps; a request arriving or aborted then breaks the chain. The others' tokens stay those
     # they get alone, and nothing is left held.
     core = EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=4096, decode_buckets=(1, 2, 4, 8),
@@ -134,3 +140,8 @@ def test_overlapped_constrained_chains_break_for_arrivals_and_aborts(artifact, o
         assert tokens[str(i)] == one_at_a_time[i][0], f"request {i}"
     assert tokens["0"] == one_at_a_time[0][0][:len(tokens["0"])] and len(tokens["0"]) < len(one_at_a_time[0][0])
     assert_no_leaks(core)
+
+
+def test_grammar_threads_below_one_are_refused(artifact):
+    with pytest.raises(ValueError, match="grammar_threads: must be at least 1, got 0"):
+        EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=1024, grammar_threads=0))

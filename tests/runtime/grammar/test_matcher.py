@@ -121,7 +121,7 @@ def test_replay_of_tokens_outside_the_grammar_fails(grammar_compiler, smollm2_to
 
 
 def test_batch_fill_equals_one_row_at_a_time(grammar_compiler):
-    """fill_bitmasks (xgrammar's threaded batch fill) writes the rows the single-row fill writes."""
+    """fill_bitmasks (one native call over the rows) writes the rows the single-row fill writes."""
     schemas = ['{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}',
                '{"type": "array", "items": {"type": "string"}}', '{"type": "boolean"}']
     states = [GrammarState(grammar_compiler.compile("json_schema", s)) for s in schemas]
