@@ -6,14 +6,13 @@ repeated schema). Requests stream, and the time per output token (TPOT) of each 
 its first token to its last over the tokens after the first: decode speed, the usual serving metric,
 without the prefill and request set-up that time to first token covers. Also reported: wall time
 over all output tokens, which includes them, and the grammar's host time per engine step on the
-engine's thread, each part apart: "start" (overlapped steps: the grammar threads' accepts of the step
-just read, waited for, and the next step's fills started, ``Constraints.advance_and_start_mask``),
-"wait" (the fills, when the draw needs them and they are not done: ``PendingMask.wait``) and "accept"
-(other steps' accepts on the engine's thread, ``Constraints.advance_all``). Set it beside the GPU's
-step time: the overlap hides it only while the host's whole step stays under the GPU's.
-``--grammar-threads N [N ...]`` repeats everything with each number of grammar threads (an engine
-each, on the same artifact). ``--profile`` prints where the
-engine's steps spend host time (cProfile) for each batch size and mode.
+engine's thread (the step's mask filled, or handed to the filler thread and waited for, and its tokens
+accepted, all constrained rows at once: ``Constraints.start_mask``, ``PendingMask.wait`` and
+``Constraints.advance_all``, each reported apart too), to set beside the GPU's step time: the overlap
+hides it only while the host's whole step stays under the GPU's. ``--grammar-threads N [N ...]``
+repeats everything with each cap on the threads a step's masks are filled on (an engine each, on the
+same artifact). ``--profile`` prints where the engine's steps spend host time (cProfile) for each
+batch size and mode.
 
     python bench/structured.py --batches 1 16 64
     python bench/structured.py --random-shape smollm2-135m --tokenizer-dir DIR   # GPU: random weights
@@ -29,6 +28,7 @@ import argparse
 import asyncio
 import cProfile
 import dataclasses
+import gc
 import json
 import platform
 import pstats
@@ -54,7 +54,7 @@ class Timing:
     tokens: int  # output tokens of all requests
     tpot_ms: float  # mean over requests of (last token time - first token time) / (tokens - 1)
     grammar_us_per_step: float  # host time filling masks and accepting tokens, over the engine's steps
-    grammar_parts_us: dict[str, float]  # that time by part (start, wait, accept), per step
+    grammar_parts_us: dict[str, float]  # that time by part (start_mask, wait, advance_all), per step
 
 
 async def _stream_one(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[list[float], str, str]:
@@ -85,9 +85,7 @@ def _clocked(function, clock: list[float]):
 def timed(engine: Engine, prompts: list[list[int]], params: SamplingParams, profile: str | None = None) -> Timing:
     profiler = cProfile.Profile() if profile else None
     core = engine.core
-    constraints = core.constraints
-    step, advance_and_start, advance_all, wait = (core.step, constraints.advance_and_start_mask, Constraints.advance_all,
-                                                  PendingMask.wait)
+    step, start_mask, advance_all, wait = core.step, core.constraints.start_mask, Constraints.advance_all, PendingMask.wait
     steps = [0.0, 0]
     parts = {"start": [0.0, 0], "wait": [0.0, 0], "accept": [0.0, 0]}
     if profiler is not None:
@@ -101,14 +99,14 @@ def timed(engine: Engine, prompts: list[list[int]], params: SamplingParams, prof
         core.step = _clocked(profiled_step, steps)
     else:
         core.step = _clocked(step, steps)
-    constraints.advance_and_start_mask = _clocked(advance_and_start, parts["start"])
+    core.constraints.start_mask = _clocked(start_mask, parts["start"])
     Constraints.advance_all = staticmethod(_clocked(advance_all, parts["accept"]))
     PendingMask.wait = _clocked(wait, parts["wait"])
     start = time.perf_counter()
     try:
         results = asyncio.run(_stream_all(engine, prompts, params))
     finally:
-        core.step, constraints.advance_and_start_mask = step, advance_and_start
+        core.step, core.constraints.start_mask = step, start_mask
         Constraints.advance_all = staticmethod(advance_all)
         PendingMask.wait = wait
     seconds = time.perf_counter() - start
@@ -179,7 +177,7 @@ def main() -> None:
                         help="cut --random-shape to this many layers (on the CPU: the host's work shows)")
     parser.add_argument("--profile", action="store_true", help="print the engine steps' host profile of each run")
     parser.add_argument("--grammar-threads", nargs="+", type=int, default=[None],
-                        help="grammar threads (an engine each; default: the engine's own choice)")
+                        help="caps on the mask-fill threads (an engine each; default: the engine's own)")
     args = parser.parse_args()
     on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     model = args.model
@@ -193,6 +191,9 @@ def main() -> None:
                     grammar_threads=threads) as engine:
             for batch in args.batches:
                 rows.append(run_batch(engine, batch, args.max_new_tokens, args.profile) | {"grammar_threads": threads})
+        gc.collect()  # the core's reference cycles hold its KV pool until collected: free it for the next engine
+        if on_gpu:
+            torch.cuda.empty_cache()
     hardware = torch.cuda.get_device_name() if on_gpu else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
     print(f"# structured outputs, {args.model}, {hardware}; ms per output token")
     print("| grammar threads | batch | tokens/request | TPOT unconstrained | TPOT JSON schema | TPOT overhead "

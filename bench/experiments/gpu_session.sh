@@ -7,7 +7,8 @@
 # tokenizer files in $TOKENIZER_DIR, default .bench-tokenizer; $GRAMMAR_THREADS, e.g. "1 4 8", sweeps the grammar threads), structured-profile (the same at batch 1 with the
 # engine steps' host profile, into structured_profile.log), structured-served (the schema through kiln serve at 16
 # and 64 concurrent against unconstrained outputs of the same length, ~3 min), grammar-fill (the mask fill
-# on this host by grammar position and thread count, xgrammar's batch matcher and kiln's grammar threads, CPU only), sweep (SmolLM2 batch 1 step time under tuning variants:
+# on this host by grammar position and thread count, CPU only), grammar-step (the overlapped engine's grammar work
+# a step, 16 and 64 rows, by the cap on the fill threads, CPU only), sweep (SmolLM2 batch 1 step time under tuning variants:
 # bench/experiments/step_breakdown.py --kernel-config/--skip-pass), gemv-sweep (bench/experiments/gemv_sweep.py: the decode GEMV against cuBLAS at
 # Llama-3-8B shapes under tiling variants), few-rows (the few-row GEMV against the tl.dot GEMV and cuBLAS at 2-8 rows,
 # and the verify step with it: ~6 min), gemv-policy (Llama-3-8B step under each one-row GEMV weight bound),
@@ -128,6 +129,8 @@ print(max(2, round(r['output_tokens'] / max(1, r['completed']))))")
                            --out "$out/free_served_$c.json" 2>&1 | tail -9
                        done 2>&1 | tee "$out/structured_served.log"
                        kill $server; wait $server ;;
+    grammar-step) python3 bench/experiments/grammar_step.py --tokenizer-dir "${TOKENIZER_DIR:-.bench-tokenizer}" \
+                    --threads 1 2 4 8 2>&1 | grep -v Warning | tee "$out/grammar_step.log" ;;
     grammar-fill) python3 bench/experiments/grammar_fill.py --tokenizer-dir "${TOKENIZER_DIR:-.bench-tokenizer}" \
                     --threads 1 2 4 8 15 2>&1 | grep -v Warning | tee "$out/grammar_fill.log" ;;
     structured-profile) python3 bench/structured.py --random-shape smollm2-135m \

@@ -1,12 +1,12 @@
 """How fast xgrammar fills a step's grammar masks, by grammar position and by thread count.
 
-A constrained decode step at batch 64 fills 64 bitmask rows while the host does the step's other work;
-on an H100 the fill by xgrammar's ``BatchGrammarMatcher`` outlasted that work by 384 us a step
-(``bench/structured.py``, session 27), and that matcher starts a new thread pool on every call. This
-times, on the host it runs on (no GPU needed), one row's fill at several positions in a JSON schema's
-output, and a batch of rows filled by ``BatchGrammarMatcher`` with each thread count and by kiln's
-``GrammarWorkers`` (threads kept from call to call, a run of rows each, one native call a run): what
-the fill costs and how much more threads buy.
+A constrained decode step at batch 64 fills 64 bitmask rows (``GrammarState.fill_bitmasks``: xgrammar's
+``BatchGrammarMatcher`` on its own threads) while the host does the step's other work; on an H100 the
+fill outlasted that work by 384 us a step (``bench/structured.py``, session 27). This times, on the
+host it runs on (no GPU needed), one row's fill at several positions in a JSON schema's output, and a
+batch of rows filled by ``BatchGrammarMatcher`` with each thread count and by a Python thread pool
+whose threads each fill a run of rows (``GrammarMatcher.fill_next_token_bitmask`` per row): what the
+fill costs and how much more threads buy.
 
     python bench/experiments/grammar_fill.py --tokenizer-dir .bench-tokenizer --rows 64 --threads 1 2 4 8 15
 """
@@ -17,13 +17,11 @@ import argparse
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import xgrammar
 from transformers import AutoTokenizer
-
-from kiln.runtime.grammar import GrammarState
-from kiln.runtime.grammar.workers import GrammarWorkers, RowWork
 
 BENCH = Path(__file__).resolve().parent.parent
 # Outputs cut at a grammar position each: between fields, inside a string, inside an array's string.
@@ -31,15 +29,15 @@ POSITIONS = {"start": "", "in a string": '{"name": "John Sm', "after a number": 
              "in an array's string": '{"name": "Jo", "age": 33, "hobbies": ["rea'}
 
 
-def states_at(grammar: xgrammar.CompiledGrammar, token_ids: list[int], rows: int) -> list[GrammarState]:
-    states = []
+def matchers_at(grammar: xgrammar.CompiledGrammar, token_ids: list[int], rows: int) -> list[xgrammar.GrammarMatcher]:
+    matchers = []
     for _ in range(rows):
-        state = GrammarState(grammar)
+        matcher = xgrammar.GrammarMatcher(grammar)
         for token_id in token_ids:
-            if not state.accept(token_id):
+            if not matcher.accept_token(token_id):
                 raise SystemExit(f"the schema does not admit the text's token {token_id}")
-        states.append(state)
-    return states
+        matchers.append(matcher)
+    return matchers
 
 
 def timed_us(fill, repeats: int) -> float:
@@ -64,21 +62,24 @@ def main() -> None:
     mask = xgrammar.allocate_token_bitmask(args.rows, info.vocab_size)
     rows = list(range(args.rows))
     print(f"# {os.cpu_count()} CPUs; {args.rows} rows; us a fill")
-    columns = " | ".join(f"xgrammar batch, {t} threads | kiln workers, {t} threads" for t in args.threads)
+    columns = " | ".join(f"batch, {t} threads | pool, {t} threads" for t in args.threads)
     print(f"| position | one row | {columns} |")
     print("|---|---:|" + "---:|---:|" * len(args.threads))
     for label, text in POSITIONS.items():
-        states = states_at(grammar, tokenizer.encode(text, add_special_tokens=False), args.rows)
-        matchers = [state._matcher for state in states]
-        one_row = timed_us(lambda: states[0].fill_bitmask(mask, 0), args.repeats)
+        matchers = matchers_at(grammar, tokenizer.encode(text, add_special_tokens=False), args.rows)
+        one_row = timed_us(lambda: matchers[0].fill_next_token_bitmask(mask, 0), args.repeats)
         cells = []
         for threads in args.threads:
             batch = xgrammar.BatchGrammarMatcher(threads)
             cells.append(timed_us(lambda: batch.batch_fill_next_token_bitmask(matchers, mask, rows), args.repeats))
-            workers = GrammarWorkers(threads)
-            work = [RowWork(state, row=row) for row, state in enumerate(states)]
-            cells.append(timed_us(lambda: workers.start(work, mask).wait(), args.repeats))
-            workers.shutdown()
+            runs = [rows[i::threads] for i in range(threads)]
+
+            def fill_run(run: list[int]) -> None:
+                for row in run:
+                    matchers[row].fill_next_token_bitmask(mask, row)
+
+            with ThreadPoolExecutor(threads) as pool:
+                cells.append(timed_us(lambda: list(pool.map(fill_run, runs)), args.repeats))
         print(f"| {label} | {one_row:.1f} | " + " | ".join(f"{c:.0f}" for c in cells) + " |")
     print(json.dumps({"cpus": os.cpu_count(), "rows": args.rows, "threads": args.threads}))
 

@@ -7,14 +7,13 @@ other requests; a bad one ends that request alone with an error. Each sample kee
 ``GrammarState`` in ``request.extras["grammar"]`` across retraction: the scheduler keeps a retracted
 request's output tokens, so the state stays in step with them.
 
-Per step, the constrained rows are served as one batch: ``mask`` fills their bitmask rows on the
-grammar threads (``GrammarWorkers``, ``grammar_threads`` of them, a run of rows each) into a buffer
-reused from step to step (``StepMasks``: pinned, one non-blocking copy to the device), and
-``advance_all`` moves all their grammars over the step's tokens in one pass. The engine fills the
-mask right after launching the step's forward, so on a GPU it is built while the forward runs.
-Overlapped decode steps go further (``advance_and_start_mask``): step N+1's forward runs while the
-threads accept step N's tokens and then fill N+1's rows, the fills going on while the host applies
-N's tokens and hands out the events; N+1's tokens are drawn at the start of the next step.
+Per step, the constrained rows are served as one batch: ``mask`` fills all their bitmask rows in one
+call (on up to ``grammar_threads`` of xgrammar's threads) into a buffer reused from step to step (``StepMasks``: pinned, one non-blocking copy to the
+device), and ``advance_all`` moves all their grammars over the step's tokens in one pass.
+The engine fills the mask right after launching the step's forward, so on a GPU it is built while
+the forward runs. Overlapped decode steps go further (``start_mask``): step N+1's forward runs while
+step N's tokens are accepted, N+1's mask is filled on a thread while the host applies N's tokens and
+hands out the events, and N+1's tokens are drawn at the start of the next step.
 """
 
 from __future__ import annotations
@@ -112,45 +111,23 @@ class Constraints:
         """The packed bitmask of a step's sampled rows (``logits``' rows), on the logits' device, or
         None when no row is constrained. Rows of finished requests (an overlapped step ran one past
         their end) allow everything: their tokens are dropped. Valid until the next ``mask``."""
-        pending = self.start_mask(requests, logits)
+        pending = self.start_mask(requests, logits, background=False)
         return None if pending is None else pending.wait()
 
-    def start_mask(self, requests: list[Request], logits: torch.Tensor) -> PendingMask | None:
-        """``mask``, filled on the grammar threads: a ``PendingMask`` whose ``wait`` gives it, or None.
-        The requests' grammars must not move until then."""
-        return self.advance_and_start_mask([], [], requests, logits)[1]
-
-    def advance_and_start_mask(self, applied: list[Request], tokens: list[int], requests: list[Request],
-                               logits: torch.Tensor) -> tuple[list[str | None] | None, PendingMask | None]:
-        """``advance_all(applied, tokens)`` and then ``start_mask(requests, logits)`` as one job on the
-        grammar threads, each run accepting its rows' tokens and then filling their next rows (an
-        overlapped step: ``applied`` are the step just read, ``requests`` the step after it, the same
-        requests). Returns the accepts' finish reasons (waited for) and the mask being filled (None
-        when no row of ``requests`` was constrained before the accepts)."""
-        accepting = [(row, state) for row, request in enumerate(applied)
-                     if not request.done and (state := request.extras.get(GRAMMAR)) is not None]
-        filling = {id(state): (state, row) for row, request in enumerate(requests)
-                   if not request.done and (state := request.extras.get(GRAMMAR)) is not None
-                   and not state.is_terminated()}
-        if not filling:
-            return self.advance_all(applied, tokens), None
-        from .grammar.workers import RowWork
-
-        work = [RowWork(state, tokens[row], filling.pop(id(state), (None, None))[1]) for row, state in accepting]
-        work += [RowWork(state, None, row) for state, row in filling.values()]
-        pending = self._step_masks(logits).start(work, len(requests))
-        if not accepting:
-            return None, pending
-        return _reasons(len(applied), accepting, pending.accepted()), pending
-
-    def _step_masks(self, logits: torch.Tensor):
+    def start_mask(self, requests: list[Request], logits: torch.Tensor,
+                   background: bool = True) -> PendingMask | None:
+        """``mask``, filled on a thread (``background``): a ``PendingMask`` whose ``wait`` gives it, or
+        None. The requests' grammars must not move until then. A request whose grammar has ended is
+        skipped even before the engine marks it done (its token is dropped)."""
+        states = [None if r.done or (state := r.extras.get(GRAMMAR)) is None or state.is_terminated() else state
+                  for r in requests]
+        if not any(states):
+            return None
         if self._masks is None or self._masks.device != logits.device or self._masks.vocab_size != logits.shape[1]:
             from .grammar.step_mask import StepMasks
-            from .grammar.workers import GrammarWorkers
 
-            workers = self._masks.workers if self._masks is not None else GrammarWorkers(self._grammar_threads)
-            self._masks = StepMasks(logits.shape[1], logits.device, workers)
-        return self._masks
+            self._masks = StepMasks(logits.shape[1], logits.device, self._grammar_threads)
+        return self._masks.start(states, background)
 
     @staticmethod
     def advance_all(requests: list[Request], tokens: list[int]) -> list[str | None] | None:
@@ -165,7 +142,10 @@ class Constraints:
         from .grammar.matcher import GrammarState
 
         accepted = GrammarState.accept_tokens([state for _, state in live], [tokens[row] for row, _ in live])
-        return _reasons(len(requests), live, accepted)
+        reasons: list[str | None] = [None] * len(requests)
+        for (row, state), ok in zip(live, accepted):
+            reasons[row] = "error" if not ok else "stop" if state.is_terminated() else None
+        return reasons
 
     @staticmethod
     def advance(request: Request, token: int) -> str | None:
@@ -178,11 +158,9 @@ class Constraints:
         return "stop" if state.is_terminated() else None
 
     def close(self) -> None:
-        """Stops the grammar compiler's and the grammar threads' pools (those started)."""
+        """Stops the grammar compiler's pool, if started."""
         if self._compiler is not None:
             self._compiler.close()
-        if self._masks is not None:
-            self._masks.workers.shutdown()
 
     def _grammar_compiler(self):
         if self._compiler is None:
@@ -194,12 +172,3 @@ class Constraints:
             self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size, stop_token_ids=self._eos_ids,
                                              timeout_s=self._timeout_s)
         return self._compiler
-
-
-def _reasons(rows: int, live: list[tuple[int, Any]], accepted: list[bool]) -> list[str | None]:
-    """Per row, the finish reason its grammar's accept gave (``advance_all``); ``accepted[i]`` is the
-    verdict for ``live[i]``, a (row, GrammarState)."""
-    reasons: list[str | None] = [None] * rows
-    for (row, state), ok in zip(live, accepted):
-        reasons[row] = "error" if not ok else "stop" if state.is_terminated() else None
-    return reasons

@@ -55,8 +55,8 @@ class EngineOptions:
     # The n-gram lookup's suffix lengths: the longest suffix of min..max tokens found earlier wins.
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
-    # Threads that accept a step's grammar tokens and fill its constrained rows' masks, a run of rows
-    # each (runtime/grammar/workers.py); None: half the CPUs this process may use, at most 8.
+    # Most threads a step's grammar masks are filled on (one per 16 constrained rows: runtime/grammar/
+    # matcher.py); None: half the CPUs this process may use, at most 8.
     grammar_threads: int | None = None
     # Fault injection for tests: a request whose prompt holds this token id raises inside the core
     # when its token is applied, which must fail that request alone (see EngineCore._apply).

@@ -11,14 +11,13 @@ in-flight tokens are applied and the core schedules its next step normally.
 A step whose tokens are not its graph's argmax (grammar masks, sampling on the device) needs the
 in-flight tokens applied first: the masks follow the grammars over them, the sampler's step indices
 follow the outputs. Its tokens are drawn at the start of the next ``continue_step`` (``UndrawnStep``),
-and the grammar threads accept the in-flight tokens and then fill its masks: the fills go on beside the
-rest of the tokens' application, the events' delivery and the next schedule, instead of before the draw.
+and its grammar masks fill on a thread from the moment the in-flight tokens are accepted: beside the
+rest of their application, the events' delivery and the next schedule, instead of before the draw.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import repeat
 from typing import TYPE_CHECKING
 
 import torch
@@ -87,15 +86,10 @@ class DecodeOverlap:
                 undrawn = lists, result.logits, result.greedy
             self.steps += 1
         host_tokens = inflight.host_tokens()
-        tokens = host_tokens.tolist()
-        if undrawn is None:
-            grammar_reasons = core.advance_grammars(inflight.lists, tokens)
-        else:
+        grammar_reasons = core.advance_grammars(inflight.lists, host_tokens.tolist())
+        if undrawn is not None:
             lists, logits, greedy = undrawn
-            reasons, mask = core.constraints.advance_and_start_mask(inflight.lists.requests, tokens,
-                                                                     lists.requests, logits)
-            grammar_reasons = reasons or repeat(None)
-            self.undrawn = UndrawnStep(lists, logits, greedy, mask)
+            self.undrawn = UndrawnStep(lists, logits, greedy, core.constraints.start_mask(lists.requests, logits))
         return core.apply(inflight.lists, SamplerOutput(host_tokens, None, None, None), grammar_reasons)
 
     def _draw(self, step: UndrawnStep) -> InflightStep:

@@ -2,8 +2,8 @@
 bitmask and advanced together, and that gives every request exactly the tokens it gets decoding
 alone, where its grammar is filled and advanced as the only row. A tiny random Llama in SmolLM2's
 vocabulary (fp32, CPU) with a batch of JSON-schema, regex, EBNF and unconstrained requests, greedy
-and seeded sampling: plain steps, overlapped steps (decode buckets: step N's tokens accepted and
-step N+1's masks filled by one grammar thread, or by three taking a run of rows each) and n-gram
+and seeded sampling: plain steps, overlapped steps (decode buckets: step N+1's masks filled after
+step N's tokens are accepted, on one thread or, for three times the batch, on two) and n-gram
 speculation (drafts walked through the grammar and rolled back) must all match the requests run one
 at a time. (Speculation matches token for token on greedy rows only: its sampled rows follow the
 target's distribution through rejection sampling, not plain decoding's draws; they must still follow
@@ -94,11 +94,11 @@ def test_outputs_follow_their_constraints(artifact, one_at_a_time):
 def test_a_mixed_batch_equals_each_request_alone(artifact, one_at_a_time, mode):
     options = {"plain": {},
                "overlapped": dict(decode_buckets=(1, 2, 4, 8), overlap_schedule=True),
-               # Twice the batch: 12 constrained rows, so the grammar threads take 3 runs of 4 rows.
-               "overlapped, 3 grammar threads": dict(decode_buckets=(1, 2, 4, 8, 16), overlap_schedule=True,
+               # Three times the batch: 18 constrained rows, filled on two threads (one per 16 rows).
+               "overlapped, 3 grammar threads": dict(decode_buckets=(1, 2, 4, 8, 16, 24), overlap_schedule=True,
                                                      grammar_threads=3),
                "speculative": dict(speculative_algorithm="ngram", speculative_num_draft_tokens=4)}[mode]
-    copies = 2 if "threads" in mode else 1
+    copies = 3 if "threads" in mode else 1
     together, core = generate(artifact, batch() * copies, **options)
     one_at_a_time = one_at_a_time * copies
     if mode == "speculative":

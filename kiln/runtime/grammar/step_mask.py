@@ -1,8 +1,8 @@
 """``StepMasks``: the packed grammar bitmask of each step, in buffers reused from step to step.
 
-A step's rows are its sampled requests; a row with a ``GrammarState`` gets its allowed tokens (the
-constrained rows filled by ``GrammarWorkers``, a run of rows a thread), every other row allows every
-token. Allocating a mask each step costs a pinned host allocation and a device allocation per step;
+A step's rows are its sampled requests; a row with a ``GrammarState`` gets its allowed tokens (all
+constrained rows filled in one ``GrammarState.fill_bitmasks`` call, on up to ``threads`` threads),
+every other row allows every token. Allocating a mask each step costs a pinned host allocation and a device allocation per step;
 here the host buffer is kept (grown when a larger batch comes) and so is the device buffer the mask
 is copied to, in one non-blocking copy per step.
 
@@ -14,15 +14,21 @@ no such care: copies into it and the kernels reading it are ordered on the one s
 A row keeps its last mask until rewritten, so rows that a constrained request held in a buffer's
 previous use and an unconstrained one holds now are set back to all-allowed (and only those).
 
-``fill`` waits for the rows; ``start`` returns as soon as the workers have them (each run first
-accepting its requests' last tokens, when given them) and ``PendingMask.wait`` gives the device mask:
-the overlapped engine starts step N+1's work as soon as step N's tokens are read, takes the accepts'
-verdicts, and draws N+1's tokens only at its next step, so the fills run beside the host's other work
-(the step's events, the next schedule) rather than before the draw.
+``start`` fills a step's rows in the background instead, on one filler thread, and ``PendingMask.wait``
+gives the device mask: the overlapped engine starts step N+1's fill as soon as step N's tokens are
+accepted and draws N+1's tokens only at its next step, so the fill runs beside the host's other work
+(the step's events, the next schedule) rather than before the draw. xgrammar fills outside the GIL;
+the filler thread tells ``start`` when it reaches that call, so the caller's Python work cannot hold
+the GIL between the thread and the fill (a waiting thread would otherwise get it only at Python's
+switch interval, 5 ms, long after the fill was wanted). A few rows are filled on the calling thread
+all the same (``BACKGROUND_MIN_ROWS``): the handoff costs more than it hides.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 import torch
@@ -30,7 +36,19 @@ import torch
 from kiln.kernels.bitmask import ALL_ALLOWED, allocate_bitmask
 
 from .matcher import GrammarState
-from .workers import GrammarWorkers, RowWork, StepJob
+
+
+# Fewest constrained rows worth the filler thread. Measured on a 2-core CPU with a JSON schema mid-string
+# (2026-12-07): one row fills in ~27 us and the handoff costs ~60 us more than filling in place; 64 rows
+# fill in ~1.5 ms, of which ~1.3 ms ran beside the caller's Python work.
+BACKGROUND_MIN_ROWS = 4
+DEFAULT_MAX_FILL_THREADS = 8
+
+
+def default_fill_threads() -> int:
+    """Half the CPUs this process may run on, at most ``DEFAULT_MAX_FILL_THREADS``: a server's scheduler
+    shares its host with the API servers and the detokenizer."""
+    return max(1, min(DEFAULT_MAX_FILL_THREADS, len(os.sched_getaffinity(0)) // 2))
 
 
 class _HostBuffer:
@@ -43,10 +61,10 @@ class _HostBuffer:
 
 
 class StepMasks:
-    def __init__(self, vocab_size: int, device: torch.device | str, workers: GrammarWorkers | None = None) -> None:
+    def __init__(self, vocab_size: int, device: torch.device | str, threads: int | None = None) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        self.workers = workers or GrammarWorkers(1)
+        self.threads = default_fill_threads() if threads is None else threads
         self._on_gpu = self.device.type == "cuda"
         self._host: list[_HostBuffer] = []
         self._turn = 0
@@ -56,19 +74,34 @@ class StepMasks:
         """The bitmask ``[len(states), ceil(V / 32)]`` on the device, row i from ``states[i]`` (None:
         every token allowed); None when no row is constrained. Valid until the next ``fill`` (on CUDA:
         for the kernels queued on the current stream before it)."""
-        work = [RowWork(state, row=row) for row, state in enumerate(states) if state is not None]
-        return self.start(work, len(states)).wait() if work else None
+        pending = self.start(states, background=False)
+        return None if pending is None else pending.wait()
 
-    def start(self, work: list[RowWork], batch: int) -> "PendingMask":
-        """A ``batch``-row mask whose rows ``work`` fills (after accepting its tokens), on the workers'
-        threads while the caller goes on; ``PendingMask.wait`` gives it, ``accepted`` the verdicts.
-        The states must not move until then, and no other fill may start."""
-        buffer = self._next_buffer(batch)
-        filled = {w.row for w in work if w.row is not None}
+    def start(self, states: Sequence[GrammarState | None], background: bool = True) -> "PendingMask | None":
+        """``fill``'s mask, filled on the filler thread (``background``, for ``BACKGROUND_MIN_ROWS`` or
+        more constrained rows) while the caller goes on; ``wait`` gives it. The states must not move
+        until then, and no other fill may start."""
+        rows = [row for row, state in enumerate(states) if state is not None]
+        if not rows:
+            return None
+        buffer = self._next_buffer(len(states))
+        filled = set(rows)
         for row in buffer.grammar_rows - filled:
             buffer.mask[row].fill_(ALL_ALLOWED)
         buffer.grammar_rows = filled
-        return PendingMask(self, buffer, batch, self.workers.start(work, buffer.mask))
+        constrained = [states[row] for row in rows]
+        if not background or len(rows) < BACKGROUND_MIN_ROWS:
+            GrammarState.fill_bitmasks(constrained, buffer.mask, rows, self.threads)
+            return PendingMask(self, buffer, len(states), None)
+        reached_fill = threading.Event()
+
+        def fill_rows() -> None:
+            reached_fill.set()
+            GrammarState.fill_bitmasks(constrained, buffer.mask, rows, self.threads)
+
+        work = _filler().submit(fill_rows)
+        reached_fill.wait()
+        return PendingMask(self, buffer, len(states), work)
 
     def upload(self, buffer: _HostBuffer, batch: int) -> torch.Tensor:
         """``buffer``'s first ``batch`` rows, once filled, on the device (the host rows themselves on a CPU)."""
@@ -107,13 +140,21 @@ class StepMasks:
 class PendingMask:
     """A step's mask being filled (``StepMasks.start``); ``wait`` gives it on the device."""
 
-    def __init__(self, masks: StepMasks, buffer: _HostBuffer, batch: int, job: StepJob) -> None:
-        self._masks, self._buffer, self._batch, self._job = masks, buffer, batch, job
-
-    def accepted(self) -> list[bool]:
-        """The verdicts of the work's accepts, in its order (``StepJob.accepted``)."""
-        return self._job.accepted()
+    def __init__(self, masks: StepMasks, buffer: _HostBuffer, batch: int, work: Future | None) -> None:
+        self._masks, self._buffer, self._batch, self._work = masks, buffer, batch, work
 
     def wait(self) -> torch.Tensor:
-        self._job.wait()  # the fill's own error (a terminated state), raised here
+        if self._work is not None:
+            self._work.result()  # the fill's own error (a terminated state), raised here
         return self._masks.upload(self._buffer, self._batch)
+
+
+_FILLER: ThreadPoolExecutor | None = None
+
+
+def _filler() -> ThreadPoolExecutor:
+    """The process's one filler thread (made on first use; xgrammar's threads fill the rows)."""
+    global _FILLER
+    if _FILLER is None:
+        _FILLER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-grammar-mask")
+    return _FILLER

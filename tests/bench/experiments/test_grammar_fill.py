@@ -19,6 +19,6 @@ def test_fill_times_by_position_and_threads(smollm2_dir):
     rows = [line for line in lines if line.startswith("| ") and not line.startswith("| position")]
     assert [row.split(" | ")[0][2:] for row in rows] == ["start", "in a string", "after a number",
                                                          "in an array's string"]
-    assert all(len(row.strip("|").split("|")) == 6 for row in rows)  # position, one row, 2 x (xgrammar, kiln)
+    assert all(len(row.strip("|").split("|")) == 6 for row in rows)  # position, one row, 2 x (batch, pool)
     report = json.loads(lines[-1])
     assert report["rows"] == 4 and report["threads"] == [1, 2] and report["cpus"] >= 1

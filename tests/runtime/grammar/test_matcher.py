@@ -120,19 +120,23 @@ def test_replay_of_tokens_outside_the_grammar_fails(grammar_compiler, smollm2_to
         GrammarState.replay(grammar, tokens)
 
 
-def test_batch_fill_equals_one_row_at_a_time(grammar_compiler):
-    """fill_bitmasks (one native call over the rows) writes the rows the single-row fill writes."""
+@pytest.mark.parametrize("threads", [1, 4])
+def test_batch_fill_equals_one_row_at_a_time(grammar_compiler, threads):
+    """fill_bitmasks (xgrammar's batch fill, on one thread or three: one per 16 of the 39 rows) writes
+    the rows the single-row fill writes."""
     schemas = ['{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}',
                '{"type": "array", "items": {"type": "string"}}', '{"type": "boolean"}']
-    states = [GrammarState(grammar_compiler.compile("json_schema", s)) for s in schemas]
-    rows = [2, 0, 3]
-    batched = allocate_bitmask(4, PADDED_VOCAB)
-    GrammarState.fill_bitmasks(states, batched, rows)
+    # Distinct states (a matcher is filled by one thread at a time: its scratch buffers are its own).
+    states = [GrammarState(grammar_compiler.compile("json_schema", s)) for _ in range(13) for s in schemas]
+    rows = [(7 * i + 2) % 41 for i in range(len(states))]  # 39 of 41 rows, out of order
+    batched = allocate_bitmask(41, PADDED_VOCAB)
+    GrammarState.fill_bitmasks(states, batched, rows, threads)
     for state, row in zip(states, rows):
         single = allocate_bitmask(1, PADDED_VOCAB)
         state.fill_bitmask(single, 0)
         assert torch.equal(batched[row], single[0])
-    assert torch.equal(batched[1], allocate_bitmask(1, PADDED_VOCAB)[0])  # untouched rows allow everything
+    for row in set(range(41)) - set(rows):  # untouched rows allow everything
+        assert torch.equal(batched[row], allocate_bitmask(1, PADDED_VOCAB)[0])
 
 
 def test_batch_accept_equals_one_row_at_a_time(grammar_compiler, random_walk):

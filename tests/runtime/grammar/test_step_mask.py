@@ -1,8 +1,8 @@
 """StepMasks: a step's bitmask from reused buffers equals one freshly allocated and filled row by row,
 step after step, as rows change between constrained, unconstrained and absent and the batch grows
-past the buffer, filled by one grammar thread or by several (a run of rows each), waited for at once
-(``fill``) or later (``start``, overlapped steps); on CUDA, from pinned buffers in turn with one copy
-to the device."""
+past the buffer, filled on the calling thread or on the filler thread (``start``, overlapped steps),
+by xgrammar on one thread or on two (one per 16 rows: the 17-row step);
+on CUDA, from pinned buffers in turn with one copy to the device."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from kiln.runtime.grammar import GrammarState, allocate_bitmask
-from kiln.runtime.grammar.step_mask import StepMasks
-from kiln.runtime.grammar.workers import MIN_ROWS_PER_RUN, GrammarWorkers, RowWork
+from kiln.runtime.grammar.step_mask import BACKGROUND_MIN_ROWS, StepMasks
 
 from .conftest import PADDED_VOCAB
 
@@ -45,8 +44,8 @@ def run_steps(masks: StepMasks, grammar_compiler, random_walk, layouts: list[lis
     for step, layout in enumerate(layouts):
         live = [states[w][0] if w is not None and not states[w][0].is_terminated() else None for w in layout]
         if background:
-            work = [RowWork(state, row=row) for row, state in enumerate(live) if state is not None]
-            got = masks.start(work, len(live)).wait() if work else None
+            pending = masks.start(live)
+            got = None if pending is None else pending.wait()
         else:
             got = masks.fill(live)
         if not any(live):
@@ -63,22 +62,21 @@ LAYOUTS = [[0, 1, 2], [None, 1, 0], [2, None], [None, None, None], [0], [0, 1, 2
            list(range(3)) * 4 + [None] * 5, [None, 2, None, 1], [1, 0, 2]]
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("background", [False, True], ids=["fill", "start"])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("background", [False, True], ids=["here", "filler-thread"])
 def test_reused_buffers_give_the_row_by_row_masks(grammar_compiler, random_walk, background, threads):
-    masks = StepMasks(PADDED_VOCAB, "cpu", GrammarWorkers(threads))
+    masks = StepMasks(PADDED_VOCAB, "cpu", threads)
     run_steps(masks, grammar_compiler, random_walk, LAYOUTS, background)
     assert masks._host[0].mask.shape[0] == 32  # grown once, from 4 rows to the next power of two above 17
 
 
 def test_a_background_fill_raises_its_error_at_wait(grammar_compiler, random_walk):
-    # A terminated state has no next token: the grammar thread's error reaches the waiting caller.
+    # A terminated state has no next token: the filler thread's error reaches the waiting caller.
     state, tokens = walks(grammar_compiler, random_walk)[1]
     for token in tokens:
         assert state.accept(token)
     assert state.is_terminated()
-    work = [RowWork(state, row=row) for row in range(MIN_ROWS_PER_RUN)]
-    pending = StepMasks(PADDED_VOCAB, "cpu").start(work, MIN_ROWS_PER_RUN)
+    pending = StepMasks(PADDED_VOCAB, "cpu").start([state] * BACKGROUND_MIN_ROWS)
     with pytest.raises(RuntimeError, match="terminated"):
         pending.wait()
 
