@@ -60,7 +60,8 @@ def add_serve_parser(commands) -> None:
                    help="on a GPU that cannot run the model's FP8 (compute capability < 8.9), run the torch "
                         "reference kernels (slow) instead of refusing")
     p.add_argument("--grammar-threads", type=int, default=None,
-                   help="most threads that fill a step's structured-output token masks (default: half the CPUs, at most 8)")
+                   help="most threads that fill a step's structured-output token masks "
+                        "(default: half the CPUs, at most 8)")
     add_speculative_arguments(p)
     # Fault injection for tests (EngineOptions.debug_fail_token_id); not for serving.
     p.add_argument("--debug-fail-token-id", type=int, default=None, help=argparse.SUPPRESS)

@@ -8,8 +8,9 @@ other requests; a bad one ends that request alone with an error. Each sample kee
 request's output tokens, so the state stays in step with them.
 
 Per step, the constrained rows are served as one batch: ``mask`` fills all their bitmask rows in one
-call (on up to ``grammar_threads`` of xgrammar's threads) into a buffer reused from step to step (``StepMasks``: pinned, one non-blocking copy to the
-device), and ``advance_all`` moves all their grammars over the step's tokens in one pass.
+call (on up to ``grammar_threads`` of xgrammar's threads) into a buffer reused from step to step
+(``StepMasks``: pinned, one non-blocking copy to the device), and ``advance_all`` moves all their
+grammars over the step's tokens in one pass.
 The engine fills the mask right after launching the step's forward, so on a GPU it is built while
 the forward runs. Overlapped decode steps go further (``start_mask``): step N+1's forward runs while
 step N's tokens are accepted, N+1's mask is filled on a thread while the host applies N's tokens and

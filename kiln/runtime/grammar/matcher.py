@@ -4,8 +4,8 @@ Each decode step the engine asks the state for the row of allowed next tokens (`
 samples under that mask, then feeds the chosen token back (``accept``). The state wraps an
 ``xgrammar.GrammarMatcher``, a pushdown automaton that lives on the CPU and advances per token. A
 step's constrained rows are served together: ``fill_bitmasks`` fills all their masks in one call
-(on xgrammar's threads, as many as the rows are worth) and ``accept_tokens`` advances all their states in one tight loop, with
-termination tracked here rather than asked of the matcher row by row.
+(on xgrammar's threads, as many as the rows are worth) and ``accept_tokens`` advances all their
+states in one tight loop, with termination tracked here rather than asked of the matcher row by row.
 
 Stop tokens (end of sequence) are part of the grammar's language: the mask allows them only where
 the constrained text may end, and once the text is complete it allows nothing else. Accepting a stop

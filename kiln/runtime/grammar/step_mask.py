@@ -2,9 +2,9 @@
 
 A step's rows are its sampled requests; a row with a ``GrammarState`` gets its allowed tokens (all
 constrained rows filled in one ``GrammarState.fill_bitmasks`` call, on up to ``threads`` threads),
-every other row allows every token. Allocating a mask each step costs a pinned host allocation and a device allocation per step;
-here the host buffer is kept (grown when a larger batch comes) and so is the device buffer the mask
-is copied to, in one non-blocking copy per step.
+every other row allows every token. Allocating a mask each step costs a pinned host allocation and a
+device allocation per step; here the host buffer is kept (grown when a larger batch comes) and so is
+the device buffer the mask is copied to, in one non-blocking copy per step.
 
 On CUDA the host buffers are pinned, so the copy is truly asynchronous, and there are two of them,
 used in turn: while step N's copy may still be pending, step N+1 fills the other one, and a buffer

@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: the KV pages of a prefilled prompt handed from one engine to another."""
