@@ -112,6 +112,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         return _run_node(str(artifact), args)
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval: must be at least 1, got {args.stream_interval}")
+    if args.grammar_threads is not None and args.grammar_threads < 1:
+        raise ValueError(f"--grammar-threads: must be at least 1, got {args.grammar_threads}")
     engine = {"device": args.device, "kv_cache_tokens": args.kv_cache_tokens, "mem_fraction": args.mem_fraction,
               "max_batch_tokens": args.max_batch_tokens, "schedule_policy": args.schedule_policy,
               "world_size": args.world_size, "reference_fallback": args.reference_fallback,

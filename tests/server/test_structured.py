@@ -1,9 +1,12 @@
 """Structured outputs through the OpenAI API: ``response_format`` json_schema and json_object with
-the official client, the regex extension, and a bad schema failing only its request with a 400."""
+the official client, the regex extension, a bad schema failing only its request with a 400, and a
+bad `--grammar-threads` refused before the server starts."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import jsonschema
 import openai
@@ -49,3 +52,10 @@ def test_bad_schema_is_a_400_and_others_continue(client):
     assert "json_schema" in error.value.body["message"]
     ok = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=5)
     assert ok.choices[0].message.content
+
+
+def test_a_bad_grammar_thread_count_is_refused_before_anything_starts(smollm2_artifact):
+    result = subprocess.run([sys.executable, "-m", "kiln", "serve", str(smollm2_artifact), "--device", "cpu",
+                             "--grammar-threads", "0"], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "--grammar-threads: must be at least 1, got 0" in result.stderr
