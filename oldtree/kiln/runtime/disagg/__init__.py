@@ -1,1 +1,0 @@
-"""Prefill/decode disaggregation: the KV pages of a prefilled prompt handed from one engine to another."""
