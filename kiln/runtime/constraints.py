@@ -158,11 +158,6 @@ class Constraints:
             return "error"
         return "stop" if state.is_terminated() else None
 
-    def close(self) -> None:
-        """Stops the grammar compiler's pool, if started."""
-        if self._compiler is not None:
-            self._compiler.close()
-
     def _grammar_compiler(self):
         if self._compiler is None:
             from .grammar import GrammarCompiler

@@ -228,7 +228,6 @@ class EngineCore:
         compiled since start-up into the artifact (lazily captured prefill graphs' kernels); the core
         is unusable after."""
         self.worker.close()
-        self.constraints.close()
         if self.kernel_cache is not None:
             self.kernel_cache.save()
 

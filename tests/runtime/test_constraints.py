@@ -113,7 +113,7 @@ def test_a_mixed_batch_equals_each_request_alone(artifact, one_at_a_time, mode):
 
 
 def test_overlapped_constrained_chains_break_for_arrivals_and_aborts(artifact, one_at_a_time):
-    # Overlapped constrained steps leave a step undrawn (its mask filling on a grammar thread) between
+    # Overlapped constrained steps leave a step undrawn (its mask filling on the filler thread) between
     # core steps; a request arriving or aborted then breaks the chain. The others' tokens stay those
     # they get alone, and nothing is left held.
     core = EngineCore(str(artifact), EngineOptions(device="cpu", kv_cache_tokens=4096, decode_buckets=(1, 2, 4, 8),
