@@ -13,7 +13,10 @@ from __future__ import annotations
 # 5: a LoRA artifact's hooks read the step's rows grouped by adapter once (the ``lora_groups`` op's
 # ``lora_rows``/``lora_tiles``) where version 4's read each row's slot: a version-4 program would fail
 # on its first LoRA step.
-FORMAT_VERSION = 5
+# 6: the program's ``bind`` takes the step's streams beside the kernels, and a LoRA hook is two ops
+# (``lora_shrink`` on the side stream, ``lora_expand``) where version 5's was one ``lora``: a
+# version-5 reader would call ``bind`` without the streams.
+FORMAT_VERSION = 6
 MANIFEST = "manifest.json"
 GRAPH_TEXT = "graph.txt"
 GRAPH_JSON = "graph.json"

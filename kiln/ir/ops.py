@@ -69,6 +69,10 @@ class OpDef:
     doc: str = ""
     # Ops with an effect (writes to an input) are never removed by dead-code elimination.
     has_effect: bool = False
+    # Runs on the step's side stream, beside the main stream's next ops; the first op that reads one of
+    # its outputs waits for it there (the program's ``streams.join()``), and the memory plan keeps
+    # what it reads and writes until then.
+    side_stream: bool = False
     quantized: tuple[str, ...] = ()
 
     def output_alias(self, index: int) -> int | None:

@@ -29,6 +29,10 @@ class KernelConfig:
     ``await_previous_kernel``. Decode steps of small models are chains of ~200 kernels of a few
     microseconds, where the gap between two kernels is a large share of the step. Off only to
     measure what it gives or to rule it out."""
+    side_stream: bool = True
+    """Ops that may run on the step's side stream (``OpDef.side_stream``: a LoRA hook's shrink) do, on
+    a CUDA device: the shrink then runs while its GEMM does instead of before it. Off: every op on one
+    stream in program order, to measure what it gives or to rule it out."""
 
     # --- decode attention (attention_decode.py, attention_split_merge.py) ---
     decode_min_split_tokens: int = 64

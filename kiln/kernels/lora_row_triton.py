@@ -1,4 +1,4 @@
-"""Triton kernels of the ``lora`` op for a step of one token row (``lora_triton.py`` says the layouts).
+"""Triton kernels of the LoRA ops for a step of one token row (``lora_triton.py`` says the layouts).
 
 One row would leave most of the GPU idle while a program walks all of K, so the shrink is a program
 per block of h's columns and split of K (about one per SM), each split writing its partial sums to
@@ -87,12 +87,11 @@ def _expand_row(y_ptr, h_ptr, b_ptr, rows_ptr, tiles_ptr, N, R, END0, END1, b_sl
         tl.store(y_ptr + row * N + offs_n, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-def launch_row(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, rows: torch.Tensor,
-               tiles: torch.Tensor, h: torch.Tensor, slices: tuple[int, ...], norm: torch.Tensor, prologue: int,
-               eps: float, config: KernelConfig) -> None:
-    """Shrink then expand of a one-row step, on contiguous inputs the dispatcher has checked; ``norm``
-    is the RMSNorm's weight with prologue 1 (else any tensor: never read)."""
-    (_, nr, k), (_, n, r) = lora_a.shape, lora_b.shape
+def shrink_row(x: torch.Tensor, lora_a: torch.Tensor, rows: torch.Tensor, tiles: torch.Tensor, h: torch.Tensor,
+               norm: torch.Tensor, prologue: int, eps: float, config: KernelConfig) -> None:
+    """The shrink of a one-row step, on contiguous inputs the dispatcher has checked; ``norm`` is the
+    RMSNorm's weight with prologue 1 (else any tensor: never read)."""
+    _, nr, k = lora_a.shape
     sms, pdl = sm_count(x), pdl_launch(x, config.pdl)
     block_r = rank_block(nr)
     r_blocks = triton.cdiv(nr, block_r)
@@ -103,6 +102,13 @@ def launch_row(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: t
         x, lora_a, h, planes, counters, rows, tiles, norm, eps, k, nr, per_split, x.stride(0), lora_a.stride(0),
         h.numel(), BLOCK_R=block_r, BLOCK_K=config.lora_row_block_k, NORM_BLOCK=min(pow2(k), config.lora_norm_block),
         PROLOGUE=prologue, SPLIT=splits > 1, PLANE_BLOCK=config.lora_merge_planes, **pdl)
+
+
+def expand_row(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, rows: torch.Tensor, tiles: torch.Tensor,
+               slices: tuple[int, ...], config: KernelConfig) -> None:
+    """The expand of a one-row step, on contiguous inputs the dispatcher has checked."""
+    _, n, r = lora_b.shape
+    sms, pdl = sm_count(y), pdl_launch(y, config.pdl)
     block_r2 = pow2(r, 16)
     block_n = max(64, min(256, 4096 // block_r2))
     per_program = column_runs(n, block_n, 1, sms, config)

@@ -1,4 +1,4 @@
-"""Triton kernels of the ``lora`` op in tiles of the step's grouping (``lora_triton.py`` says the layouts).
+"""Triton kernels of the LoRA ops in tiles of the step's grouping (``lora_triton.py`` says the layouts).
 
 Program axis 0 is a tile of ``lora_groups``: up to ``TILE_ROWS`` token rows of one adapter, so the
 products are ``tl.dot`` tiles and the adapter's A (in the shrink) and B (in the expand) are read once
@@ -153,19 +153,21 @@ def _expand_tile(y_ptr, h_ptr, b_ptr, rows_ptr, tiles_ptr, N, R, END0, END1, TOK
         tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def launch_tiles(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, rows: torch.Tensor,
-                 tiles: torch.Tensor, h: torch.Tensor, slices: tuple[int, ...], norm: torch.Tensor, prologue: int,
-                 eps: float, config: KernelConfig) -> None:
-    """Shrink then expand over the step's tiles, on contiguous inputs the dispatcher has checked;
-    ``norm`` as in ``launch_row``."""
-    tokens, (slots, nr, k), (_, n, r) = x.shape[0], lora_a.shape, lora_b.shape
-    sms, pdl, dot_f32 = sm_count(x), pdl_launch(x, config.pdl), dot_in_f32(x.dtype)
+def _busy_tiles(tokens: int, slots: int) -> int:
+    """The tiles that hold rows: one an adapter in use at few rows, the rows' own at many."""
+    return max(min(slots, tokens), triton.cdiv(tokens, TILE_ROWS))
+
+
+def shrink_tiles(x: torch.Tensor, lora_a: torch.Tensor, rows: torch.Tensor, tiles: torch.Tensor, h: torch.Tensor,
+                 norm: torch.Tensor, prologue: int, eps: float, config: KernelConfig) -> None:
+    """The shrink over the step's tiles, on contiguous inputs the dispatcher has checked; ``norm`` as
+    in ``lora_row_triton.shrink_row``."""
+    tokens, (slots, nr, k) = x.shape[0], lora_a.shape
+    sms, pdl = sm_count(x), pdl_launch(x, config.pdl)
     grid_tiles = tile_count(tokens, slots)
-    # The tiles that hold rows: one an adapter in use at few rows, the rows' own at many.
-    busy = max(min(slots, tokens), triton.cdiv(tokens, TILE_ROWS))
     block_r = rank_block(nr)
     r_blocks = triton.cdiv(nr, block_r)
-    splits, per_split = split_k(k, config.lora_min_split_k, busy * r_blocks, sms, config)
+    splits, per_split = split_k(k, config.lora_min_split_k, _busy_tiles(tokens, slots) * r_blocks, sms, config)
     planes = planes_for(h, splits)
     split = splits > 1
     # (read only with split K: the RMSNorm prologue's squares, and the merge's tickets)
@@ -175,11 +177,18 @@ def launch_tiles(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b:
     _shrink_tile[(grid_tiles, r_blocks * splits)](
         x, lora_a, h, planes, squares, counters, rows, tiles, norm, eps, k, nr, tokens, per_split, x.stride(0),
         lora_a.stride(0), h.numel(), BLOCK_M=TILE_ROWS, BLOCK_R=block_r, BLOCK_K=config.lora_tile_block_k, SPLIT=split,
-        PROLOGUE=prologue, PLANE_BLOCK=config.lora_merge_planes, DOT_F32=dot_f32,
+        PROLOGUE=prologue, PLANE_BLOCK=config.lora_merge_planes, DOT_F32=dot_in_f32(x.dtype),
         num_stages=config.lora_shrink_stages, **pdl)
+
+
+def expand_tiles(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, rows: torch.Tensor, tiles: torch.Tensor,
+                 slices: tuple[int, ...], config: KernelConfig) -> None:
+    """The expand over the step's tiles, on contiguous inputs the dispatcher has checked."""
+    tokens, (slots, n, r) = y.shape[0], lora_b.shape
+    sms, pdl = sm_count(y), pdl_launch(y, config.pdl)
     block_n = config.lora_tile_block_n
-    per_program = column_runs(n, block_n, busy, sms, config)
+    per_program = column_runs(n, block_n, _busy_tiles(tokens, slots), sms, config)
     ends = slice_ends(slices, n)
-    _expand_tile[(grid_tiles, triton.cdiv(n, per_program))](
+    _expand_tile[(tile_count(tokens, slots), triton.cdiv(n, per_program))](
         y, h, lora_b, rows, tiles, n, r, ends[0], ends[1], tokens, lora_b.stride(0), per_program, BLOCK_M=TILE_ROWS,
-        BLOCK_N=block_n, BLOCK_R=pow2(r, 16), SLICES=len(slices), DOT_F32=dot_f32, **pdl)
+        BLOCK_N=block_n, BLOCK_R=pow2(r, 16), SLICES=len(slices), DOT_F32=dot_in_f32(y.dtype), **pdl)

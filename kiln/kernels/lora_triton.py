@@ -1,5 +1,6 @@
-"""What the Triton kernels of the ``lora`` op share: shrink (``h = x @ A[s].T``) then expand (``y += h @ B[s].T``
-per slice), two launches a hook, on the step's grouping (``lora_groups.py``).
+"""What the Triton kernels of the LoRA ops share: the shrink (``h = x @ A[s].T``, ``lora_shrink``) and the
+expand (``y += h @ B[s].T`` per slice, ``lora_expand``), a launch each, on the step's grouping
+(``lora_groups.py``).
 
 Two layouts of the same two steps:
 - one row (``lora_row_triton.py``): a step of one token, K split over programs so the GPU is not

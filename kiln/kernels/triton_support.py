@@ -9,9 +9,11 @@ Checkers (which decide at compile time whether the Triton kernel takes a node) u
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import triton
@@ -174,7 +176,8 @@ MIN_COUNTERS = 1 << 14
 
 # The counter buffer of each device. Outgrown buffers are retired, never freed: a graph captured
 # before the growth still reads and resets the old one on every replay.
-_counters: dict[torch.device, torch.Tensor] = {}
+_counters: dict[tuple[torch.device, bool], torch.Tensor] = {}  # by device and side lane
+_on_side_lane = contextvars.ContextVar("kiln_on_side_lane", default=False)
 _retired: list[torch.Tensor] = []
 
 
@@ -187,14 +190,16 @@ def semaphore_counters(device: torch.device, needed: int) -> torch.Tensor:
     launch leaves the buffer all zeros, and the buffer lives as long as the process so that captured
     CUDA graphs can bake in its address.
 
-    All such kernels share this one buffer, unit ``i`` of every kernel using entry ``i``. That is safe
-    because a device's launches run one after another (one stream: a kernel's programs all finish,
-    the counters back at zero, before the next kernel's start); kernels launched concurrently on two
-    streams would count on each other's tickets. The buffer never grows inside a CUDA-graph capture
+    All such kernels of a stream share one buffer, unit ``i`` of every kernel using entry ``i``. That
+    is safe because a stream's launches run one after another (a kernel's programs all finish, the
+    counters back at zero, before the next kernel's start); kernels launched inside ``side_lane()``
+    (the step's side stream, which runs beside the main one) take a buffer of their own, so the two
+    streams never count on each other's tickets. The buffer never grows inside a CUDA-graph capture
     (growing there raises): it is sized generously, and the engine runs every captured shape eagerly
     first.
     """
-    counters = _counters.get(device)
+    key = (device, _on_side_lane.get())
+    counters = _counters.get(key)
     if counters is None or counters.numel() < needed:
         # Allocated inside a capture, the zeros would only be written when the graph replays (and
         # from the graph's private pool), so an eager launch in between would count from garbage.
@@ -204,8 +209,18 @@ def semaphore_counters(device: torch.device, needed: int) -> torch.Tensor:
         if counters is not None:
             _retired.append(counters)
         counters = torch.zeros(pow2(needed, MIN_COUNTERS), dtype=torch.int32, device=device)
-        _counters[device] = counters
+        _counters[key] = counters
     return counters
+
+
+@contextlib.contextmanager
+def side_lane() -> Iterator[None]:
+    """Kernels launched inside take the side stream's semaphore counters (``semaphore_counters``)."""
+    token = _on_side_lane.set(True)
+    try:
+        yield
+    finally:
+        _on_side_lane.reset(token)
 
 
 @triton.jit

@@ -45,7 +45,7 @@ def test_compile_takes_a_kernel_config_and_skipped_passes(tmp_path):
     assert options["kernel_config"]["pdl"] is False and options["kernel_config"]["gemv_block_k"] == [64, 2048]
     typo = kiln("compile", str(source), "-o", str(tmp_path / "typo.kiln"), "--kernel-config", "decode_blok_n=32")
     assert typo.returncode == 2 and "Traceback" not in typo.stderr
-    assert "no field 'decode_blok_n'; fields: pdl, decode_min_split_tokens" in typo.stderr
+    assert "no field 'decode_blok_n'; fields: pdl, side_stream, decode_min_split_tokens" in typo.stderr
     unknown = kiln("compile", str(source), "-o", str(tmp_path / "unknown.kiln"), "--skip-pass", "fuse_everything")
     assert unknown.returncode == 2 and "no such pass; passes: verify, expose_hidden_states, tree_attention, shard_tp, split_pipeline, place_experts, shard_ep, count_expert_load, fuse_router_count, fuse_linears" in unknown.stderr
 

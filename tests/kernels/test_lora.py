@@ -1,15 +1,23 @@
-"""The lora op's kernels: ref_lora against a per-sequence loop, the Triton kernels (one row split over K;
-several rows, decode or prefill, in tiles of one adapter from the step's grouping) against ref_lora."""
+"""The LoRA ops' kernels: ref_lora (ref_lora_shrink then ref_lora_expand) against a per-sequence loop,
+the Triton shrink and expand (one row split over K; several rows, decode or prefill, in tiles of one
+adapter from the step's grouping) against the references."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kiln.kernels.config import KernelConfig
-from kiln.kernels.lora import ref_lora, triton_lora
+from kiln.kernels.config import DEFAULTS, KernelConfig
+from kiln.kernels.lora import ref_lora, triton_lora_expand, triton_lora_shrink
 from kiln.kernels.lora_groups import ref_lora_groups
-from kiln.kernels.triton_support import semaphore_counters
+from kiln.kernels.triton_support import semaphore_counters, side_lane
+
+
+def triton_lora(y, x, lora_a, lora_b, rows, tiles, norm_weight=None, *, out, slices, prologue="none", eps=0.0,
+                config=DEFAULTS):
+    """A hook as the program runs it: the shrink into ``out`` (h), then the expand into y."""
+    triton_lora_shrink(x, lora_a, rows, tiles, norm_weight, out=out, prologue=prologue, eps=eps, config=config)
+    triton_lora_expand(y, out, lora_b, rows, tiles, slices=slices, config=config)
 
 
 def _per_sequence(y, x, lora_a, lora_b, slots, lengths, slices):
@@ -187,3 +195,17 @@ def test_kernel_config_reshapes_the_launches_not_the_update(lengths, slots, sett
     triton_lora(y, x, a, b, rows, tiles, norm, out=h, slices=[40, 24], prologue="rmsnorm", eps=1e-5,
                 config=KernelConfig().with_settings(settings))
     assert_matches(y, expected)
+
+
+def test_a_shrink_on_the_side_lane_takes_counters_of_its_own(device, assert_matches):
+    """Launched inside ``side_lane()`` (the step's side stream), the split-K shrink counts on the side
+    lane's counter buffer, which it leaves at zero; the main lane's buffer is another tensor."""
+    y, x, a, b, rows, tiles = _inputs([1], [1], [32, 16], 1000, 8, 2, torch.float32, device)
+    expected_h = ref_lora(y, x, a, b, rows, tiles, [32, 16])[1]
+    h = torch.full((1, 16), float("nan"), device=device)
+    with side_lane():
+        triton_lora_shrink(x, a, rows, tiles, out=h)
+        side_counters = semaphore_counters(h.device, 1)
+    assert_matches(h, expected_h)
+    assert side_counters is not semaphore_counters(h.device, 1)
+    assert not side_counters.any()

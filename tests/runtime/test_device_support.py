@@ -14,6 +14,7 @@ from kiln.compiler.options import CompileOptions
 from kiln.runtime.artifact import load_artifact
 from kiln.runtime.device_support import fp8_needs, fp8_refusal, uses_references
 from kiln.runtime.worker.executor import Executor, graph_blockers, kernel_table
+from kiln.runtime.worker.step_streams import StepStreams
 from tests.support.hf_models import make_hf_model
 from tests.support.stepping import PagedRun
 
@@ -62,7 +63,8 @@ def test_the_fallback_runs_every_kernels_torch_reference(source, tmp_path):
     torch_backend = load_artifact(compile_model(source, tmp_path / "r.kiln", CompileOptions(**options)))
     assert any(name.startswith("triton.") for name in triton.manifest["kernels"])
     executor = Executor(triton, "cpu")
-    executor.step_fn = triton.program.bind(kernel_table(triton, torch.device("cpu"), references=True))
+    executor.step_fn = triton.program.bind(kernel_table(triton, torch.device("cpu"), references=True),
+                                           StepStreams(torch.device("cpu")))
     logits = []
     for ex in (executor, Executor(torch_backend, "cpu")):
         run = PagedRun(ex, num_pages=16)

@@ -1,8 +1,10 @@
 """Adding LoRA hooks to the GEMMs an adapter may target (``CompileOptions.lora_target_modules``).
 
-Each targeted GEMM's output gets a ``lora`` op (``kiln/ir/ops_lora.py``) that adds the update of
-each sequence's adapter in place; the GEMM itself and its weights are untouched, so every adapter
-shares the base model's (fused, quantized) weights. A fused GEMM (q/k/v, gate/up: ``fuse_linears``'
+Each targeted GEMM gets a hook of two ops (``kiln/ir/ops_lora.py``): ``lora_shrink`` just before it,
+from the GEMM's input, on the step's side stream (so it runs while the GEMM does), and
+``lora_expand`` after it, adding the update of each sequence's adapter to the output in place; the
+GEMM itself and its weights are untouched, so every adapter shares the base model's (fused,
+quantized) weights. A fused GEMM (q/k/v, gate/up: ``fuse_linears``'
 ``Concat`` recipe names its members) takes one hook whose slices are its members, in order. The
 stacked adapter weights of each hook are two graph inputs, ``lora_a.<module>`` and
 ``lora_b.<module>``, held by the runtime's adapter slots, not by the artifact's weights; the pass
@@ -14,14 +16,14 @@ of one adapter's rows without each working out which rows those are.
 
 Before:  %o = linear_residual(%attn, @l.o_proj.weight, %h)
 After:   %lora_rows, %lora_tiles = lora_groups(%lora_slot, %q_start, %q_len) {slots=L}
+         %o.lora_h = lora_shrink(%attn, %lora_a.l.o_proj, %lora_rows, %lora_tiles)
          %o.base = linear_residual(%attn, @l.o_proj.weight, %h)
-         %o, %o.lora_h = lora(%o.base, %attn, %lora_a.l.o_proj, %lora_b.l.o_proj, %lora_rows, %lora_tiles)
-                              {slices=[H]}
+         %o = lora_expand(%o.base, %o.lora_h, %lora_b.l.o_proj, %lora_rows, %lora_tiles) {slices=[H]}
 
 Runs after the residual adds joined their GEMMs (the update is a sum, so it adds onto the residual
 GEMM's output alike) and before the norm and the gated activation join the GEMMs after them. A
 hook on a GEMM whose input an RMSNorm or SiLU·mul makes reads that op's input instead (``prologue``:
-the hook makes the GEMM input itself), so the op stays private to its GEMM and still joins it.
+the shrink makes the GEMM input itself), so the op stays private to its GEMM and still joins it.
 """
 
 from __future__ import annotations
@@ -69,10 +71,14 @@ def insert_lora(graph: Graph, ctx: PassContext) -> Graph:
                                {"slots": layout.max_loras})
             nodes.append(groups)
             types.update(zip(GROUPS, groups.types))
-        lora_inputs = [base.out, source, hook.a_input, hook.b_input, *GROUPS, *extra]
-        lora_types = [types.get(i, inputs.get(i)) for i in lora_inputs[1:]]
-        nodes += [base, make_node("lora", lora_inputs, [out, f"{out}.lora_h"], [base.type, *lora_types],
-                                  {"slices": widths, **attrs})]
+        shrink_inputs = [source, hook.a_input, *GROUPS, *extra]
+        shrink = make_node("lora_shrink", shrink_inputs, [f"{out}.lora_h"],
+                           [types.get(i, inputs.get(i)) for i in shrink_inputs], attrs)
+        expand_inputs = [base.out, shrink.out, hook.b_input, *GROUPS]
+        expand = make_node("lora_expand", expand_inputs, [out],
+                           [base.type, *shrink.types, *(types.get(i, inputs.get(i)) for i in expand_inputs[2:])],
+                           {"slices": widths})
+        nodes += [shrink, base, expand]
         hooks.append(hook)
     ctx.lora = type(layout)(layout.max_loras, layout.max_rank, layout.target_modules, tuple(hooks))
     return graph.replace(inputs=inputs, nodes=nodes)

@@ -2,7 +2,9 @@
 
 Sizes are taken at the compile's symbol bounds (``T`` = max batch tokens, ``B`` = max sequences,
 ``N`` = max logit rows, ...), so any step within the bounds fits. A value's lifetime runs from the
-node that makes it to its last reader (graph outputs: to the end); views (``reshape``/``split``)
+node that makes it to its last reader (graph outputs: to the end; what a side-stream op reads or
+writes: to at least its join, the first op after it that reads its output, since until then it may
+still be running beside the ops between); views (``reshape``/``split``)
 and in-place updates share their root's storage and extend its lifetime. An output an op lets
 reuse an input (``OpDef.reuses``: the residual GEMMs' residual) takes that input's storage over
 when the node is the last reader of all of it. Placement is greedy, largest first, each at the
@@ -84,14 +86,31 @@ def _assign_storage(graph: Graph) -> _Storage:
 
 
 def _last_readers(graph: Graph) -> dict[str, int]:
-    """Each value's last reader (its maker if none reads it; graph outputs: past the last node)."""
+    """Each value's last reader (its maker if none reads it; graph outputs: past the last node), a
+    side-stream op's operands counted as read at its join."""
     last: dict[str, int] = {}
     for index, node in enumerate(graph.nodes):
         for name in (*node.inputs, *node.outputs):
             last[name] = index
+    for index, node in enumerate(graph.nodes):
+        if get_op(node.op).side_stream:
+            join = side_stream_join(graph, index)
+            for name in (*node.inputs, *node.outputs):
+                last[name] = max(last[name], join)
     for out in graph.outputs:
         last[out] = len(graph.nodes)
     return last
+
+
+def side_stream_join(graph: Graph, index: int) -> int:
+    """Where the side-stream op at ``index`` is waited for: the first later op on the main stream that
+    reads one of its outputs (past the last node if none does: the step's end)."""
+    made = set(graph.nodes[index].outputs)
+    for later in range(index + 1, len(graph.nodes)):
+        node = graph.nodes[later]
+        if not get_op(node.op).side_stream and made.intersection(node.inputs):
+            return later
+    return len(graph.nodes)
 
 
 def _join(storage: _Storage, value: str, root: str, last_read: int) -> None:

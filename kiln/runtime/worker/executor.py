@@ -23,6 +23,7 @@ from kiln.step_schema import StepSchema
 from ..artifact import Artifact
 from ..device_support import uses_references
 from ..startup import StartupTimer
+from .step_streams import StepStreams
 
 @dataclass
 class StepInputs:
@@ -131,7 +132,8 @@ class Executor:
         self.schema = artifact.step_schema
         self.arena = torch.empty(plan["arena_bytes"], dtype=torch.uint8, device=self.device)
         with startup.phase("kernel_load"):
-            self.step_fn = artifact.program.bind(kernel_table(artifact, self.device, references))
+            self.step_fn = artifact.program.bind(kernel_table(artifact, self.device, references),
+                                                 StepStreams(self.device, artifact.kernel_config.side_stream))
 
     def arena_view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         count = 1

@@ -1,5 +1,5 @@
 """Before/Expected IR tests of insert_lora: one grouping of the step's rows by adapter, read by hooks on the
-targeted GEMMs, per slice of a fused one."""
+targeted GEMMs (a shrink before the GEMM, an expand after it), per slice of a fused one."""
 
 import pytest
 
@@ -38,11 +38,13 @@ EXPECTED = dedent("""
       param @l.q_k_proj.weight: f32[12, 8]
       param @l.o_proj.weight: f32[8, 8]
       %lora_rows, %lora_tiles = lora_groups(%lora_slot, %q_start, %q_len) {slots=3} : i32[T, 16], i32[T]
+      %q_k.lora_h = lora_shrink(%x, %lora_a.l.q_k_proj, %lora_rows, %lora_tiles) : f32[T, 8]
       %q_k.base = linear(%x, @l.q_k_proj.weight) : f32[T, 12]
-      %q_k, %q_k.lora_h = lora(%q_k.base, %x, %lora_a.l.q_k_proj, %lora_b.l.q_k_proj, %lora_rows, %lora_tiles) {slices=[8, 4]} : f32[T, 12], f32[T, 8]
+      %q_k = lora_expand(%q_k.base, %q_k.lora_h, %lora_b.l.q_k_proj, %lora_rows, %lora_tiles) {slices=[8, 4]} : f32[T, 12]
       %q, %k = split(%q_k) {sizes=[8, 4]} : f32[T, 8], f32[T, 4]
+      %h.lora_h = lora_shrink(%q, %lora_a.l.o_proj, %lora_rows, %lora_tiles) : f32[T, 4]
       %h.base = linear_residual(%q, @l.o_proj.weight, %x) : f32[T, 8]
-      %h, %h.lora_h = lora(%h.base, %q, %lora_a.l.o_proj, %lora_b.l.o_proj, %lora_rows, %lora_tiles) {slices=[8]} : f32[T, 8], f32[T, 4]
+      %h = lora_expand(%h.base, %h.lora_h, %lora_b.l.o_proj, %lora_rows, %lora_tiles) {slices=[8]} : f32[T, 8]
       return %h, %k
     }
 """)
@@ -64,7 +66,7 @@ def test_hooks_every_targeted_gemm_and_each_slice_of_a_fused_one():
 def test_a_fused_gemm_with_one_targeted_member_gets_a_hook_on_all_its_slices():
     ctx = _ctx("k_proj")
     after = run_pass(insert_lora, BEFORE, ctx)
-    assert "lora(%q_k.base" in after and "%h.base" not in after
+    assert "lora_expand(%q_k.base" in after and "%h.base" not in after
     assert [h.a_input for h in ctx.lora.hooks] == ["lora_a.l.q_k_proj"]
 
 
@@ -122,12 +124,14 @@ PROLOGUE_EXPECTED = dedent("""
       param @l.down_proj.weight: f32[8, 6]
       %n = rmsnorm(%h, @l.norm) {eps=1e-05} : f32[T, 8]
       %lora_rows, %lora_tiles = lora_groups(%lora_slot, %q_start, %q_len) {slots=3} : i32[T, 16], i32[T]
+      %gu.lora_h = lora_shrink(%h, %lora_a.l.gate_up_proj, %lora_rows, %lora_tiles, @l.norm) {eps=1e-05, prologue="rmsnorm"} : f32[T, 8]
       %gu.base = linear(%n, @l.gate_up_proj.weight) : f32[T, 12]
-      %gu, %gu.lora_h = lora(%gu.base, %h, %lora_a.l.gate_up_proj, %lora_b.l.gate_up_proj, %lora_rows, %lora_tiles, @l.norm) {eps=1e-05, prologue="rmsnorm", slices=[6, 6]} : f32[T, 12], f32[T, 8]
+      %gu = lora_expand(%gu.base, %gu.lora_h, %lora_b.l.gate_up_proj, %lora_rows, %lora_tiles) {slices=[6, 6]} : f32[T, 12]
       %g, %u = split(%gu) {sizes=[6, 6]} : f32[T, 6], f32[T, 6]
       %m = silu_mul(%g, %u) : f32[T, 6]
+      %d.lora_h = lora_shrink(%gu, %lora_a.l.down_proj, %lora_rows, %lora_tiles) {prologue="silu_mul"} : f32[T, 4]
       %d.base = linear_residual(%m, @l.down_proj.weight, %h) : f32[T, 8]
-      %d, %d.lora_h = lora(%d.base, %gu, %lora_a.l.down_proj, %lora_b.l.down_proj, %lora_rows, %lora_tiles) {prologue="silu_mul", slices=[8]} : f32[T, 8], f32[T, 4]
+      %d = lora_expand(%d.base, %d.lora_h, %lora_b.l.down_proj, %lora_rows, %lora_tiles) {slices=[8]} : f32[T, 8]
       return %d
     }
 """)

@@ -101,3 +101,34 @@ def test_no_takeover_of_a_view_an_output_a_graph_input_or_an_operand():
     assert plan_text(from_input).roots["h1"] == "h1"  # the step's inputs are not the arena's
     operand = RESIDUAL_CHAIN.replace("linear_residual(%a, @wo, %h)", "linear_residual(%h, @wo, %h)")
     assert plan_text(operand).roots["h1"] == "h1"  # x is read while the output is written
+
+
+# A LoRA hook whose shrink (a side-stream op) is the last reader of %a in program order: the GEMM
+# after it runs while the shrink may still read %a.
+SIDE_STREAM = textwrap.dedent("""
+    graph g {
+      input %x: f32[T, 64]
+      input %lora_a: f32[2, 16, 64]
+      input %lora_b: f32[2, 64, 16]
+      input %rows: i32[T, 16]
+      input %tiles: i32[T]
+      param @w: f32[64]
+      param @wo: f32[64, 64]
+      %a = rmsnorm(%x, @w) {eps=1e-06} : f32[T, 64]
+      %n = rmsnorm(%a, @w) {eps=1e-06} : f32[T, 64]
+      %y.lora_h = lora_shrink(%a, %lora_a, %rows, %tiles) : f32[T, 16]
+      %y.base = linear(%n, @wo) : f32[T, 64]
+      %y = lora_expand(%y.base, %y.lora_h, %lora_b, %rows, %tiles) {slices=[64]} : f32[T, 64]
+      return %y
+    }
+""")
+
+
+def test_a_side_stream_ops_operands_live_until_its_join():
+    p = plan_text(SIDE_STREAM)
+    size = 4 * 64 * 4
+    # Without the side stream %y.base could take %a's storage (its last reader is the shrink).
+    assert not overlap(p, "a", "y.base", size)
+    assert not overlap(p, "y.lora_h", "y.base", 4 * 16 * 4)
+    in_order = SIDE_STREAM.replace("%y.lora_h = lora_shrink(%a,", "%y.lora_h = lora_shrink(%n,")
+    assert overlap(plan_text(in_order), "a", "y.base", size)  # (%a dead once %n is made: shared)
