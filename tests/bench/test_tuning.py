@@ -31,7 +31,7 @@ def test_settings_and_skipped_passes_go_into_the_compile():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (("--kernel-config", "min_split_tokens=32"), "no field 'min_split_tokens'; fields: pdl, decode_min_split_tokens"),
+    (("--kernel-config", "min_split_tokens=32"), "no field 'min_split_tokens'; fields: pdl, side_stream, decode_min_split_tokens"),
     (("--kernel-config", "decode_block_n=48"), "decode_block_n must be a power of two"),
     (("--kernel-config", "decode_block_n"), "is not NAME=VALUE"),
     (("--skip-pass", "plan_memory"), "cannot skip plan_memory: every artifact needs it"),

@@ -153,7 +153,7 @@ def test_decode_launches_share_counters(fresh_counters, device, poisoned, assert
         kv_lens = torch.randint(1, 50, (size,)).tolist()
         batch = make_batch([1] * size, kv_lens, 4, 2, 64, 4, torch.float16, device, gap=1)
         run_decode(batch, splits, 64, 4, poisoned, assert_matches)
-        buffers.append(fresh_counters[batch.q.device])
+        buffers.append(fresh_counters[batch.q.device, False])  # (the main lane's: not the side stream's)
         assert buffers[-1].numel() >= size * 2
     assert [b.numel() for b in buffers] == [4, 4, 16, 16, 16, 16]
     assert triton_support._retired == [buffers[0]]
@@ -377,4 +377,4 @@ def test_decode_split_counters_across_graph_replays(batch_size, device, assert_m
         want = ref_paged_attention(*batch.inputs(), **attrs(64, page))
         for out in outs:
             assert_matches(out, want)
-    assert not triton_support._counters[batch.q.device].any()
+    assert not triton_support._counters[batch.q.device, False].any()  # (the main lane's)

@@ -13,7 +13,7 @@ from kiln.kernels.config import DEFAULTS, KernelConfigError, parse_settings
 
 
 def test_an_unknown_field_is_refused_with_the_valid_ones():
-    with pytest.raises(KernelConfigError, match="no field 'decode_block'; fields: pdl, decode_min_split_tokens"):
+    with pytest.raises(KernelConfigError, match="no field 'decode_block'; fields: pdl, side_stream, decode_min_split_tokens"):
         DEFAULTS.with_settings({"decode_block": 32})
     with pytest.raises(TypeError):
         KernelConfig(decode_block=32)  # the constructor is no way around it
