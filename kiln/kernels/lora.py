@@ -66,14 +66,6 @@ def ref_lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, lora
     return (y.float() + delta).to(y.dtype)
 
 
-def ref_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, lora_rows: torch.Tensor,
-             lora_tiles: torch.Tensor, slices: Sequence[int], norm_weight: torch.Tensor | None = None,
-             prologue: str = "none", eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A hook's whole update, shrink then expand: (y plus each row's update, the shrink's h)."""
-    h = ref_lora_shrink(x, lora_a, lora_rows, lora_tiles, norm_weight, prologue, eps)
-    return ref_lora_expand(y, h, lora_b, lora_rows, lora_tiles, slices), h
-
-
 def _torch_lora_shrink(x, lora_a, lora_rows, lora_tiles, norm_weight=None, *, out, prologue="none", eps=0.0):
     out.copy_(ref_lora_shrink(x, lora_a, lora_rows, lora_tiles, norm_weight, prologue, eps))
 

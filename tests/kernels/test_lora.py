@@ -8,9 +8,15 @@ import pytest
 import torch
 
 from kiln.kernels.config import DEFAULTS, KernelConfig
-from kiln.kernels.lora import ref_lora, triton_lora_expand, triton_lora_shrink
+from kiln.kernels.lora import ref_lora_expand, ref_lora_shrink, triton_lora_expand, triton_lora_shrink
 from kiln.kernels.lora_groups import ref_lora_groups
 from kiln.kernels.triton_support import semaphore_counters, side_lane
+
+
+def ref_lora(y, x, lora_a, lora_b, rows, tiles, slices, norm_weight=None, prologue="none", eps=0.0):
+    """A hook's whole update by the references, shrink then expand: (y plus each row's update, h)."""
+    h = ref_lora_shrink(x, lora_a, rows, tiles, norm_weight, prologue, eps)
+    return ref_lora_expand(y, h, lora_b, rows, tiles, slices), h
 
 
 def triton_lora(y, x, lora_a, lora_b, rows, tiles, norm_weight=None, *, out, slices, prologue="none", eps=0.0,

@@ -94,7 +94,7 @@ def _last_readers(graph: Graph) -> dict[str, int]:
             last[name] = index
     for index, node in enumerate(graph.nodes):
         if get_op(node.op).side_stream:
-            join = side_stream_join(graph, index)
+            join = _side_stream_join(graph, index)
             for name in (*node.inputs, *node.outputs):
                 last[name] = max(last[name], join)
     for out in graph.outputs:
@@ -102,7 +102,7 @@ def _last_readers(graph: Graph) -> dict[str, int]:
     return last
 
 
-def side_stream_join(graph: Graph, index: int) -> int:
+def _side_stream_join(graph: Graph, index: int) -> int:
     """Where the side-stream op at ``index`` is waited for: the first later op on the main stream that
     reads one of its outputs (past the last node if none does: the step's end)."""
     made = set(graph.nodes[index].outputs)
